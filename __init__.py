@@ -1,0 +1,15 @@
+"""cadenza: an asyncio actor-based LLM inference engine."""
+
+from cadenza.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "__version__"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # `import cadenza` stays light: the model stack (torch, tokenizers) loads on first use.
+    if name == "LLM":
+        from cadenza.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'cadenza' has no attribute {name!r}")

@@ -1,0 +1,123 @@
+"""The attention backend contract: attention over a paged KV cache for a mixed batch.
+
+A step's tokens are flattened: sequence i owns query rows `query_start_loc[i]:query_start_loc[i+1]`.
+Those are its newest `query_lens[i]` tokens, at positions `context_lens[i] .. seq_lens[i] - 1`; the
+first `context_lens[i]` tokens (an earlier chunk, a cached prefix, or the tokens before a decode
+step) are already in the cache. One batch may mix prefills, chunked prefills and decodes.
+
+KV cache layout per layer: a tensor [2, num_blocks, block_size, num_kv_heads, head_dim]; token t of
+sequence i lives in block `block_tables[i, t // block_size]` at offset `t % block_size`. The new
+tokens' keys and values are written to the flat slots `slot_mapping` (block * block_size + offset).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+
+class BackendUnavailableError(RuntimeError):
+    """The selected attention backend cannot run here (missing package or device)."""
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """What every layer's attention needs for one step. Built once per step by the runner."""
+
+    query_start_loc: torch.Tensor  # [B + 1] int64, cumulative query lengths
+    seq_lens: torch.Tensor  # [B] int64, tokens in the cache after this step
+    context_lens: torch.Tensor  # [B] int64, tokens in the cache before this step
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
+    slot_mapping: torch.Tensor  # [T] int64
+    query_lens_list: list[int]
+    seq_lens_list: list[int]
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens_list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+class AttentionBackend(ABC):
+    """One instance per model, shared by all layers.
+
+    `begin_step(meta)` runs once per step before the first layer (derive masks and gather indices
+    there, not per layer); `forward` runs per layer: it must store the new keys and values through
+    `meta.slot_mapping`, then attend each query row to its sequence's keys at positions
+    `<= its own position` (and within `sliding_window` when set).
+    """
+
+    name: ClassVar[str]
+
+    def __init__(
+        self,
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        block_size: int,
+        sliding_window: int | None = None,
+        device: torch.device = torch.device("cpu"),
+    ) -> None:
+        self.check_available(device)
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.block_size = block_size
+        self.sliding_window = sliding_window
+        self.device = device
+
+    @classmethod
+    def check_available(cls, device: torch.device) -> None:
+        """Raise `BackendUnavailableError` naming what is missing; the default runs anywhere."""
+
+    def begin_step(self, meta: AttentionMetadata) -> None:
+        """Prepare per-step state shared by all layers."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        ...
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store the new tokens' keys and values at their slots."""
+    _, num_blocks, block_size, heads, dim = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, heads, dim)
+    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def causal_mask(
+    query_positions: torch.Tensor,  # [..., Q] absolute positions of the queries
+    key_positions: torch.Tensor,  # [K]
+    seq_lens: torch.Tensor,  # [...] valid keys per sequence
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Boolean [..., Q, K]: True where a query may attend to a key."""
+    qp = query_positions.unsqueeze(-1)
+    kp = key_positions
+    allowed = (kp <= qp) & (kp < seq_lens[..., None, None])
+    if sliding_window is not None:
+        allowed &= kp > qp - sliding_window
+    return allowed

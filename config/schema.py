@@ -1,0 +1,258 @@
+"""The deployment config: one pydantic model per thing it configures, rooted at `CadenzaConfig`.
+
+Every field carries a description because `config_reference()` renders the YAML reference from the
+JSON schema. Every model forbids unknown keys so a typo fails loudly instead of being ignored.
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}  # fmt: skip
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_memory_size(value: str | int) -> int:
+    """Bytes in `value`: an int, or a string such as "512MiB", "2GiB", "1.5GB" or "1024".
+
+    Binary units (KiB, MiB, GiB, TiB) are powers of 1024, decimal ones (KB, MB, GB, TB) of 1000.
+    Raises ValueError for anything else, and for sizes that are not positive.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError("must be a byte count or a size string such as '512MiB' or '2GiB'")
+    if isinstance(value, int):
+        size = value
+    else:
+        match = _SIZE.match(value)
+        unit = match.group(2).lower() if match else None
+        if unit not in _UNITS:
+            units = ", ".join(u for u in _UNITS if u not in ("", "b"))
+            raise ValueError(f"not a memory size; use a number with a unit ({units}), e.g. '2GiB'")
+        size = int(Decimal(match.group(1)) * _UNITS[unit])  # Decimal, so "1.5GB" is exact
+    if size <= 0:
+        raise ValueError("must be a positive number of bytes")
+    return size
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelConfig(_Section):
+    """Which model to serve, and where and how its weights live."""
+
+    path: str | None = Field(
+        None,
+        description="Hugging Face model directory or .gguf file. null serves the embedded default "
+        "model, SmolLM2-135M-Instruct.",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weight and activation dtype. auto means bfloat16 on CPU and on CUDA."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where the model runs. auto picks cuda when available, else cpu."
+    )
+    max_model_len: int | None = Field(
+        None, gt=0, description="Longest sequence (prompt + output) in tokens. null uses the "
+        "model's own context length.",
+    )
+    num_threads: int | None = Field(
+        None, gt=0, description="torch intra-op threads. null leaves torch's default."
+    )
+    seed: int = Field(0, ge=0, description="Seed for torch's global random generator.")
+
+
+class CacheConfig(_Section):
+    """The paged KV cache: block geometry, how many blocks, and what to evict."""
+
+    block_size: int = Field(
+        16, ge=1, le=256, description="Tokens per KV cache block; a power of two from 1 to 256."
+    )
+    num_blocks: int | None = Field(
+        None, gt=0, description="Number of KV cache blocks. Set this or memory_budget, not both; "
+        "with neither the engine picks a default.",
+    )
+    memory_budget: str | int | None = Field(
+        None, description="Memory for the KV cache: bytes, or a size such as '512MiB', '2GiB', "
+        "'1.5GB'. Set this or num_blocks, not both.",
+    )
+    eviction_policy: str = Field(
+        "lru", min_length=1, description="Name of the eviction policy plugin for cached blocks."
+    )
+    enable_prefix_caching: bool = Field(
+        True, description="Reuse KV blocks across requests that share a prompt prefix."
+    )
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError("must be a power of two")
+        return value
+
+    @field_validator("memory_budget", mode="before")
+    @classmethod
+    def _parseable_budget(cls, value: object) -> object:
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)  # YAML reads 1e9 as a float
+        if value is not None:
+            parse_memory_size(value)  # raises with the reason; the original spelling is kept
+        return value
+
+    @model_validator(mode="after")
+    def _one_size(self) -> CacheConfig:
+        if self.num_blocks is not None and self.memory_budget is not None:
+            raise ValueError(
+                f"set num_blocks ({self.num_blocks}) or memory_budget ({self.memory_budget!r}), "
+                "not both"
+            )
+        return self
+
+    @property
+    def memory_budget_bytes(self) -> int | None:
+        """`memory_budget` in bytes, or None when it is not set."""
+        return None if self.memory_budget is None else parse_memory_size(self.memory_budget)
+
+
+class SchedulerConfig(_Section):
+    """How many sequences and tokens go into one step, and who waits."""
+
+    max_num_seqs: int = Field(64, gt=0, description="Most sequences running in one batch.")
+    max_num_batched_tokens: int = Field(
+        2048, gt=0, description="Most tokens (prefill and decode together) in one step."
+    )
+    chunk_size: int = Field(
+        512, gt=0, description="Prefill chunk size in tokens; at most max_num_batched_tokens."
+    )
+    max_waiting: int = Field(
+        1024, gt=0, description="Most requests queued; beyond it new requests are rejected."
+    )
+    policy: Literal["fcfs", "priority"] = Field(
+        "fcfs", description="Queue order: first come first served, or by request priority."
+    )
+
+    @model_validator(mode="after")
+    def _chunk_fits(self) -> SchedulerConfig:
+        if self.chunk_size > self.max_num_batched_tokens:
+            raise ValueError(
+                f"chunk_size ({self.chunk_size}) must not exceed "
+                f"max_num_batched_tokens ({self.max_num_batched_tokens})"
+            )
+        return self
+
+
+class SamplingDefaults(_Section):
+    """Sampling parameters a request gets when it does not set them (OpenAI's ranges)."""
+
+    max_tokens: int | None = Field(
+        256, gt=0, description="Most tokens to generate. null: until EOS or max_model_len."
+    )
+    temperature: float = Field(1.0, ge=0.0, description="Softmax temperature; 0 is greedy.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; 1 is off.")
+    top_k: int = Field(0, ge=-1, description="Keep the k most likely tokens; 0 or -1 is off.")
+    min_p: float = Field(
+        0.0, ge=0.0, le=1.0, description="Drop tokens below min_p times the top probability."
+    )
+    repetition_penalty: float = Field(
+        1.0, gt=0.0, description="Multiplicative penalty on seen tokens (HF style); 1 is off."
+    )
+    presence_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="Additive penalty on tokens already generated."
+    )
+    frequency_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="Additive penalty per occurrence of a generated token."
+    )
+
+
+DEFAULT_LOGITS_PROCESSORS = (
+    "min_tokens", "logit_bias", "penalties", "temperature", "min_p", "top_k_top_p",
+)  # fmt: skip
+
+
+class SamplingConfig(_Section):
+    """Which sampler picks tokens, the logits processors before it, and per-request defaults."""
+
+    sampler: str = Field("default", min_length=1, description="Name of the sampler plugin.")
+    logits_processors: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_LOGITS_PROCESSORS),
+        description="Logits processor plugins, applied in this order.",
+    )
+    defaults: SamplingDefaults = Field(
+        default_factory=SamplingDefaults, description="Defaults for per-request sampling params."
+    )
+
+
+class ServerConfig(_Section):
+    """The network server: where it listens and how much it accepts."""
+
+    host: str = Field("127.0.0.1", description="Interface to bind; 0.0.0.0 for all.")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port; 0 picks a free port.")
+    max_connections: int = Field(256, gt=0, description="Most concurrent client connections.")
+    max_requests_per_connection: int = Field(
+        16, gt=0, description="Most requests in flight on one connection."
+    )
+    max_prompt_tokens: int | None = Field(
+        None, gt=0, description="Reject longer prompts. null: limited by max_model_len only."
+    )
+    api_key: str | None = Field(
+        None, min_length=1, description="Bearer token clients must send. null: no auth."
+    )
+
+
+class LoggingConfig(_Section):
+    """Log verbosity and rendering."""
+
+    level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Lowest level logged; upper case accepted."
+    )
+    format: Literal["auto", "console", "json"] = Field(
+        "auto", description="auto: console on a terminal, json otherwise."
+    )
+
+    @field_validator("level", mode="before")
+    @classmethod
+    def _lower(cls, value: object) -> object:
+        return value.lower() if isinstance(value, str) else value
+
+
+class CadenzaConfig(_Section):
+    """A whole deployment. `CadenzaConfig()` is valid: every section has defaults."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The model.")
+    cache: CacheConfig = Field(default_factory=CacheConfig, description="The paged KV cache.")
+    scheduler: SchedulerConfig = Field(
+        default_factory=SchedulerConfig, description="Batching and queueing."
+    )
+    attention_backend: str = Field(
+        "torch_sdpa", min_length=1, description="Name of the attention backend plugin."
+    )
+    sampling: SamplingConfig = Field(
+        default_factory=SamplingConfig, description="Token sampling."
+    )
+    server: ServerConfig = Field(default_factory=ServerConfig, description="The network server.")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logging.")
+    plugins: list[str] = Field(
+        default_factory=list, description="Module names to load as plugins."
+    )
+
+    @field_validator("model", "cache", "scheduler", "sampling", "server", "logging", mode="before")
+    @classmethod
+    def _empty_section(cls, value: object) -> object:
+        # A YAML section whose keys are all commented out reads as null: treat it as empty.
+        return {} if value is None else value
+
+
+def section_model(model: type[BaseModel], name: str) -> type[BaseModel] | None:
+    """The model behind field `name` of `model`, or None when that field is a plain value."""
+    annotation = model.model_fields[name].annotation
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return None

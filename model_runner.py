@@ -1,0 +1,121 @@
+"""The runner core: turns one step's scheduled chunks into tensors, runs the model, samples.
+
+It makes no policy decisions: what to run, which blocks to use and when to stop are the
+scheduler's and cache manager's business. Synchronous; the runner actor calls it off the event loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from cadenza.attention_backends.base import AttentionBackend, AttentionMetadata
+from cadenza.models.llama import LlamaForCausalLM
+from cadenza.samplers.base import SamplerOutput, SamplingBatch
+from cadenza.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """New tokens of one sequence to run this step.
+
+    `token_ids` sit at positions `start_position ..`; the tokens before them are already cached in
+    `block_table`, which covers every position this step writes. When `sample` is set (a decode, or
+    the last chunk of a prompt) the step picks the sequence's next token from its last position.
+    """
+
+    request_id: str
+    token_ids: Sequence[int]
+    start_position: int
+    block_table: Sequence[int]
+    sample: bool = True
+    params: SamplingParams | None = None
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+    generator: torch.Generator | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """Sampled tokens for the chunks with `sample` set, in their order; logits when asked for."""
+
+    request_ids: list[str]
+    sampled: SamplerOutput | None
+    logits: torch.Tensor | None = None
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[torch.Tensor],
+        backend: AttentionBackend,
+        sampling_pipeline,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.backend = backend
+        self.sampling_pipeline = sampling_pipeline
+        self.block_size = block_size
+        self.device = device
+
+    def execute(self, chunks: Sequence[ScheduledChunk], return_logits: bool = False) -> StepResult:
+        if not chunks:
+            raise ValueError("a step needs at least one chunk")
+        input_ids, positions, meta = self._prepare(chunks)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        sampling_rows = [i for i, c in enumerate(chunks) if c.sample]
+        request_ids = [chunks[i].request_id for i in sampling_rows]
+        if not sampling_rows:
+            return StepResult(request_ids, None)
+        last_token = meta.query_start_loc[1:] - 1
+        logits = self.model.compute_logits(hidden[last_token[sampling_rows]])
+        batch = SamplingBatch(
+            params=[chunks[i].params or SamplingParams() for i in sampling_rows],
+            prompt_token_ids=[chunks[i].prompt_token_ids for i in sampling_rows],
+            output_token_ids=[chunks[i].output_token_ids for i in sampling_rows],
+            generators=[chunks[i].generator for i in sampling_rows],
+        )
+        sampled = self.sampling_pipeline(logits.clone() if return_logits else logits, batch)
+        return StepResult(request_ids, sampled, logits if return_logits else None)
+
+    def _prepare(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        block_size = self.block_size
+        query_lens = [len(c.token_ids) for c in chunks]
+        starts = [c.start_position for c in chunks]
+        seq_lens = [s + q for s, q in zip(starts, query_lens)]
+        max_blocks = max(len(c.block_table) for c in chunks)
+        for c, seq_len in zip(chunks, seq_lens):
+            if len(c.block_table) * block_size < seq_len:
+                raise ValueError(
+                    f"request {c.request_id}: block table covers {len(c.block_table) * block_size} tokens, "
+                    f"step needs {seq_len}"
+                )
+        block_tables = torch.tensor(
+            [list(c.block_table) + [0] * (max_blocks - len(c.block_table)) for c in chunks], dtype=torch.int64
+        )
+        input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64)
+        query_lens_t = torch.tensor(query_lens, dtype=torch.int64)
+        seq_index = torch.repeat_interleave(torch.arange(len(chunks)), query_lens_t)
+        query_start_loc = torch.zeros(len(chunks) + 1, dtype=torch.int64)
+        torch.cumsum(query_lens_t, 0, out=query_start_loc[1:])
+        context_lens = torch.tensor(starts, dtype=torch.int64)
+        positions = context_lens[seq_index] + (torch.arange(len(input_ids)) - query_start_loc[seq_index])
+        slot_mapping = block_tables[seq_index, positions // block_size] * block_size + positions % block_size
+        device = self.device
+        meta = AttentionMetadata(
+            query_start_loc=query_start_loc.to(device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+            context_lens=context_lens.to(device),
+            block_tables=block_tables.to(device),
+            slot_mapping=slot_mapping.to(device),
+            query_lens_list=query_lens,
+            seq_lens_list=seq_lens,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
+        return input_ids.to(device), positions.to(device), meta

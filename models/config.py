@@ -1,0 +1,141 @@
+"""The architecture of a Llama-family decoder, read from a checkpoint's own config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from cadenza.models.errors import UnsupportedModelError
+
+# model_type -> (q/k/v bias, q/k RMSNorm)
+SUPPORTED_MODEL_TYPES = {
+    "llama": (False, False),
+    "mistral": (False, False),
+    "qwen2": (True, False),
+    "qwen3": (False, True),
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True, slots=True)
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class ModelArchConfig:
+    """Everything the decoder needs to know about its shape; independent of the file format."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    sliding_window: int | None
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf(cls, cfg: Mapping[str, Any], source: str = "config.json") -> "ModelArchConfig":
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            archs = cfg.get("architectures") or []
+            raise UnsupportedModelError(
+                f"{source}: unsupported architecture model_type={model_type!r} {archs}; "
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"{source}: unsupported hidden_act {act!r}; supported: silu")
+        qkv_bias, qk_norm = SUPPORTED_MODEL_TYPES[model_type]
+        attention_bias = bool(cfg.get("attention_bias", False))
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        head_dim = cfg.get("head_dim") or hidden // num_heads
+        return cls(
+            model_type=model_type,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope=_rope_from_hf(cfg, source),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias or attention_bias,
+            o_bias=attention_bias and model_type in ("llama", "mistral"),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=qk_norm,
+            sliding_window=_sliding_window(cfg, model_type, source),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=_as_tuple(cfg.get("eos_token_id")),
+        )
+
+
+def _as_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (list, tuple)):
+        return tuple(int(v) for v in value)
+    return (int(value),)
+
+
+def _rope_from_hf(cfg: Mapping[str, Any], source: str) -> RopeConfig:
+    # transformers >= 5 writes `rope_parameters` (theta inside); older checkpoints write
+    # `rope_theta` beside an optional `rope_scaling`.
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"{source}: unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if float(cfg.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise UnsupportedModelError(f"{source}: partial rotary embeddings are not supported")
+    return RopeConfig(
+        theta=theta,
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192))
+        ),
+    )
+
+
+def _sliding_window(cfg: Mapping[str, Any], model_type: str, source: str) -> int | None:
+    window = cfg.get("sliding_window")
+    if model_type == "mistral":
+        return int(window) if window else None
+    if cfg.get("use_sliding_window") and window:
+        # Qwen applies the window to a subset of layers only; we would compute something else.
+        raise UnsupportedModelError(f"{source}: {model_type} with use_sliding_window=true is not supported")
+    return None

@@ -1,0 +1,156 @@
+"""Reads a GGUF file: architecture from its metadata, de-quantized weights under HF names."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Iterator
+
+import gguf
+import numpy as np
+import torch
+
+from cadenza.models.config import SUPPORTED_MODEL_TYPES, ModelArchConfig, RopeConfig
+from cadenza.models.errors import ModelLoadError, UnsupportedModelError
+from cadenza.models.gguf_tokenizer import read_field
+
+# The quantizations we de-quantize (through gguf.quants, the reference implementation).
+SUPPORTED_QUANT_TYPES = frozenset(
+    getattr(gguf.GGMLQuantizationType, name)
+    for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+)
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# llama.cpp stores Llama-style q/k rows interleaved for its RoPE kernel; HF layout needs them back.
+_PERMUTED_ARCHS = ("llama",)
+
+
+def open_gguf(path: Path) -> gguf.GGUFReader:
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as exc:
+        raise ModelLoadError(f"{path}: not a readable GGUF file: {exc}") from exc
+
+
+def read_gguf_config(reader: gguf.GGUFReader, source: str) -> ModelArchConfig:
+    arch = read_field(reader, "general.architecture")
+    model_type = "llama" if arch == "llama" else arch
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"{source}: unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+
+    def get(key: str, default=None):
+        value = read_field(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"{source}: GGUF metadata lacks {arch}.{key}")
+        return value
+
+    num_heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    tokens = read_field(reader, "tokenizer.ggml.tokens", [])
+    head_dim = int(read_field(reader, f"{arch}.attention.key_length", hidden // num_heads))
+    names = {t.name for t in reader.tensors}
+    qkv_bias, qk_norm = SUPPORTED_MODEL_TYPES[model_type]
+    eos = read_field(reader, "tokenizer.ggml.eos_token_id")
+    return ModelArchConfig(
+        model_type=model_type,
+        vocab_size=int(read_field(reader, f"{arch}.vocab_size", len(tokens))),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(get("attention.head_count_kv", num_heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope=_rope(reader, arch, source),
+        max_position_embeddings=int(get("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in names,
+        qkv_bias=qkv_bias or "blk.0.attn_q.bias" in names,
+        o_bias="blk.0.attn_output.bias" in names,
+        mlp_bias="blk.0.ffn_up.bias" in names,
+        qk_norm=qk_norm,
+        sliding_window=None,
+        bos_token_id=read_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),),
+    )
+
+
+def _rope(reader: gguf.GGUFReader, arch: str, source: str) -> RopeConfig:
+    theta = float(read_field(reader, f"{arch}.rope.freq_base", 10000.0))
+    scaling = read_field(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling in ("none", None) and _find_tensor(reader, "rope_freqs.weight") is None:
+        return RopeConfig(theta=theta)
+    if scaling == "linear":
+        return RopeConfig(theta=theta, rope_type="linear", factor=float(read_field(reader, f"{arch}.rope.scaling.factor")))
+    raise UnsupportedModelError(
+        f"{source}: GGUF rope scaling {scaling!r} (or a rope_freqs tensor) is not supported; "
+        "load the Hugging Face checkpoint for Llama-3.1-style scaling"
+    )
+
+
+def _find_tensor(reader: gguf.GGUFReader, name: str):
+    return next((t for t in reader.tensors if t.name == name), None)
+
+
+def iter_gguf_weights(
+    reader: gguf.GGUFReader, cfg: ModelArchConfig, dtype: torch.dtype, source: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    permute = read_field(reader, "general.architecture") in _PERMUTED_ARCHS
+    for tensor in reader.tensors:
+        hf_name = _hf_name(tensor.name)
+        if hf_name is None:
+            raise UnsupportedModelError(f"{source}: unexpected tensor {tensor.name!r}")
+        weight = torch.from_numpy(np.ascontiguousarray(_dequantize(tensor, source)))
+        if permute and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+            weight = _unpermute(weight, cfg.num_heads)
+        elif permute and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+            weight = _unpermute(weight, cfg.num_kv_heads)
+        yield hf_name, weight.to(dtype)
+
+
+def _hf_name(name: str) -> str | None:
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    match = _LAYER_TENSOR.fullmatch(name)
+    if match is None or match.group(2) not in _LAYER_NAMES:
+        return None
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+
+
+def _dequantize(tensor, source: str) -> np.ndarray:
+    if tensor.tensor_type not in SUPPORTED_QUANT_TYPES:
+        supported = ", ".join(sorted(t.name for t in SUPPORTED_QUANT_TYPES))
+        raise UnsupportedModelError(
+            f"{source}: tensor {tensor.name!r} uses quantization {tensor.tensor_type.name}; supported: {supported}"
+        )
+    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    # GGUF lists dimensions fastest-first; numpy (and HF) want them slowest-first.
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    return values.reshape(shape).astype(np.float32, copy=False)
+
+
+def _unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's per-head interleaving of the rotary halves (rows of q or k)."""
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)

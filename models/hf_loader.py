@@ -1,0 +1,62 @@
+"""Reads a Hugging Face model directory: config.json and one or sharded safetensors files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from cadenza.models.config import ModelArchConfig
+from cadenza.models.errors import ModelLoadError
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def read_hf_config(directory: Path) -> ModelArchConfig:
+    path = directory / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{directory}: no config.json; is this a Hugging Face model directory?")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{path}: invalid JSON: {exc}") from exc
+    try:
+        return ModelArchConfig.from_hf(raw, source=str(path))
+    except KeyError as exc:
+        raise ModelLoadError(f"{path}: missing required key {exc.args[0]!r}") from exc
+
+
+def safetensors_files(directory: Path) -> list[Path]:
+    """The weight files, in the order the shard index names them (never a pickle)."""
+    index = directory / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise ModelLoadError(f"{index}: invalid shard index: {exc!r}") from exc
+        files = [directory / name for name in dict.fromkeys(weight_map.values())]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{index}: shard files missing: {', '.join(missing)}")
+        return files
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        pickles = sorted(p.name for p in directory.glob("*.bin")) + sorted(p.name for p in directory.glob("*.pt"))
+        hint = f" (found {', '.join(pickles)}: pickle checkpoints are never loaded)" if pickles else ""
+        raise ModelLoadError(f"{directory}: no *.safetensors weights{hint}")
+    return files
+
+
+def iter_safetensors(files: list[Path], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                for name in handle.keys():
+                    yield name, handle.get_tensor(name).to(dtype)
+        except SafetensorError as exc:
+            raise ModelLoadError(f"{path}: corrupt or unreadable safetensors file: {exc}") from exc
+        except OSError as exc:
+            raise ModelLoadError(f"{path}: cannot read: {exc}") from exc

@@ -1,0 +1,165 @@
+"""A Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+The math mirrors transformers' reference modelling op for op (fp32 RMSNorm, cos/sin cast to the
+activation dtype), so logits agree to rounding. Tokens arrive flattened: a step is one [T] tensor
+of token ids with their positions, whatever mix of prefills and decodes it holds.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cadenza.attention_backends.base import AttentionBackend, AttentionMetadata
+from cadenza.models.config import ModelArchConfig
+from cadenza.models.errors import ModelLoadError
+from cadenza.models.rotary import RotaryEmbedding, apply_rotary
+
+# Checkpoint tensors that carry nothing we need.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelArchConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, kv_cache, meta, backend: AttentionBackend) -> torch.Tensor:
+        cfg = self.cfg
+        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(-1, cfg.num_heads, cfg.head_dim)
+        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = backend.forward(q, k, v, kv_cache, meta)
+        return self.o_proj(out.reshape(-1, cfg.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelArchConfig) -> None:
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelArchConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h, cos, sin, kv_cache, meta, backend) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Weights use Hugging Face names; `load_weights` fuses q/k/v and gate/up as they stream in."""
+
+    def __init__(self, cfg: ModelArchConfig, max_positions: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm."""
+        h = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        backend.begin_step(meta)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            h = layer(h, cos, sin, kv_cache, meta, backend)
+        return self.norm(h)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    # --- loading -------------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+        """Copy named HF-layout tensors in; every parameter must be filled exactly once."""
+        cfg = self.cfg
+        params = dict(self.named_parameters())
+        # (our fused parameter, row offset) for each unfused checkpoint name.
+        fused = {
+            "q_proj": ("qkv_proj", 0, cfg.q_size),
+            "k_proj": ("qkv_proj", cfg.q_size, cfg.kv_size),
+            "v_proj": ("qkv_proj", cfg.q_size + cfg.kv_size, cfg.kv_size),
+            "gate_proj": ("gate_up_proj", 0, cfg.intermediate_size),
+            "up_proj": ("gate_up_proj", cfg.intermediate_size, cfg.intermediate_size),
+        }
+        expected: dict[str, int] = {}
+        for name, param in params.items():
+            expected[name] = param.shape[0] if any(f[0] in name for f in fused.values()) else 1
+        filled: dict[str, int] = {}
+        with torch.no_grad():
+            for hf_name, tensor in weights:
+                if hf_name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+                    continue
+                name = hf_name.removeprefix("model.")
+                rows = slice(None)
+                for part, (fused_part, offset, size) in fused.items():
+                    if f".{part}." in name:
+                        name = name.replace(f".{part}.", f".{fused_part}.")
+                        rows = slice(offset, offset + size)
+                        break
+                param = params.get(name)
+                if param is None:
+                    raise ModelLoadError(f"{source}: unexpected tensor {hf_name!r} for {cfg.model_type}")
+                target = param[rows]
+                if tuple(target.shape) != tuple(tensor.shape):
+                    raise ModelLoadError(
+                        f"{source}: tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                        f"expected {tuple(target.shape)}"
+                    )
+                target.copy_(tensor)
+                filled[name] = filled.get(name, 0) + (target.shape[0] if rows != slice(None) else 1)
+        missing = [n for n, count in expected.items() if filled.get(n, 0) != count]
+        if missing:
+            raise ModelLoadError(f"{source}: missing tensors for {', '.join(sorted(missing)[:8])}")

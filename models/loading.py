@@ -1,0 +1,101 @@
+"""`load_model`: a path (HF directory or .gguf file) or None (the embedded default) to a ready model."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import structlog
+import torch
+
+from cadenza.models.config import ModelArchConfig
+from cadenza.models.default_model import default_model_path
+from cadenza.models.errors import ModelLoadError
+from cadenza.models.llama import LlamaForCausalLM
+from cadenza.models.rotary import RotaryEmbedding
+from cadenza.models.tokenizer import Tokenizer, load_hf_tokenizer
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    arch: ModelArchConfig
+    tokenizer: Tokenizer
+    source: str
+    max_model_len: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+def load_model(
+    path: str | Path | None,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    max_model_len: int | None = None,
+) -> LoadedModel:
+    started = time.perf_counter()
+    resolved = default_model_path() if path is None else Path(path).expanduser()
+    if not resolved.exists():
+        raise ModelLoadError(f"model path {str(resolved)!r} does not exist")
+    device = torch.device(device)
+    source = str(resolved)
+    if resolved.is_file() and resolved.suffix == ".gguf":
+        arch, weights, tokenizer = _read_gguf(resolved, dtype, source)
+    elif resolved.is_dir():
+        arch, weights, tokenizer = _read_hf(resolved, dtype)
+    else:
+        raise ModelLoadError(f"{source}: expected a Hugging Face model directory or a .gguf file")
+    limit = arch.max_position_embeddings if max_model_len is None else max_model_len
+    if limit > arch.max_position_embeddings:
+        raise ModelLoadError(
+            f"{source}: max_model_len={limit} exceeds the model's context length {arch.max_position_embeddings}"
+        )
+    with torch.device("meta"):
+        model = LlamaForCausalLM(arch, max_positions=1)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    if arch.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rotary = RotaryEmbedding(arch.rope, arch.head_dim, limit).to(device)
+    model.load_weights(weights, source)
+    model.eval()
+    log.info(
+        "Loaded model",
+        source=source,
+        model_type=arch.model_type,
+        dtype=str(dtype).removeprefix("torch."),
+        layers=arch.num_layers,
+        seconds=round(time.perf_counter() - started, 2),
+    )
+    return LoadedModel(model, arch, tokenizer, source, limit, dtype, device)
+
+
+def _read_hf(directory: Path, dtype: torch.dtype):
+    from cadenza.models.hf_loader import iter_safetensors, read_hf_config, safetensors_files
+
+    arch = read_hf_config(directory)
+    files = safetensors_files(directory)
+    tokenizer = load_hf_tokenizer(directory, arch.eos_token_ids)
+    return arch, iter_safetensors(files, dtype), tokenizer
+
+
+def _read_gguf(path: Path, dtype: torch.dtype, source: str):
+    from cadenza.models.gguf_loader import iter_gguf_weights, open_gguf, read_gguf_config
+    from cadenza.models.gguf_tokenizer import tokenizer_from_gguf
+
+    reader = open_gguf(path)
+    arch = read_gguf_config(reader, source)
+    built = tokenizer_from_gguf(reader)
+    eos_ids = tuple(dict.fromkeys([*arch.eos_token_ids, *([built.eos_token_id] if built.eos_token_id is not None else [])]))
+    vocab = built.tokenizer
+    tokenizer = Tokenizer(
+        backend=vocab,
+        eos_token_ids=eos_ids,
+        bos_token_id=built.bos_token_id,
+        chat_template=built.chat_template,
+        bos_token=vocab.id_to_token(built.bos_token_id) if built.bos_token_id is not None else None,
+        eos_token=vocab.id_to_token(built.eos_token_id) if built.eos_token_id is not None else None,
+    )
+    return arch, iter_gguf_weights(reader, arch, dtype, source), tokenizer

@@ -1,0 +1,59 @@
+"""Rotary position embeddings with the frequency schedules of the checkpoints we load."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from cadenza.models.config import RopeConfig
+
+
+def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """The per-pair inverse frequencies, computed exactly as transformers does (fp32)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        return _llama3_scaled(inv_freq, rope)
+    return inv_freq
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+    old_len = rope.original_max_position_embeddings
+    low_freq_wavelen = old_len / rope.low_freq_factor
+    high_freq_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Looks up cos/sin for arbitrary (non-contiguous) positions from a table built once."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        inv_freq = inverse_frequencies(rope, head_dim)
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]
+        table = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos_table", table.cos(), persistent=False)
+        self.register_buffer("sin_table", table.sin(), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, head_dim] for `positions` [T], cast like transformers casts them."""
+        cos = self.cos_table[positions].to(dtype).unsqueeze(1)
+        sin = self.sin_table[positions].to(dtype).unsqueeze(1)
+        return cos, sin
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim] rotated in the half-split (NeoX) layout."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,154 @@
+"""Eviction policies for cached KV blocks, and the built-in `lru`, `lfu` and `fifo`.
+
+The cache manager keeps full blocks in a prefix cache after their requests finish. A block whose
+reference count is zero is *evictable*; when the pool runs out of free blocks, the cache manager asks
+the policy for a victim. The policy only orders block ids; it never touches KV memory.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from typing import ClassVar
+
+from cadenza.plugins.hookspecs import hookimpl
+
+
+class EvictionPolicy(ABC):
+    """Orders evictable cached blocks.
+
+    Call order per block: `on_cached` once when the block enters the prefix cache; `on_release` each
+    time it becomes evictable (no request holds it), `on_acquire` each time a request reuses it
+    (no longer evictable; a prefix hit), and `on_evict`/`pop_victim` when it leaves the cache.
+    `pop_victim` is only called when `len(policy) > 0` and returns an evictable block id.
+    """
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def on_cached(self, block_id: int) -> None: ...
+
+    @abstractmethod
+    def on_release(self, block_id: int) -> None: ...
+
+    @abstractmethod
+    def on_acquire(self, block_id: int) -> None: ...
+
+    @abstractmethod
+    def on_evict(self, block_id: int) -> None:
+        """The block left the cache for another reason (e.g. it was overwritten)."""
+
+    @abstractmethod
+    def pop_victim(self) -> int: ...
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of evictable blocks."""
+
+
+class _OrderedPolicy(EvictionPolicy):
+    """Evicts evictable blocks in ascending order of a per-block key (ties: first released)."""
+
+    def __init__(self) -> None:
+        self._evictable: dict[int, tuple] = {}
+        self._heap: list[tuple] = []
+        self._counter = itertools.count()
+
+    def key(self, block_id: int) -> tuple:
+        raise NotImplementedError
+
+    def on_release(self, block_id: int) -> None:
+        entry = (*self.key(block_id), next(self._counter), block_id)
+        self._evictable[block_id] = entry
+        heapq.heappush(self._heap, entry)
+        if len(self._heap) > 2 * len(self._evictable) + 64:
+            # Stale entries (blocks re-acquired since) would otherwise pile up on every prefix hit
+            # until an eviction happened to pop them; rebuild from the live ones, order unchanged.
+            self._heap = list(self._evictable.values())
+            heapq.heapify(self._heap)
+
+    def on_acquire(self, block_id: int) -> None:
+        self._evictable.pop(block_id, None)  # the heap entry goes stale and is skipped later
+
+    def pop_victim(self) -> int:
+        while self._heap:
+            entry = heapq.heappop(self._heap)
+            block_id = entry[-1]
+            if self._evictable.get(block_id) == entry:
+                del self._evictable[block_id]
+                self.forget(block_id)
+                return block_id
+        raise LookupError("no evictable block")
+
+    def on_evict(self, block_id: int) -> None:
+        self._evictable.pop(block_id, None)
+        self.forget(block_id)
+
+    def forget(self, block_id: int) -> None:
+        """Drop per-block bookkeeping once the block leaves the cache."""
+
+    def __len__(self) -> int:
+        return len(self._evictable)
+
+
+class LRUPolicy(_OrderedPolicy):
+    """Least recently used: the block released longest ago goes first."""
+
+    name = "lru"
+
+    def on_cached(self, block_id: int) -> None:
+        pass
+
+    def key(self, block_id: int) -> tuple:
+        return ()
+
+
+class FIFOPolicy(_OrderedPolicy):
+    """First in, first out: the block cached earliest goes first, however often it was reused."""
+
+    name = "fifo"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._cached_at: dict[int, int] = {}
+        self._clock = itertools.count()
+
+    def on_cached(self, block_id: int) -> None:
+        self._cached_at[block_id] = next(self._clock)
+
+    def key(self, block_id: int) -> tuple:
+        return (self._cached_at.get(block_id, -1),)
+
+    def forget(self, block_id: int) -> None:
+        self._cached_at.pop(block_id, None)
+
+
+class LFUPolicy(_OrderedPolicy):
+    """Least frequently used: the block reused fewest times goes first (ties: least recent)."""
+
+    name = "lfu"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._uses: dict[int, int] = {}
+
+    def on_cached(self, block_id: int) -> None:
+        self._uses[block_id] = 1
+
+    def on_acquire(self, block_id: int) -> None:
+        super().on_acquire(block_id)
+        self._uses[block_id] = self._uses.get(block_id, 0) + 1
+
+    def key(self, block_id: int) -> tuple:
+        return (self._uses.get(block_id, 0),)
+
+    def forget(self, block_id: int) -> None:
+        self._uses.pop(block_id, None)
+
+
+@hookimpl
+def register_eviction_policies(register) -> None:
+    for policy in (LRUPolicy, LFUPolicy, FIFOPolicy):
+        register(policy.name, policy)

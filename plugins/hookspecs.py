@@ -1,0 +1,34 @@
+"""The hooks a cadenza plugin may implement.
+
+Every hook receives a `register(name, factory)` callback, so cadenza keeps naming, de-duplication
+and validation. Hooks run once, at engine start-up, never on the per-token path.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pluggy
+
+PROJECT_NAME = "cadenza"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+Register = Callable[[str, Any], None]
+
+
+@hookspec
+def register_attention_backends(register: Register) -> None:
+    """Register attention backends: `register(name, cls)`, cls an `AttentionBackend` subclass."""
+
+
+@hookspec
+def register_samplers(register: Register) -> None:
+    """Register samplers and logits processors: `register(name, cls)`, cls a `Sampler` or
+    `LogitsProcessor` subclass (the class attribute decides which registry it joins)."""
+
+
+@hookspec
+def register_eviction_policies(register: Register) -> None:
+    """Register KV-cache eviction policies: `register(name, cls)`, cls an `EvictionPolicy`."""

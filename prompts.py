@@ -1,0 +1,45 @@
+"""Turning what a caller sends (text, token ids or chat messages) into prompt token ids."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence, Union
+
+from cadenza.models.tokenizer import Tokenizer
+
+Prompt = Union[str, Sequence[int], Sequence[dict[str, Any]]]
+
+
+class PromptError(ValueError):
+    """The prompt is malformed, empty or too long; the message says which."""
+
+
+def is_single_prompt(prompts: Any) -> bool:
+    """A bare string, a list of token ids or a list of chat messages is one prompt, not a batch."""
+    if isinstance(prompts, str):
+        return True
+    if isinstance(prompts, Sequence) and prompts and all(isinstance(p, int) for p in prompts):
+        return True
+    return isinstance(prompts, Sequence) and bool(prompts) and all(isinstance(p, dict) for p in prompts)
+
+
+def tokenize_prompt(prompt: Prompt, tokenizer: Tokenizer, vocab_size: int) -> tuple[str | None, list[int]]:
+    """(prompt text or None, token ids); chat messages go through the model's chat template."""
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt)
+        text: str | None = prompt
+    elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
+        for i, message in enumerate(prompt):
+            if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
+                raise PromptError(f"messages[{i}] needs string 'role' and 'content' fields")
+        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+    elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids, text = list(prompt), None
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise PromptError(f"token ids out of range [0, {vocab_size}): {bad[:5]}")
+    else:
+        raise PromptError("a prompt is a string, a list of token ids, or a list of chat messages")
+    if not ids:
+        raise PromptError("the prompt is empty")
+    return text, ids

@@ -1,0 +1,25 @@
+"""Sampling: logits processors and samplers behind one pipeline (see `base` for the contracts).
+
+The built-in processors and the `default` sampler live in their own modules and reach the engine
+through the plugin registry (`cadenza.samplers.builtins`), like any third-party plugin.
+"""
+
+from cadenza.samplers.base import (
+    LogitsProcessor,
+    Sampler,
+    SamplerOutput,
+    SamplingBatch,
+    SamplingContext,
+)
+from cadenza.samplers.pipeline import DEFAULT_PROCESSORS, SamplingPipeline, build_pipeline
+
+__all__ = [
+    "DEFAULT_PROCESSORS",
+    "LogitsProcessor",
+    "Sampler",
+    "SamplerOutput",
+    "SamplingBatch",
+    "SamplingContext",
+    "SamplingPipeline",
+    "build_pipeline",
+]

@@ -1,0 +1,172 @@
+"""Built-in logits processors: bans, biases, temperature and the truncation filters.
+
+Each runs once over the batch's float32 logits [B, V]. Python loops only walk rows, to build small
+parameter tensors; the vocabulary is touched by masked, scatter and sort ops alone. Token ids a
+request names beyond the logits' width are skipped rather than raised on: one bad request must
+never fail the whole batch's step (ingress is where ids get validated against the tokenizer).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cadenza.samplers.base import LogitsProcessor, SamplingBatch
+
+_NEG_INF = float("-inf")
+
+
+def row_column(values: list[float], logits: torch.Tensor) -> torch.Tensor:
+    """One value per row, shaped [B, 1] to broadcast over the vocabulary."""
+    return torch.tensor(values, dtype=logits.dtype, device=logits.device).unsqueeze(1)
+
+
+def _index(rows: list[int], cols: list[int], device: torch.device) -> tuple[torch.Tensor, ...]:
+    return (
+        torch.tensor(rows, dtype=torch.long, device=device),
+        torch.tensor(cols, dtype=torch.long, device=device),
+    )
+
+
+class MinTokensProcessor(LogitsProcessor):
+    """Bans EOS and the row's stop token ids until the row has `min_tokens` output tokens.
+
+    EOS is banned even under `ignore_eos`: a row that must not stop early must not emit it either.
+    """
+
+    name = "min_tokens"
+
+    def _is_short(self, params, output) -> bool:
+        return params.min_tokens > 0 and len(output) < params.min_tokens
+
+    def is_active(self, batch: SamplingBatch) -> bool:
+        return any(self._is_short(p, out) for p, out in zip(batch.params, batch.output_token_ids))
+
+    def apply(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        vocab = logits.shape[-1]
+        rows: list[int] = []
+        cols: list[int] = []
+        for i, (params, output) in enumerate(zip(batch.params, batch.output_token_ids)):
+            if self._is_short(params, output):
+                banned = {*self.context.eos_token_ids, *params.stop_token_ids}
+                ids = [t for t in banned if t < vocab]
+                rows += [i] * len(ids)
+                cols += ids
+        if rows:
+            logits[_index(rows, cols, logits.device)] = _NEG_INF
+        return logits
+
+
+class LogitBiasProcessor(LogitsProcessor):
+    """Adds `logit_bias[token]` to that token's logit (OpenAI semantics: before any sampling)."""
+
+    name = "logit_bias"
+
+    def is_active(self, batch: SamplingBatch) -> bool:
+        return any(p.logit_bias for p in batch.params)
+
+    def apply(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        vocab = logits.shape[-1]
+        rows: list[int] = []
+        cols: list[int] = []
+        biases: list[float] = []
+        for i, params in enumerate(batch.params):
+            for token, bias in (params.logit_bias or {}).items():
+                if 0 <= token < vocab:
+                    rows.append(i)
+                    cols.append(token)
+                    biases.append(bias)
+        if rows:
+            values = torch.tensor(biases, dtype=logits.dtype, device=logits.device)
+            logits.index_put_(_index(rows, cols, logits.device), values, accumulate=True)
+        return logits
+
+
+class TemperatureProcessor(LogitsProcessor):
+    """Divides each sampled row by its temperature; greedy rows (temperature ~ 0) are left as is."""
+
+    name = "temperature"
+    argmax_invariant = True
+
+    def is_active(self, batch: SamplingBatch) -> bool:
+        return any(not p.is_greedy and p.temperature != 1.0 for p in batch.params)
+
+    def apply(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        temps = [1.0 if p.is_greedy else p.temperature for p in batch.params]
+        return logits.div_(row_column(temps, logits))
+
+
+class MinPProcessor(LogitsProcessor):
+    """Masks tokens whose probability is below `min_p` times the row's largest probability.
+
+    The threshold is a ratio of probabilities, so it reads the same before or after truncation by
+    another filter; the most likely token always survives.
+    """
+
+    name = "min_p"
+    argmax_invariant = True
+
+    def is_active(self, batch: SamplingBatch) -> bool:
+        # Greedy rows take the argmax whatever the filter does, so they never need it.
+        return any(not p.is_greedy and p.min_p > 0.0 for p in batch.params)
+
+    def apply(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        min_p = row_column([0.0 if p.is_greedy else p.min_p for p in batch.params], logits)
+        probs = torch.softmax(logits, dim=-1)
+        threshold = min_p * probs.amax(dim=-1, keepdim=True)
+        return logits.masked_fill_(probs < threshold, _NEG_INF)
+
+
+class TopKTopPProcessor(LogitsProcessor):
+    """Keeps each row's `top_k` most likely tokens, then the nucleus of what is left.
+
+    The nucleus is the smallest set of most likely tokens whose probability (renormalized after
+    top-k) reaches `top_p`; the top token is always kept. Ties at the k-th logit all survive, as in
+    HF's `TopKLogitsWarper`. Top-k alone uses `topk`; a full sort happens only when a row sets
+    top-p.
+    """
+
+    name = "top_k_top_p"
+    argmax_invariant = True
+
+    def _row_params(self, batch: SamplingBatch, vocab: int) -> tuple[list[int], list[float]]:
+        ks, ps = [], []
+        for p in batch.params:
+            off = p.is_greedy  # greedy rows ignore truncation: keep them untouched
+            ks.append(vocab if off or p.top_k <= 0 else min(p.top_k, vocab))
+            ps.append(1.0 if off else p.top_p)
+        return ks, ps
+
+    def is_active(self, batch: SamplingBatch) -> bool:
+        return any(not p.is_greedy and (p.top_k > 0 or p.top_p < 1.0) for p in batch.params)
+
+    def apply(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        vocab = logits.shape[-1]
+        ks, ps = self._row_params(batch, vocab)
+        if all(p >= 1.0 for p in ps):
+            if all(k >= vocab for k in ks):
+                return logits
+            return self._top_k_only(logits, ks)
+
+        # Ascending sort, as HF and vLLM do: the kept tokens are those whose ascending cumulative
+        # probability exceeds 1 - top_p, which is exactly "the smallest set reaching top_p".
+        sorted_logits, order = logits.sort(dim=-1, descending=False)
+        if any(k < vocab for k in ks):
+            # The k-th largest logit sits at ascending position V - k.
+            kth_pos = torch.tensor([vocab - k for k in ks], device=logits.device).unsqueeze(1)
+            kth = sorted_logits.gather(1, kth_pos)
+            sorted_logits.masked_fill_(sorted_logits < kth, _NEG_INF)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum_(dim=-1)
+        drop = cumulative <= 1.0 - row_column(ps, logits)
+        drop[:, -1] = False  # the top token always survives, whatever rounding did to the sum
+        # Rows with top_p == 1 compare against 0: they only re-mask tokens already at zero mass.
+        sorted_logits.masked_fill_(drop, _NEG_INF)
+        return logits.scatter_(1, order, sorted_logits)
+
+    def _top_k_only(self, logits: torch.Tensor, ks: list[int]) -> torch.Tensor:
+        max_k = max(k for k in ks if k < logits.shape[-1])
+        top = logits.topk(max_k, dim=-1).values
+        # Rows without top-k compare against -inf, which masks nothing.
+        pos = torch.tensor([min(k, max_k) - 1 for k in ks], device=logits.device).unsqueeze(1)
+        kth = top.gather(1, pos)
+        kth[torch.tensor([k >= logits.shape[-1] for k in ks], device=logits.device)] = _NEG_INF
+        return logits.masked_fill_(logits < kth, _NEG_INF)

@@ -1,0 +1,30 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from tiny_models import ARCHITECTURES, build_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """build(arch) -> directory of a tiny random HF checkpoint, built once per session."""
+    built: dict[tuple[str, str | None], Path] = {}
+
+    def build(arch: str, max_shard_size: str | None = None) -> Path:
+        key = (arch, max_shard_size)
+        if key not in built:
+            name = arch if max_shard_size is None else f"{arch}-sharded"
+            built[key] = build_tiny_model(tmp_path_factory.mktemp(name), arch, max_shard_size=max_shard_size)
+        return built[key]
+
+    return build
+
+
+@pytest.fixture(params=sorted(ARCHITECTURES))
+def arch(request):
+    return request.param

@@ -1,0 +1,83 @@
+"""Tiny random Hugging Face checkpoints (config.json, safetensors, tokenizer) built with transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+VOCAB_SIZE = 320
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "def add(a, b):\n    return a + b\n",
+    "Paged attention stores keys and values in fixed-size blocks.",
+    "Continuous batching keeps the accelerator busy. 0123456789",
+    "héllo wörld, ça va? 你好世界 🙂",
+]
+
+_COMMON = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.2,
+    rms_norm_eps=1e-6,
+    bos_token_id=0,
+    eos_token_id=2,
+)
+
+# name -> (transformers config class name, extra config)
+ARCHITECTURES = {
+    "llama3": ("LlamaConfig", dict(
+        rope_theta=50000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    )),
+    "llama2_bias": ("LlamaConfig", dict(attention_bias=True, mlp_bias=True, num_key_value_heads=4)),
+    "smollm_tied": ("LlamaConfig", dict(tie_word_embeddings=True, num_key_value_heads=1, rope_theta=100000.0)),
+    "mistral": ("MistralConfig", dict(sliding_window=24, rope_theta=1000000.0)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=False)),
+}
+
+
+def build_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(_CORPUS, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build_tiny_model(directory: Path, arch: str, seed: int = 0, max_shard_size: str | None = None) -> Path:
+    """Save a random `arch` model with the tiny tokenizer into `directory` and return it."""
+    import torch
+    import transformers
+
+    config_cls_name, extra = ARCHITECTURES[arch]
+    config = getattr(transformers, config_cls_name)(**{**_COMMON, **extra})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    directory.mkdir(parents=True, exist_ok=True)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(directory, safe_serialization=True, **kwargs)
+    build_tokenizer().save_pretrained(directory)
+    return directory
