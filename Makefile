@@ -20,8 +20,10 @@ install: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
+SERVE_ARGS ?= generate --chat "What is the capital of France? Answer in one sentence." --max-tokens 48
+
 serve: $(STAMP)
-	$(BIN)/python -m cadenza serve $(SERVE_ARGS)
+	$(BIN)/python -m cadenza $(SERVE_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

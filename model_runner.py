@@ -63,6 +63,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
 
+    @torch.inference_mode()
     def execute(self, chunks: Sequence[ScheduledChunk], return_logits: bool = False) -> StepResult:
         if not chunks:
             raise ValueError("a step needs at least one chunk")

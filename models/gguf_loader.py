@@ -119,7 +119,7 @@ def iter_gguf_weights(
         hf_name = _hf_name(tensor.name)
         if hf_name is None:
             raise UnsupportedModelError(f"{source}: unexpected tensor {tensor.name!r}")
-        weight = torch.from_numpy(np.ascontiguousarray(_dequantize(tensor, source)))
+        weight = torch.from_numpy(_dequantize(tensor, source))
         if permute and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             weight = _unpermute(weight, cfg.num_heads)
         elif permute and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -146,7 +146,8 @@ def _dequantize(tensor, source: str) -> np.ndarray:
     values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     # GGUF lists dimensions fastest-first; numpy (and HF) want them slowest-first.
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    return values.reshape(shape).astype(np.float32, copy=False)
+    # A copy: F32/F16 tensors come back as views of the read-only memory map.
+    return np.array(values.reshape(shape), dtype=np.float32)
 
 
 def _unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -1,0 +1,5 @@
+import sys
+
+from cadenza.cli import main
+
+sys.exit(main())

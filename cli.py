@@ -1,0 +1,101 @@
+"""The `cadenza` command line: generate text, inspect the configuration."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Sequence
+
+
+def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="deployment YAML file or preset name (default: built-in defaults)")
+    parser.add_argument("--model", help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--attention-backend")
+    parser.add_argument("--num-threads", type=int)
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "model.path": args.model,
+        "model.dtype": args.dtype,
+        "attention_backend": args.attention_backend,
+        "model.num_threads": args.num_threads,
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cadenza", description="cadenza LLM inference engine")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="generate a completion for one prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
+    gen.add_argument("--system", help="system message (with --chat)")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int)
+    _add_config_flags(gen)
+
+    config = commands.add_parser("config", help="show the effective configuration or its reference")
+    config_commands = config.add_subparsers(dest="config_command", required=True)
+    show = config_commands.add_parser("show", help="print the effective configuration as YAML")
+    _add_config_flags(show)
+    config_commands.add_parser("schema", help="print every configuration key with its type, default and meaning")
+    return parser
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from cadenza.config import load_config
+    from cadenza.llm import LLM
+    from cadenza.logging_setup import configure_logging
+    from cadenza.sampling_params import SamplingParams
+
+    config = load_config(args.config, overrides=_overrides(args))
+    configure_logging(config.logging.level, config.logging.format)
+    llm = LLM(config=config)
+    prompt: Any = args.prompt
+    if args.chat:
+        prompt = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.prompt}
+        ]
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+    )
+    (out,) = llm.generate([prompt], params)
+    print(out.text)
+    return 0
+
+
+def _config(args: argparse.Namespace) -> int:
+    from cadenza.config import config_reference, dump_config, load_config
+
+    if args.config_command == "schema":
+        print(config_reference())
+    else:
+        print(dump_config(load_config(args.config, overrides=_overrides(args))), end="")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from cadenza.config import ConfigError
+    from cadenza.models.errors import ModelLoadError
+    from cadenza.plugins.errors import PluginError
+
+    try:
+        if args.command == "generate":
+            return _generate(args)
+        return _config(args)
+    except (ConfigError, ModelLoadError, PluginError, ValueError) as exc:
+        print(f"cadenza: error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `cadenza config schema | head`
+        sys.stderr.close()
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
