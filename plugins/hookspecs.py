@@ -25,8 +25,7 @@ def register_attention_backends(register: Register) -> None:
 
 @hookspec
 def register_samplers(register: Register) -> None:
-    """Register samplers and logits processors: `register(name, cls)`, cls a `Sampler` or
-    `LogitsProcessor` subclass (the class attribute decides which registry it joins)."""
+    """Register samplers and logits processors: `register(name, cls)`, routed by cls's base class."""
 
 
 @hookspec
