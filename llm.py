@@ -7,16 +7,19 @@
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass, field
+import sys
+import threading
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Sequence
 
-import torch
+import anyio
+import structlog
+from anyio.from_thread import BlockingPortal
 
-from cadenza.block_pool import BlockPool
 from cadenza.config import CadenzaConfig, load_config
-from cadenza.model_runner import ScheduledChunk
+from cadenza.engine import AsyncEngine
+from cadenza.logging_setup import configure_logging
 from cadenza.outputs import RequestOutput, TokenLogprob
 from cadenza.prompts import Prompt, PromptError, is_single_prompt, tokenize_prompt
 from cadenza.runtime import Runtime, build_runtime
@@ -60,26 +63,9 @@ def config_overrides(model: str | Path | None, overrides: dict[str, Any]) -> dic
     return dotted
 
 
-@dataclass
-class _Sequence:
-    request_id: str
-    prompt: str | None
-    prompt_ids: list[int]
-    params: SamplingParams
-    max_tokens: int
-    generator: torch.Generator | None
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None
-    blocks: list[int] = field(default_factory=list)
-    num_computed: int = 0
-    finish_reason: str | None = None
-
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
-
 class LLM:
+    """Runs an `AsyncEngine` on a background event loop and waits for whole results."""
+
     def __init__(self, model: str | Path | None = None, *, config: CadenzaConfig | str | Path | None = None, **overrides: Any) -> None:
         dotted = config_overrides(model, overrides)
         if isinstance(config, CadenzaConfig):
@@ -87,174 +73,130 @@ class LLM:
             self.config = load_config(None, overrides={**config.model_dump(mode="json"), **dotted}, env={})
         else:
             self.config = load_config(config, overrides=dotted)
+        if not structlog.is_configured():  # an application's own logging setup wins
+            configure_logging(self.config.logging.level, self.config.logging.format)
         self.runtime: Runtime = build_runtime(self.config)
         self.tokenizer = self.runtime.tokenizer
-        self._ids = itertools.count()
+        self._portal, self._thread = _start_event_loop_thread()
+        self._engine_cm = self._portal.wrap_async_context_manager(AsyncEngine.serve(self.runtime))
+        self.engine: AsyncEngine = self._engine_cm.__enter__()
+
+    def close(self) -> None:
+        """Stop the engine, then its event loop thread."""
+        engine_cm, self._engine_cm = getattr(self, "_engine_cm", None), None
+        if engine_cm is None:
+            return
+        try:
+            engine_cm.__exit__(None, None, None)
+        finally:
+            self._portal.call(self._portal.stop)
+            self._thread.join(timeout=10)
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if sys.is_finalizing():
+            return  # the loop thread is a daemon: nothing left to wait for
+        try:
+            self.close()
+        except Exception:
+            pass
 
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
-        use_tqdm: bool = False,
+        use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
+        """One output per prompt, in order. A request that fails alone has finish_reason "error"."""
         batch = [prompts] if is_single_prompt(prompts) else list(prompts)
         if params is None:
             params = SamplingParams()
         per_prompt = [params] * len(batch) if isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(batch):
             raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(batch)} prompts")
-        sequences = [self._make_sequence(p, sp) for p, sp in zip(batch, per_prompt)]
-        _OfflineLoop(self.runtime).run(sequences)
-        return [self._output(s) for s in sequences]
+        prepared = [self._prepare(p) for p in batch]
+        if use_tqdm is None:
+            use_tqdm = len(batch) > 1 and sys.stderr.isatty()
+        return self._portal.call(self._run_all, prepared, per_prompt, use_tqdm)
 
-    def _make_sequence(self, prompt: Prompt, params: SamplingParams) -> _Sequence:
-        arch = self.runtime.loaded.arch
-        text, ids = tokenize_prompt(prompt, self.tokenizer, arch.vocab_size)
+    def _prepare(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        text, ids = tokenize_prompt(prompt, self.tokenizer, self.runtime.loaded.arch.vocab_size)
         limit = self.runtime.max_model_len
         if len(ids) >= limit:
             raise PromptError(f"prompt has {len(ids)} tokens; max_model_len is {limit}")
-        room = limit - len(ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
-        return _Sequence(
-            request_id=str(next(self._ids)),
+        return text, ids
+
+    async def _run_all(self, prepared, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        results: list[RequestOutput | None] = [None] * len(prepared)
+        progress = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            progress = tqdm(total=len(prepared), desc="Generating", unit="req")
+
+        async def run_one(index: int) -> None:
+            results[index] = await self._collect(prepared[index], params[index])
+            if progress is not None:
+                progress.update(1)
+
+        try:
+            async with anyio.create_task_group() as tg:
+                for i in range(len(prepared)):
+                    tg.start_soon(run_one, i)
+        finally:
+            if progress is not None:
+                progress.close()
+        return results  # type: ignore[return-value]
+
+    async def _collect(self, prepared: tuple[str | None, list[int]], params: SamplingParams) -> RequestOutput:
+        text, ids = prepared
+        pieces: list[str] = []
+        tokens: list[int] = []
+        logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        last = None
+        async for out in self.engine.generate(ids, params):
+            last = out
+            pieces.append(out.text)
+            tokens.extend(out.token_ids)
+            if logprobs is not None and out.logprobs:
+                logprobs.extend(out.logprobs)
+        assert last is not None and last.finished
+        return RequestOutput(
+            request_id=last.request_id,
             prompt=text,
-            prompt_ids=ids,
-            params=params,
-            max_tokens=max_tokens,
-            generator=generator,
-            logprobs=[] if params.logprobs is not None else None,
+            prompt_token_ids=ids,
+            text="".join(pieces),
+            token_ids=tokens,
+            finish_reason=last.finish_reason,
+            logprobs=logprobs,
+            num_cached_tokens=last.num_cached_tokens,
+            metrics=asdict(last.timings) if last.timings else {},
+            error=last.error,
         )
 
-    def _output(self, seq: _Sequence) -> RequestOutput:
-        ids = seq.output_ids
-        text = self.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)
-        finish = seq.finish_reason
-        if seq.params.stop:
-            text, hit = _truncate_at_stop(text, seq.params)
-            finish = "stop" if hit else finish
-        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_ids, text, ids, finish, seq.logprobs)
 
+def _start_event_loop_thread() -> tuple[BlockingPortal, threading.Thread]:
+    """An event loop in a daemon thread, reachable through a portal.
 
-def _truncate_at_stop(text: str, params: SamplingParams) -> tuple[str, bool]:
-    hits = [(text.find(s), s) for s in params.stop if s in text]
-    if not hits:
-        return text, False
-    index, stop = min(hits)
-    return text[: index + (len(stop) if params.include_stop_str_in_output else 0)], True
+    A daemon thread, unlike anyio's `start_blocking_portal` executor, cannot keep the interpreter
+    from exiting when a caller never closes its `LLM`.
+    """
+    ready = threading.Event()
+    holder: list[BlockingPortal] = []
 
+    async def main() -> None:
+        async with BlockingPortal() as portal:
+            holder.append(portal)
+            ready.set()
+            await portal.sleep_until_stopped()
 
-class _OfflineLoop:
-    """Runs sequences to completion: chunked prefills and decodes mixed under a token budget."""
-
-    def __init__(self, runtime: Runtime) -> None:
-        self.runtime = runtime
-        self.runner = runtime.runner
-        self.block_size = runtime.block_size
-        self.pool = BlockPool(runtime.num_blocks)
-        sched = runtime.config.scheduler
-        self.max_seqs, self.budget, self.chunk = sched.max_num_seqs, sched.max_num_batched_tokens, sched.chunk_size
-        self.eos_ids = set(runtime.tokenizer.eos_token_ids)
-
-    def run(self, sequences: list[_Sequence]) -> None:
-        waiting = list(sequences)
-        running: list[_Sequence] = []
-        while waiting or running:
-            chunks = self._schedule(waiting, running)
-            result = self.runner.execute(chunks)
-            self._postprocess(chunks, result, running)
-
-    def _blocks_needed(self, seq: _Sequence, new_tokens: int) -> int:
-        return max(0, -(-(seq.num_computed + new_tokens) // self.block_size) - len(seq.blocks))
-
-    def _schedule(self, waiting: list[_Sequence], running: list[_Sequence]) -> list[ScheduledChunk]:
-        chunks: list[ScheduledChunk] = []
-        budget = self.budget
-        for seq in list(running):
-            if seq not in running:
-                continue  # preempted below to make room for an earlier sequence
-            new = min(len(seq.all_ids) - seq.num_computed, self.chunk, budget)
-            if new <= 0:
-                continue
-            while not self.pool.can_allocate(self._blocks_needed(seq, new)):
-                victim = running[-1]
-                self._preempt(victim, running, waiting)
-                if victim is seq:
-                    break
-            if seq not in running:
-                continue
-            chunks.append(self._chunk(seq, new))
-            budget -= new
-        while waiting and len(running) < self.max_seqs and budget > 0:
-            seq = waiting[0]
-            new = min(len(seq.all_ids) - seq.num_computed, self.chunk, budget)
-            if not self.pool.can_allocate(self._blocks_needed(seq, new)):
-                break
-            waiting.pop(0)
-            running.append(seq)
-            chunks.append(self._chunk(seq, new))
-            budget -= new
-        if not chunks:
-            raise RuntimeError("the KV cache is too small for a single sequence; raise cache.num_blocks")
-        return chunks
-
-    def _chunk(self, seq: _Sequence, new: int) -> ScheduledChunk:
-        seq.blocks += self.pool.allocate(self._blocks_needed(seq, new))
-        start = seq.num_computed
-        ids = seq.all_ids
-        seq.num_computed += new
-        return ScheduledChunk(
-            request_id=seq.request_id,
-            token_ids=ids[start : start + new],
-            start_position=start,
-            block_table=list(seq.blocks),
-            sample=seq.num_computed == len(ids),
-            params=seq.params,
-            prompt_token_ids=seq.prompt_ids,
-            output_token_ids=seq.output_ids,
-            generator=seq.generator,
-        )
-
-    def _preempt(self, seq: _Sequence, running: list[_Sequence], waiting: list[_Sequence]) -> None:
-        # Recompute: drop its cache; it re-prefills prompt + output so far and continues unchanged.
-        running.remove(seq)
-        self.pool.free(seq.blocks)
-        seq.blocks, seq.num_computed = [], 0
-        waiting.insert(0, seq)
-
-    def _postprocess(self, chunks, result, running: list[_Sequence]) -> None:
-        if result.sampled is None:
-            return
-        by_id = {s.request_id: s for s in running}
-        tokens = result.sampled.token_ids.tolist()
-        for row, (request_id, token) in enumerate(zip(result.request_ids, tokens)):
-            seq = by_id[request_id]
-            seq.output_ids.append(token)
-            if seq.logprobs is not None:
-                seq.logprobs.append(_logprob_at(result.sampled, row, token, seq.params.logprobs))
-            seq.finish_reason = self._finish_reason(seq, token)
-            if seq.finish_reason is not None:
-                running.remove(seq)
-                self.pool.free(seq.blocks)
-                seq.blocks = []
-
-    def _finish_reason(self, seq: _Sequence, token: int) -> str | None:
-        params = seq.params
-        if token in params.stop_token_ids:
-            return "stop"
-        if token in self.eos_ids and not params.ignore_eos:
-            return "stop"
-        if len(seq.output_ids) >= seq.max_tokens:
-            return "length"
-        if params.stop and any(s in self.runtime.tokenizer.decode(seq.output_ids) for s in params.stop):
-            return "stop"
-        return None
-
-
-def _logprob_at(sampled, row: int, token: int, top_n: int) -> TokenLogprob:
-    top = ()
-    if sampled.top_logprobs is not None and top_n:
-        ids, values = sampled.top_logprobs
-        top = tuple(zip(ids[row, :top_n].tolist(), values[row, :top_n].tolist()))
-    return TokenLogprob(token, float(sampled.logprobs[row]), top)
+    thread = threading.Thread(target=anyio.run, args=(main,), name="cadenza-engine", daemon=True)
+    thread.start()
+    ready.wait()
+    return holder[0], thread

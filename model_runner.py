@@ -6,14 +6,14 @@ scheduler's and cache manager's business. Synchronous; the runner actor calls it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
 from cadenza.attention_backends.base import AttentionBackend, AttentionMetadata
 from cadenza.models.llama import LlamaForCausalLM
-from cadenza.samplers.base import SamplerOutput, SamplingBatch
+from cadenza.samplers.base import SamplerOutput, SamplingBatch, SamplingError
 from cadenza.sampling_params import SamplingParams
 
 
@@ -39,11 +39,16 @@ class ScheduledChunk:
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
-    """Sampled tokens for the chunks with `sample` set, in their order; logits when asked for."""
+    """Sampled tokens for the chunks with `sample` set, in their order; logits when asked for.
+
+    `failed` lists (request_id, message) for requests a failing sampler plugin took down; they
+    are not in `request_ids`.
+    """
 
     request_ids: list[str]
     sampled: SamplerOutput | None
     logits: torch.Tensor | None = None
+    failed: list[tuple[str, str]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -73,16 +78,42 @@ class ModelRunner:
         request_ids = [chunks[i].request_id for i in sampling_rows]
         if not sampling_rows:
             return StepResult(request_ids, None)
-        last_token = meta.query_start_loc[1:] - 1
-        logits = self.model.compute_logits(hidden[last_token[sampling_rows]])
-        batch = SamplingBatch(
-            params=[chunks[i].params or SamplingParams() for i in sampling_rows],
-            prompt_token_ids=[chunks[i].prompt_token_ids for i in sampling_rows],
-            output_token_ids=[chunks[i].output_token_ids for i in sampling_rows],
-            generators=[chunks[i].generator for i in sampling_rows],
-        )
-        sampled = self.sampling_pipeline(logits.clone() if return_logits else logits, batch)
+        last_hidden = hidden[(meta.query_start_loc[1:] - 1)[sampling_rows]]
+        logits = self.model.compute_logits(last_hidden)
+        try:
+            sampled = self.sampling_pipeline(logits.clone() if return_logits else logits, self._batch(chunks, sampling_rows))
+        except SamplingError as exc:
+            return self._resample_without(exc, chunks, sampling_rows, last_hidden)
         return StepResult(request_ids, sampled, logits if return_logits else None)
+
+    @staticmethod
+    def _batch(chunks: Sequence[ScheduledChunk], rows: list[int]) -> SamplingBatch:
+        return SamplingBatch(
+            params=[chunks[i].params or SamplingParams() for i in rows],
+            prompt_token_ids=[chunks[i].prompt_token_ids for i in rows],
+            output_token_ids=[chunks[i].output_token_ids for i in rows],
+            generators=[chunks[i].generator for i in rows],
+        )
+
+    def _resample_without(self, exc: SamplingError, chunks, sampling_rows: list[int], last_hidden) -> StepResult:
+        """Fail the rows a plugin took down; sample the rest again from fresh logits.
+
+        The processors may have half-edited the logits in place, so the survivors' logits are
+        recomputed from the hidden states rather than reused.
+        """
+        blamed = set(exc.rows)
+        failed = [(chunks[sampling_rows[r]].request_id, str(exc)) for r in sorted(blamed)]
+        keep = [r for r in range(len(sampling_rows)) if r not in blamed]
+        if not keep:
+            return StepResult([], None, failed=failed)
+        rows = [sampling_rows[r] for r in keep]
+        logits = self.model.compute_logits(last_hidden[keep])
+        try:
+            sampled = self.sampling_pipeline(logits, self._batch(chunks, rows))
+        except SamplingError as again:
+            failed += [(chunks[i].request_id, str(again)) for i in rows]
+            return StepResult([], None, failed=failed)
+        return StepResult([chunks[i].request_id for i in rows], sampled, failed=failed)
 
     def _prepare(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         block_size = self.block_size

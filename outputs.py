@@ -24,7 +24,8 @@ class RequestOutput:
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = None
     num_cached_tokens: int = 0
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float | None] = field(default_factory=dict)
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -78,9 +78,21 @@ class LogitsProcessor(ABC):
         """Whether any row needs this processor; inactive processors cost nothing."""
         return True
 
+    def rows_using(self, batch: SamplingBatch) -> list[int]:
+        """The rows whose requests use this processor: the ones that fail if it raises."""
+        return list(range(len(batch)))
+
     @abstractmethod
     def apply(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Return the transformed float32 logits [B, V] (in place is allowed)."""
+
+
+class SamplingError(RuntimeError):
+    """A processor or sampler failed; `rows` are the batch rows whose requests it takes down."""
+
+    def __init__(self, component: str, rows: list[int], cause: BaseException | str) -> None:
+        self.component, self.rows, self.cause = component, rows, cause
+        super().__init__(f"{component} failed: {cause!r}" if isinstance(cause, BaseException) else f"{component}: {cause}")
 
 
 class Sampler(ABC):

@@ -12,6 +12,7 @@ from cadenza.samplers.base import (
     SamplerOutput,
     SamplingBatch,
     SamplingContext,
+    SamplingError,
 )
 
 # The built-in processors in the order they should run (vLLM's): bans and biases first, as they
@@ -64,8 +65,39 @@ class SamplingPipeline:
         if work is raw and active and wants_logprobs:
             work = work.clone()
         for processor in active:
-            work = processor.apply(work, batch)
-        return self.sampler.sample(work, raw, batch)
+            work = self._apply(processor, work, batch)
+        try:
+            output = self.sampler.sample(work, raw, batch)
+        except Exception as exc:
+            raise SamplingError(f"sampler {self.sampler.name!r}", list(range(len(batch))), exc) from exc
+        if output.token_ids.shape != (len(batch),):
+            raise SamplingError(
+                f"sampler {self.sampler.name!r}", list(range(len(batch))),
+                f"returned token ids of shape {tuple(output.token_ids.shape)}, expected ({len(batch)},)",
+            )
+        return output
+
+    @staticmethod
+    def _apply(processor: LogitsProcessor, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Run one processor; a raise or a wrong shape fails only the rows that use it."""
+        shape = logits.shape
+        try:
+            result = processor.apply(logits, batch)
+        except Exception as exc:
+            raise SamplingError(f"logits processor {processor.name!r}", _rows(processor, batch), exc) from exc
+        if not isinstance(result, torch.Tensor) or result.shape != shape:
+            got = tuple(result.shape) if isinstance(result, torch.Tensor) else type(result).__name__
+            raise SamplingError(
+                f"logits processor {processor.name!r}", _rows(processor, batch), f"returned {got}, expected {tuple(shape)}"
+            )
+        return result
+
+
+def _rows(processor: LogitsProcessor, batch: SamplingBatch) -> list[int]:
+    try:
+        return list(processor.rows_using(batch))
+    except Exception:
+        return list(range(len(batch)))
 
 
 def build_pipeline(

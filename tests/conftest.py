@@ -9,6 +9,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from tiny_models import ARCHITECTURES, build_tiny_model  # noqa: E402
 
+from cadenza.logging_setup import configure_logging  # noqa: E402
+
+# Engine logs at warning and above only: pytest shows them with a failing test's output.
+configure_logging("warning", "console")
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):

@@ -1,0 +1,257 @@
+"""The cache manager: owns KV block ids, reference counts and the prefix cache.
+
+Blocks a request fills completely are registered under a chained hash of their tokens (the hash of
+the previous block and this block's tokens), so a later request with the same prefix reuses them
+instead of recomputing. A cached block that no request references stays cached until the pool runs
+short; the configured eviction policy decides which such block goes first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import deque
+from dataclasses import dataclass, field
+
+import structlog
+
+from cadenza.actors.base import Actor
+from cadenza.messages import (
+    AllocateStep,
+    BlockGrant,
+    BlockRequest,
+    CacheMessage,
+    CommitTokens,
+    FreeBlocks,
+    StepAllocation,
+    UnexpectedMessageError,
+)
+from cadenza.metrics import EngineMetrics
+from cadenza.plugins.eviction import EvictionPolicy
+
+log = structlog.get_logger(__name__)
+
+
+def block_hash(parent: bytes | None, tokens: tuple[int, ...] | list[int]) -> bytes:
+    digest = hashlib.blake2b(parent or b"", digest_size=16)
+    digest.update(array("q", tokens).tobytes())
+    return digest.digest()
+
+
+@dataclass
+class _Table:
+    blocks: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # tokens whose K/V are computed, in order
+    hashes: list[bytes] = field(default_factory=list)  # of the leading full blocks
+
+
+class KVCacheManager:
+    """The synchronous core. `num_available` counts free blocks plus evictable cached ones."""
+
+    def __init__(self, num_blocks: int, block_size: int, policy: EvictionPolicy, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.policy = policy
+        self.enable_prefix_caching = enable_prefix_caching
+        self._free: deque[int] = deque(range(num_blocks))
+        self._ref = [0] * num_blocks
+        self._hash_of: dict[int, bytes] = {}
+        self._cached: dict[bytes, int] = {}
+        self._tables: dict[str, _Table] = {}
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # of which found cached
+
+    # --- queries -------------------------------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_available(self) -> int:
+        return len(self._free) + len(self.policy)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_available
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    def block_table(self, request_id: str) -> tuple[int, ...]:
+        table = self._tables.get(request_id)
+        return tuple(table.blocks) if table else ()
+
+    def blocks_needed(self, request_id: str, num_tokens: int) -> int:
+        held = len(self._tables[request_id].blocks) if request_id in self._tables else 0
+        return max(0, -(-num_tokens // self.block_size) - held)
+
+    # --- the step -------------------------------------------------------------------------------
+
+    def allocate_step(self, release: tuple[str, ...], requests: tuple[BlockRequest, ...]) -> tuple[list[BlockGrant], int]:
+        """Release, then grant running requests all or none, then new ones in order while they fit."""
+        for request_id in release:
+            self.free(request_id)
+        running = [r for r in requests if r.match_prefix is None]
+        new = [r for r in requests if r.match_prefix is not None]
+        grants: list[BlockGrant] = []
+        need = sum(self.blocks_needed(r.request_id, r.num_tokens) for r in running)
+        if need > self.num_available:
+            # All or none, so the scheduler can re-plan from a state it knows exactly.
+            grants += [BlockGrant(r.request_id, False) for r in running]
+            grants += [BlockGrant(r.request_id, False) for r in new]
+            return grants, self.num_available
+        for r in running:
+            self._grow(r.request_id, r.num_tokens)
+            grants.append(BlockGrant(r.request_id, True, self.block_table(r.request_id)))
+        refuse_rest = False
+        for r in new:
+            grant = None if refuse_rest else self.admit(r.request_id, r.match_prefix, r.num_tokens)
+            refuse_rest = grant is None
+            grants.append(grant or BlockGrant(r.request_id, False))
+        return grants, self.num_available
+
+    def admit(self, request_id: str, tokens: tuple[int, ...], num_new_tokens: int) -> BlockGrant | None:
+        """Reuse the longest cached prefix of `tokens`, then cover `num_new_tokens` more; None if no room."""
+        if request_id in self._tables:
+            raise ValueError(f"request {request_id} already holds blocks")
+        hits, hashes = self._match(tokens)
+        # Keep at least one token to compute, and never write into a shared block.
+        usable = min(len(hits), (len(tokens) - 1) // self.block_size)
+        hits, hashes = hits[:usable], hashes[:usable]
+        cached_tokens = usable * self.block_size
+        target = min(len(tokens), cached_tokens + num_new_tokens)
+        evictable_hits = sum(1 for b in hits if self._ref[b] == 0)
+        fresh = -(-target // self.block_size) - len(hits)
+        if fresh + evictable_hits > self.num_available:
+            return None
+        table = _Table(tokens=list(tokens[:cached_tokens]), hashes=list(hashes))
+        for block in hits:
+            self._acquire(block)
+            table.blocks.append(block)
+        self._tables[request_id] = table
+        self._grow(request_id, target)
+        self.prefix_queries += len(tokens)
+        self.prefix_hits += cached_tokens
+        return BlockGrant(request_id, True, self.block_table(request_id), cached_tokens)
+
+    def commit(self, request_id: str, token_ids: tuple[int, ...]) -> None:
+        """Record computed tokens; each block they complete enters the prefix cache."""
+        table = self._tables.get(request_id)
+        if table is None:
+            return  # finished or aborted while its step ran
+        table.tokens.extend(token_ids)
+        if not self.enable_prefix_caching:
+            return
+        size = self.block_size
+        while len(table.hashes) < len(table.tokens) // size and len(table.hashes) < len(table.blocks):
+            index = len(table.hashes)
+            parent = table.hashes[-1] if table.hashes else None
+            digest = block_hash(parent, table.tokens[index * size : (index + 1) * size])
+            table.hashes.append(digest)
+            block = table.blocks[index]
+            if digest not in self._cached and block not in self._hash_of:
+                self._cached[digest] = block
+                self._hash_of[block] = digest
+                self.policy.on_cached(block)
+
+    def free(self, request_id: str) -> None:
+        table = self._tables.pop(request_id, None)
+        if table is None:
+            return
+        # Tail blocks first: they are the least likely to be shared by a later request.
+        for block in reversed(table.blocks):
+            self._ref[block] -= 1
+            if self._ref[block] == 0:
+                if block in self._hash_of:
+                    self.policy.on_release(block)
+                else:
+                    self._free.append(block)
+
+    # --- internals ------------------------------------------------------------------------------
+
+    def _match(self, tokens: tuple[int, ...]) -> tuple[list[int], list[bytes]]:
+        if not self.enable_prefix_caching:
+            return [], []
+        hits, hashes, parent = [], [], None
+        size = self.block_size
+        for start in range(0, len(tokens) - size + 1, size):
+            digest = block_hash(parent, tokens[start : start + size])
+            block = self._cached.get(digest)
+            if block is None:
+                break
+            hits.append(block)
+            hashes.append(digest)
+            parent = digest
+        return hits, hashes
+
+    def _acquire(self, block: int) -> None:
+        if self._ref[block] == 0:
+            self.policy.on_acquire(block)
+        self._ref[block] += 1
+
+    def _grow(self, request_id: str, num_tokens: int) -> None:
+        table = self._tables.setdefault(request_id, _Table())
+        for _ in range(self.blocks_needed(request_id, num_tokens)):
+            block = self._take_block()
+            self._ref[block] = 1
+            table.blocks.append(block)
+
+    def _take_block(self) -> int:
+        if self._free:
+            return self._free.popleft()
+        block = self.policy.pop_victim()
+        del self._cached[self._hash_of.pop(block)]
+        return block
+
+    def check_invariants(self) -> None:
+        """Every block is exactly one of: free, evictable, or referenced; nothing leaked."""
+        referenced = {b for t in self._tables.values() for b in t.blocks}
+        counts: dict[int, int] = {}
+        for t in self._tables.values():
+            for b in t.blocks:
+                counts[b] = counts.get(b, 0) + 1
+        assert all(self._ref[b] == counts.get(b, 0) for b in range(self.num_blocks)), "reference counts drifted"
+        free = set(self._free)
+        assert len(free) == len(self._free), "a block is free twice"
+        assert not free & referenced, "a referenced block is on the free list"
+        evictable = {b for b in self._hash_of if self._ref[b] == 0}
+        assert len(evictable) == len(self.policy), "the eviction policy lost track of a block"
+        assert len(free) + len(evictable) + len(referenced) == self.num_blocks, "a block leaked"
+
+
+class CacheManagerActor(Actor[CacheMessage]):
+    name = "cache_manager"
+
+    def __init__(self, inbox, core: KVCacheManager, metrics: EngineMetrics) -> None:
+        super().__init__(inbox)
+        self.core = core
+        self.metrics = metrics
+
+    async def handle(self, message: CacheMessage) -> None:
+        match message:
+            case AllocateStep(step_id=step_id, release=release, requests=requests, reply=reply):
+                grants, available = self.core.allocate_step(release, requests)
+                self._report()
+                await reply.send(StepAllocation(step_id, tuple(grants), available))
+            case CommitTokens(entries=entries):
+                for request_id, token_ids in entries:
+                    self.core.commit(request_id, token_ids)
+            case FreeBlocks(request_id=request_id):
+                self.core.free(request_id)
+                self._report()
+            case _:
+                raise UnexpectedMessageError(self.name, message)
+
+    def _report(self) -> None:
+        core = self.core
+        self.metrics.kv_blocks_total = core.num_blocks
+        self.metrics.kv_blocks_used = core.num_used
+        self.metrics.kv_blocks_cached = core.num_cached_blocks
+        self.metrics.prefix_hit_rate = core.prefix_hit_rate
+        self.metrics.prefix_cached_tokens = core.prefix_hits

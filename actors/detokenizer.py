@@ -1,0 +1,167 @@
+"""The detokenizer: turns token ids into clean text, per request, as they arrive.
+
+Text is emitted only when it is final: never a broken UTF-8 sequence or a replacement character
+that a later token would have completed, and never text that might still become a stop string.
+It is also the one place where a request finishes, so each request finishes exactly once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from anyio.streams.memory import MemoryObjectSendStream
+from tokenizers.decoders import DecodeStream
+
+from cadenza.actors.base import Actor
+from cadenza.messages import AbortRequest, DetokenizerMessage, NewTokens, RequestFailed, TrackRequest, UnexpectedMessageError
+from cadenza.metrics import EngineMetrics
+from cadenza.models.tokenizer import Tokenizer
+from cadenza.outputs import TokenLogprob
+from cadenza.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    """What a request produced since its last delta."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+    error_code: str | None = None
+    queue_seconds: float | None = None
+
+
+@dataclass
+class _Stream:
+    params: SamplingParams
+    decoder: DecodeStream
+    text: str = ""  # everything decoded so far
+    sent: int = 0  # characters of `text` already emitted
+    token_ids: list[int] = field(default_factory=list)
+    stop_max: int = field(default=0)
+
+
+class IncrementalDetokenizer:
+    """Synchronous core: one `DecodeStream` per request plus stop-string hold-back."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._streams: dict[str, _Stream] = {}
+
+    def start(self, request_id: str, params: SamplingParams) -> None:
+        self._streams[request_id] = _Stream(
+            params, DecodeStream(skip_special_tokens=params.skip_special_tokens), stop_max=max(map(len, params.stop), default=0)
+        )
+
+    def is_active(self, request_id: str) -> bool:
+        return request_id in self._streams
+
+    def add(self, request_id: str, token_ids: tuple[int, ...], finishing: bool) -> tuple[str, bool]:
+        """(text to emit now, whether a stop string was hit). Finishing flushes held-back text."""
+        stream = self._streams[request_id]
+        backend = self.tokenizer.backend
+        for token in token_ids:
+            piece = stream.decoder.step(backend, token)
+            if piece:
+                stream.text += piece
+        stream.token_ids.extend(token_ids)
+        if finishing:
+            # The stream holds back bytes that do not yet form a character; at the end, the
+            # whole decode says what they are (a replacement character, if they never complete).
+            full = self.tokenizer.decode(stream.token_ids, skip_special_tokens=stream.params.skip_special_tokens)
+            if full.startswith(stream.text):
+                stream.text = full
+        params = stream.params
+        if params.stop:
+            # Only the new text (plus a stop string's length of context) can hold a new match.
+            search_from = max(0, stream.sent - stream.stop_max + 1)
+            hits = [(i, s) for s in params.stop if (i := stream.text.find(s, search_from)) != -1]
+            if hits:
+                index, stop = min(hits)
+                end = index + (len(stop) if params.include_stop_str_in_output else 0)
+                return self._emit(stream, max(end, stream.sent)), True
+            if not finishing:
+                return self._emit(stream, len(stream.text) - _partial_stop_len(stream.text, params.stop)), False
+        return self._emit(stream, len(stream.text)), False
+
+    def finish(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    @staticmethod
+    def _emit(stream: _Stream, end: int) -> str:
+        text = stream.text[stream.sent : end]
+        stream.sent = max(stream.sent, end)
+        return text
+
+
+def _partial_stop_len(text: str, stops: list[str]) -> int:
+    """Length of the longest end of `text` that begins some stop string: held back for now."""
+    longest = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:k]):
+                longest = k
+                break
+    return longest
+
+
+class DetokenizerActor(Actor[DetokenizerMessage]):
+    name = "detokenizer"
+
+    def __init__(
+        self,
+        inbox,
+        core: IncrementalDetokenizer,
+        deliver: Callable[[TextDelta], None],
+        scheduler: MemoryObjectSendStream,
+        metrics: EngineMetrics,
+    ) -> None:
+        super().__init__(inbox)
+        self.core = core
+        self.deliver = deliver
+        self.scheduler = scheduler
+        self.metrics = metrics
+
+    async def handle(self, message: DetokenizerMessage) -> None:
+        match message:
+            case TrackRequest(request_id=request_id, params=params):
+                self.core.start(request_id, params)
+            case NewTokens():
+                await self._on_tokens(message)
+            case RequestFailed(request_id=request_id, message=text, code=code):
+                self.core.finish(request_id)
+                self.deliver(TextDelta(request_id, "", (), None, "error", error=text, error_code=code))
+            case _:
+                raise UnexpectedMessageError(self.name, message)
+
+    async def _on_tokens(self, message: NewTokens) -> None:
+        request_id = message.request_id
+        if not self.core.is_active(request_id):
+            return  # finished already (a stop string), or unknown: each request finishes once
+        finishing = message.finish_reason is not None
+        text, hit_stop = self.core.add(request_id, message.token_ids, finishing)
+        reason = "stop" if hit_stop else message.finish_reason
+        if reason is not None:
+            self.core.finish(request_id)
+        if hit_stop and not finishing:
+            await self.scheduler.send(AbortRequest(request_id, "stop"))
+        self.deliver(
+            TextDelta(
+                request_id,
+                text,
+                message.token_ids,
+                message.logprobs,
+                reason,
+                message.num_prompt_tokens,
+                message.num_cached_tokens,
+                error=message.error,
+                error_code="sampler_error" if message.error else None,
+                queue_seconds=message.queue_seconds,
+            )
+        )

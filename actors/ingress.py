@@ -1,0 +1,116 @@
+"""The ingress: validates a request, applies the chat template, tokenizes, checks limits, admits."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import anyio
+from anyio.streams.memory import MemoryObjectSendStream
+
+from cadenza.actors.base import Actor
+from cadenza.messages import (
+    AdmitRequest,
+    DetokenizerMessage,
+    IngressMessage,
+    NewTokens,
+    RequestFailed,
+    SchedulerMessage,
+    SubmitRequest,
+    TrackRequest,
+    UnexpectedMessageError,
+)
+from cadenza.metrics import EngineMetrics
+from cadenza.models.tokenizer import ChatTemplateError, Tokenizer
+from cadenza.prompts import PromptError, tokenize_prompt
+
+# Prompts longer than this (in characters) are tokenized in a worker thread, off the event loop.
+OFF_LOOP_PROMPT_CHARS = 4096
+
+
+class RequestRejected(ValueError):
+    """A request that cannot be served as asked; `code` names the reason for wire protocols."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class PromptValidator:
+    """The synchronous core: prompt to token ids, or a `RequestRejected` naming the problem."""
+
+    def __init__(self, tokenizer: Tokenizer, *, vocab_size: int, max_model_len: int, max_prompt_tokens: int | None, capacity_tokens: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_prompt_tokens = max_prompt_tokens
+        self.capacity_tokens = capacity_tokens  # the whole KV cache, in tokens
+
+    def tokenize(self, prompt) -> tuple[int, ...]:
+        try:
+            _, ids = tokenize_prompt(prompt, self.tokenizer, self.vocab_size)
+        except ChatTemplateError as exc:
+            raise RequestRejected("invalid_messages", str(exc)) from exc
+        except PromptError as exc:
+            raise RequestRejected("invalid_prompt", str(exc)) from exc
+        return tuple(ids)
+
+    def max_tokens(self, prompt_ids: tuple[int, ...], requested: int | None) -> int:
+        n = len(prompt_ids)
+        if self.max_prompt_tokens is not None and n > self.max_prompt_tokens:
+            raise RequestRejected("prompt_too_long", f"prompt has {n} tokens; this server accepts at most {self.max_prompt_tokens}")
+        limit = min(self.max_model_len, self.capacity_tokens)
+        if n >= limit:
+            what = "max_model_len" if limit == self.max_model_len else "the KV cache's capacity"
+            raise RequestRejected("prompt_too_long", f"prompt has {n} tokens; {what} is {limit} tokens, leaving no room to generate")
+        room = limit - n
+        return room if requested is None else min(requested, room)
+
+
+class IngressActor(Actor[IngressMessage]):
+    name = "ingress"
+
+    def __init__(
+        self,
+        inbox,
+        validator: PromptValidator,
+        *,
+        scheduler: MemoryObjectSendStream[SchedulerMessage],
+        detokenizer: MemoryObjectSendStream[DetokenizerMessage],
+        metrics: EngineMetrics,
+        max_waiting: int,
+        is_cancelled: Callable[[str], bool],
+    ) -> None:
+        super().__init__(inbox)
+        self.validator = validator
+        self.scheduler = scheduler
+        self.detokenizer = detokenizer
+        self.metrics = metrics
+        self.max_waiting = max_waiting
+        self.is_cancelled = is_cancelled
+
+    async def handle(self, message: IngressMessage) -> None:
+        if not isinstance(message, SubmitRequest):
+            raise UnexpectedMessageError(self.name, message)
+        request_id = message.request_id
+        try:
+            if self.metrics.num_waiting >= self.max_waiting:
+                raise RequestRejected("queue_full", f"{self.metrics.num_waiting} requests are waiting; try again later")
+            if isinstance(message.prompt, str) and len(message.prompt) > OFF_LOOP_PROMPT_CHARS:
+                prompt_ids = await anyio.to_thread.run_sync(self.validator.tokenize, message.prompt)
+            else:
+                prompt_ids = self.validator.tokenize(message.prompt)
+            max_tokens = self.validator.max_tokens(prompt_ids, message.params.max_tokens)
+        except RequestRejected as exc:
+            await self.detokenizer.send(RequestFailed(request_id, str(exc), exc.code))
+            return
+        await self.detokenizer.send(TrackRequest(request_id, message.params, prompt_ids))
+        if self.is_cancelled(request_id):
+            await self.detokenizer.send(NewTokens(request_id, (), finish_reason="abort", num_prompt_tokens=len(prompt_ids)))
+            return
+        self.log.debug("Admitting request", request_id=request_id, prompt_tokens=len(prompt_ids))
+        await self.scheduler.send(
+            AdmitRequest(request_id, prompt_ids, message.params, max_tokens, message.arrival_time, message.priority)
+        )
+
+    async def on_error(self, message: IngressMessage, exc: Exception) -> None:
+        await self.detokenizer.send(RequestFailed(message.request_id, f"ingress failed: {exc!r}"))

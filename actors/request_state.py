@@ -1,0 +1,57 @@
+"""The scheduler's record of one request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from cadenza.sampling_params import SamplingParams
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    max_tokens: int
+    arrival_time: float
+    priority: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the request's blocks
+    num_blocks: int = 0
+    block_table: tuple[int, ...] = ()
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied at first admission
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+    first_scheduled_time: float | None = None
+    sequence_number: int = 0  # admission order, breaks ties in the queue
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_tokens - 1
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without building the whole list."""
+        prompt = self.prompt_token_ids
+        if end <= len(prompt):
+            return list(prompt[start:end])
+        if start >= len(prompt):
+            return self.output_token_ids[start - len(prompt) : end - len(prompt)]
+        return list(prompt[start:]) + self.output_token_ids[: end - len(prompt)]
+
+    def all_tokens(self) -> tuple[int, ...]:
+        return self.prompt_token_ids + tuple(self.output_token_ids)
+
+    def queue_key(self, policy: str) -> tuple:
+        if policy == "priority":
+            return (self.priority, self.arrival_time, self.sequence_number)
+        return (self.arrival_time, self.sequence_number)

@@ -1,0 +1,70 @@
+"""The runner actor: executes scheduled steps on the model, off the event loop."""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+from anyio.streams.memory import MemoryObjectSendStream
+
+from cadenza.actors.base import Actor
+from cadenza.messages import (
+    ExecuteStep,
+    RunnerMessage,
+    SampledToken,
+    SchedulerMessage,
+    StepFailed,
+    StepOutput,
+    UnexpectedMessageError,
+)
+from cadenza.metrics import EngineMetrics
+from cadenza.model_runner import ModelRunner, StepResult
+from cadenza.outputs import TokenLogprob
+
+
+class RunnerActor(Actor[RunnerMessage]):
+    name = "runner"
+
+    def __init__(self, inbox, runner: ModelRunner, scheduler: MemoryObjectSendStream[SchedulerMessage], metrics: EngineMetrics):
+        super().__init__(inbox)
+        self.runner = runner
+        self.scheduler = scheduler
+        self.metrics = metrics
+
+    async def handle(self, message: RunnerMessage) -> None:
+        if not isinstance(message, ExecuteStep):
+            raise UnexpectedMessageError(self.name, message)
+        started = time.perf_counter()
+        try:
+            # A worker thread: torch releases the GIL in its kernels, so the loop keeps serving I/O.
+            result = await anyio.to_thread.run_sync(self.runner.execute, message.chunks)
+        except Exception as exc:
+            self.log.error("Step failed", step=message.step_id, error=repr(exc))
+            ids = tuple(c.request_id for c in message.chunks)
+            await self.scheduler.send(StepFailed(message.step_id, ids, f"model step failed: {exc!r}"))
+            return
+        seconds = time.perf_counter() - started
+        self.metrics.step_seconds_total += seconds
+        await self.scheduler.send(
+            StepOutput(message.step_id, sampled_tokens(result, message), tuple(result.failed), seconds)
+        )
+
+
+def sampled_tokens(result: StepResult, step: ExecuteStep) -> tuple[SampledToken, ...]:
+    if result.sampled is None:
+        return ()
+    ids = result.sampled.token_ids.tolist()
+    logprob_n = {c.request_id: c.params.logprobs for c in step.chunks if c.params is not None}
+    out = []
+    chosen = result.sampled.logprobs.tolist() if result.sampled.logprobs is not None else None
+    top_ids = top_values = None
+    if result.sampled.top_logprobs is not None:
+        top_ids, top_values = (t.tolist() for t in result.sampled.top_logprobs)
+    for row, (request_id, token) in enumerate(zip(result.request_ids, ids)):
+        n = logprob_n.get(request_id)
+        logprob = None
+        if n is not None and chosen is not None:
+            top = tuple(zip(top_ids[row][:n], top_values[row][:n])) if top_ids is not None else ()
+            logprob = TokenLogprob(token, chosen[row], top)
+        out.append(SampledToken(request_id, token, logprob))
+    return tuple(out)

@@ -1,0 +1,224 @@
+"""The scheduler actor: admits requests, plans each step, and turns step outputs into tokens.
+
+One step is in flight at a time. Per step: plan (`SchedulerCore.schedule`), ask the cache manager
+for blocks (`AllocateStep`, answered on a one-shot channel), hand the chunks to the runner, and when
+its `StepOutput` arrives, commit the computed tokens to the prefix cache, forward new tokens to the
+detokenizer and release finished requests' blocks.
+"""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import torch
+from anyio.streams.memory import MemoryObjectSendStream
+
+from cadenza.actors.base import Actor
+from cadenza.actors.request_state import Request
+from cadenza.actors.scheduler_core import SchedulerCore, StepPlan
+from cadenza.messages import (
+    AbortRequest,
+    AdmitRequest,
+    AllocateStep,
+    CacheMessage,
+    CommitTokens,
+    DetokenizerMessage,
+    ExecuteStep,
+    FreeBlocks,
+    NewTokens,
+    RunnerMessage,
+    SchedulerMessage,
+    StepAllocation,
+    StepFailed,
+    StepOutput,
+    UnexpectedMessageError,
+)
+from cadenza.metrics import EngineMetrics
+
+# Re-planning after a refused allocation preempts at least one more request each time, so this
+# many attempts cannot be needed by a consistent cache; more means a bug, reported loudly.
+_MAX_PLAN_ATTEMPTS = 1000
+
+
+class SchedulerActor(Actor[SchedulerMessage]):
+    name = "scheduler"
+
+    def __init__(
+        self,
+        inbox,
+        core: SchedulerCore,
+        *,
+        cache: MemoryObjectSendStream[CacheMessage],
+        runner: MemoryObjectSendStream[RunnerMessage],
+        detokenizer: MemoryObjectSendStream[DetokenizerMessage],
+        metrics: EngineMetrics,
+        clock=time.monotonic,
+    ) -> None:
+        super().__init__(inbox)
+        self.core = core
+        self.cache = cache
+        self.runner = runner
+        self.detokenizer = detokenizer
+        self.metrics = metrics
+        self.clock = clock
+        self._in_flight: StepPlan | None = None
+        self._free_count_stale = True
+
+    async def handle(self, message: SchedulerMessage) -> None:
+        await self._dispatch(message)
+        # Take everything already queued before planning, so a burst of arrivals shares one step.
+        while True:
+            try:
+                queued = self.inbox.receive_nowait()
+            except (anyio.WouldBlock, anyio.EndOfStream):
+                break
+            await self._dispatch(queued)
+        await self._maybe_step()
+
+    async def _dispatch(self, message: SchedulerMessage) -> None:
+        match message:
+            case AdmitRequest():
+                self._admit(message)
+            case AbortRequest(request_id=request_id, reason=reason):
+                request = self.core.abort(request_id)
+                if request is not None:
+                    self.log.info("Request aborted", request_id=request_id, reason=reason)
+                    if reason == "abort":
+                        self.metrics.requests_aborted += 1
+                    await self._release(request)
+                    await self.detokenizer.send(NewTokens(request_id, (), finish_reason=reason))
+            case StepOutput():
+                await self._on_step_output(message)
+            case StepFailed(request_ids=request_ids, message=text):
+                self._in_flight = None
+                for request in self.core.fail(request_ids):
+                    await self._fail(request, text)
+            case _:
+                raise UnexpectedMessageError(self.name, message)
+        self._report()
+
+    def _admit(self, message: AdmitRequest) -> None:
+        params = message.params
+        generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
+        request = Request(
+            message.request_id,
+            message.prompt_token_ids,
+            params,
+            message.max_tokens,
+            message.arrival_time,
+            message.priority,
+            generator=generator,
+        )
+        self.core.add(request)
+        self.metrics.prompt_tokens += request.num_prompt_tokens
+        self.log.info("Request admitted", request_id=request.request_id, prompt_tokens=request.num_prompt_tokens)
+
+    async def _on_step_output(self, output: StepOutput) -> None:
+        plan, self._in_flight = self._in_flight, None
+        if plan is None or plan.step_id != output.step_id:
+            raise RuntimeError(f"step {output.step_id} finished but step {plan and plan.step_id} was in flight")
+        await self.cache.send(CommitTokens(plan.step_id, tuple(self.core.computed_tokens(plan))))
+        for request_id, error in output.failed:
+            for request in self.core.fail([request_id]):
+                await self._fail(request, error)
+        now = self.clock()
+        for event in self.core.update_from_output(output.sampled):
+            request, token = event.request, event.token
+            first = len(request.output_token_ids) == 1
+            self.metrics.generation_tokens += 1
+            await self.detokenizer.send(
+                NewTokens(
+                    request.request_id,
+                    (token.token_id,),
+                    (token.logprob,) if token.logprob is not None else None,
+                    event.finish_reason,
+                    num_prompt_tokens=request.num_prompt_tokens,
+                    num_cached_tokens=request.num_cached_tokens,
+                    queue_seconds=(request.first_scheduled_time or now) - request.arrival_time if first else None,
+                )
+            )
+            if event.finish_reason is not None:
+                self.metrics.requests_finished += 1
+                self.log.info(
+                    "Request finished",
+                    request_id=request.request_id,
+                    finish_reason=event.finish_reason,
+                    output_tokens=len(request.output_token_ids),
+                    preemptions=request.num_preemptions,
+                )
+                await self._release(request)
+
+    async def _maybe_step(self) -> None:
+        if self._in_flight is not None or not self.core.has_work:
+            return
+        if self._free_count_stale:
+            self.core.num_free_blocks = (await self._allocate(0, (), ())).num_free_blocks
+            self._free_count_stale = False
+        for _ in range(_MAX_PLAN_ATTEMPTS):
+            plan = self.core.schedule()
+            for request in plan.preempted:
+                self.log.info("Request preempted", request_id=request.request_id, times=request.num_preemptions)
+                self.metrics.num_preemptions += 1
+            released = tuple(r.request_id for r in plan.preempted)
+            if plan.is_empty and not released:
+                await self._fail_unschedulable()
+                return
+            allocation = await self._allocate(plan.step_id, released, plan.block_requests())
+            chunks = self.core.apply_allocation(plan, allocation, self.clock())
+            if chunks is None:
+                continue
+            if not chunks:
+                await self._fail_unschedulable()
+                return
+            self._in_flight = plan
+            self.metrics.num_steps += 1
+            self.metrics.prefill_tokens_computed += sum(len(c.token_ids) for c in chunks if c.start_position < len(c.prompt_token_ids))
+            self.log.debug(
+                "Step scheduled",
+                step=plan.step_id,
+                decodes=sum(1 for c in chunks if len(c.token_ids) == 1 and c.sample),
+                prefill_tokens=sum(len(c.token_ids) for c in chunks if not (len(c.token_ids) == 1 and c.sample)),
+                requests=[(c.request_id, len(c.token_ids)) for c in chunks],
+            )
+            await self.runner.send(ExecuteStep(plan.step_id, tuple(chunks)))
+            self._report()
+            return
+        raise RuntimeError("scheduling did not converge: the cache manager keeps refusing running requests")
+
+    async def _allocate(self, step_id: int, release: tuple[str, ...], requests) -> StepAllocation:
+        send, receive = anyio.create_memory_object_stream[StepAllocation](1)
+        async with receive:
+            await self.cache.send(AllocateStep(step_id, release, requests, send))
+            return await receive.receive()
+
+    async def _fail_unschedulable(self) -> None:
+        """Nothing runs and the queue's head cannot fit: fail it rather than wait forever."""
+        if self.core.running or not self.core.waiting:
+            return
+        request = self.core.waiting[0]
+        self.core.abort(request.request_id)
+        await self._fail(request, f"request needs more KV cache blocks than are free ({self.core.num_free_blocks})")
+
+    async def _fail(self, request: Request, message: str) -> None:
+        self.metrics.requests_failed += 1
+        self.log.error("Request failed", request_id=request.request_id, error=message)
+        await self._release(request)
+        await self.detokenizer.send(
+            NewTokens(request.request_id, (), finish_reason="error", num_prompt_tokens=request.num_prompt_tokens, error=message)
+        )
+
+    async def _release(self, request: Request) -> None:
+        await self.cache.send(FreeBlocks(request.request_id))
+        self._free_count_stale = True
+
+    def _report(self) -> None:
+        self.metrics.num_running = len(self.core.running)
+        self.metrics.num_waiting = len(self.core.waiting)
+
+    async def on_error(self, message: SchedulerMessage, exc: Exception) -> None:
+        # Whatever went wrong, no request may be left waiting for a step that will never come:
+        # fail the ones held, and carry on with an empty, consistent core.
+        self._in_flight = None
+        for request in self.core.fail(list(self.core.requests)):
+            await self._fail(request, f"scheduler error: {exc!r}")

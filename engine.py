@@ -1,0 +1,219 @@
+"""`AsyncEngine`: five actors wired by typed, bounded channels, behind `generate` and `abort`.
+
+    async with AsyncEngine.serve(runtime) as engine:
+        async for out in engine.generate("Hello", SamplingParams(max_tokens=32)):
+            print(out.text, end="")
+
+Life of a request: ingress (validate, template, tokenize) -> scheduler (admit, plan steps) <->
+cache manager (blocks, prefix cache) -> runner (model + samplers) -> scheduler -> detokenizer
+(text, stop strings, finish) -> the caller's `RequestStream`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+import anyio
+import structlog
+
+from cadenza.actors.base import Actor, channel
+from cadenza.actors.cache_manager import CacheManagerActor, KVCacheManager
+from cadenza.actors.detokenizer import DetokenizerActor, IncrementalDetokenizer, TextDelta
+from cadenza.actors.ingress import IngressActor, PromptValidator
+from cadenza.actors.runner import RunnerActor
+from cadenza.actors.scheduler import SchedulerActor
+from cadenza.actors.scheduler_core import SchedulerCore
+from cadenza.messages import (
+    AbortRequest,
+    CacheMessage,
+    DetokenizerMessage,
+    IngressMessage,
+    RunnerMessage,
+    SchedulerMessage,
+    SubmitRequest,
+)
+from cadenza.metrics import EngineMetrics
+from cadenza.runtime import Runtime
+from cadenza.sampling_params import SamplingParams
+from cadenza.streams import GenerationOutput, RequestStream
+
+log = structlog.get_logger(__name__)
+
+INBOX_CAPACITY = 4096
+
+
+class EngineClosedError(RuntimeError):
+    """The engine is shutting down or unhealthy and takes no new requests."""
+
+
+class AsyncEngine:
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.metrics = EngineMetrics()
+        self._streams: dict[str, RequestStream] = {}
+        self._accepting = False
+        self._unhealthy_reason: str | None = None
+        self._ids = itertools.count()
+        self._build()
+
+    # --- wiring ---------------------------------------------------------------------------------
+
+    def _build(self) -> None:
+        rt, cfg = self.runtime, self.runtime.config
+        ingress_tx, ingress_rx = channel(IngressMessage, INBOX_CAPACITY)
+        scheduler_tx, scheduler_rx = channel(SchedulerMessage, INBOX_CAPACITY)
+        cache_tx, cache_rx = channel(CacheMessage, INBOX_CAPACITY)
+        runner_tx, runner_rx = channel(RunnerMessage, 4)
+        detok_tx, detok_rx = channel(DetokenizerMessage, INBOX_CAPACITY)
+        self._ingress, self._scheduler_inbox = ingress_tx, scheduler_tx
+        self.cache_core = KVCacheManager(
+            rt.num_blocks, rt.block_size, rt.eviction_policy_cls(), cfg.cache.enable_prefix_caching
+        )
+        self.scheduler_core = SchedulerCore(
+            cfg.scheduler,
+            block_size=rt.block_size,
+            eos_token_ids=rt.tokenizer.eos_token_ids,
+            max_model_len=rt.max_model_len,
+        )
+        validator = PromptValidator(
+            rt.tokenizer,
+            vocab_size=rt.loaded.arch.vocab_size,
+            max_model_len=rt.max_model_len,
+            max_prompt_tokens=cfg.server.max_prompt_tokens,
+            capacity_tokens=rt.num_blocks * rt.block_size,
+        )
+        self.actors: list[Actor] = [
+            IngressActor(
+                ingress_rx,
+                validator,
+                scheduler=scheduler_tx.clone(),
+                detokenizer=detok_tx.clone(),
+                metrics=self.metrics,
+                max_waiting=cfg.scheduler.max_waiting,
+                is_cancelled=lambda rid: rid not in self._streams or self._streams[rid].cancelled,
+            ),
+            SchedulerActor(
+                scheduler_rx,
+                self.scheduler_core,
+                cache=cache_tx,
+                runner=runner_tx,
+                detokenizer=detok_tx.clone(),
+                metrics=self.metrics,
+            ),
+            CacheManagerActor(cache_rx, self.cache_core, self.metrics),
+            RunnerActor(runner_rx, rt.runner, scheduler_tx.clone(), self.metrics),
+            DetokenizerActor(detok_rx, IncrementalDetokenizer(rt.tokenizer), self._deliver, scheduler_tx.clone(), self.metrics),
+        ]
+        detok_tx.close()  # only the clones held by actors stay open
+
+    def _deliver(self, delta: TextDelta) -> None:
+        stream = self._streams.get(delta.request_id)
+        if stream is not None:
+            stream.put(delta)
+
+    # --- lifecycle ------------------------------------------------------------------------------
+
+    @classmethod
+    @asynccontextmanager
+    async def serve(cls, runtime: Runtime, *, shutdown_grace: float = 5.0) -> AsyncIterator["AsyncEngine"]:
+        """Start the actors, yield the running engine, drain and stop on exit."""
+        engine = cls(runtime)
+        async with anyio.create_task_group() as tg:
+            for actor in engine.actors:
+                await tg.start(engine._supervise, actor)
+            engine._accepting = True
+            log.info("Started engine", actors=[a.name for a in engine.actors], kv_blocks=runtime.num_blocks)
+            try:
+                yield engine
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await engine.drain(shutdown_grace)
+                tg.cancel_scope.cancel()
+        log.info("Engine stopped")
+
+    async def _supervise(self, actor: Actor, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:
+        try:
+            await actor.run(task_status=task_status)
+        except anyio.get_cancelled_exc_class():
+            raise
+        except Exception as exc:
+            self._mark_unhealthy(f"actor {actor.name} failed: {exc!r}")
+
+    def _mark_unhealthy(self, reason: str) -> None:
+        self._unhealthy_reason = reason
+        self._accepting = False
+        log.error("Engine unhealthy", reason=reason)
+        for stream in list(self._streams.values()):
+            stream.put(TextDelta(stream.request_id, "", (), None, "error", error=reason, error_code="engine_failed"))
+
+    async def drain(self, grace: float) -> None:
+        """Stop accepting; let running requests finish within `grace` seconds; abort the rest."""
+        self._accepting = False
+        if self._streams:
+            log.info("Waiting for requests to finish", requests=len(self._streams), grace_seconds=grace)
+        with anyio.move_on_after(grace):
+            while self._streams:
+                await anyio.sleep(0.01)
+        for request_id in list(self._streams):
+            await self.abort(request_id)
+        with anyio.move_on_after(1.0):
+            while self._streams:
+                await anyio.sleep(0.01)
+
+    @property
+    def healthy(self) -> bool:
+        return self._unhealthy_reason is None
+
+    @property
+    def unhealthy_reason(self) -> str | None:
+        return self._unhealthy_reason
+
+    @property
+    def num_active_requests(self) -> int:
+        return len(self._streams)
+
+    # --- requests -------------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: Any,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[GenerationOutput]:
+        """Stream a request's output; leaving the loop early aborts the request."""
+        if not self._accepting:
+            raise EngineClosedError(self._unhealthy_reason or "the engine is not accepting requests")
+        request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        arrival = time.monotonic()
+        stream = RequestStream(request_id, arrival)
+        self._streams[request_id] = stream
+        finished = False
+        try:
+            await self._ingress.send(SubmitRequest(request_id, prompt, params or SamplingParams(), arrival, priority))
+            while True:
+                output = await stream.get()
+                finished = output.finished
+                yield output
+                if finished:
+                    return
+        finally:
+            if not finished:
+                with anyio.CancelScope(shield=True):
+                    await self.abort(request_id)
+            self._streams.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request now and free its blocks; its stream ends with finish_reason "abort"."""
+        stream = self._streams.get(request_id)
+        if stream is None or stream.finished:
+            return
+        stream.cancelled = True
+        await self._scheduler_inbox.send(AbortRequest(request_id, "abort"))

@@ -1,0 +1,203 @@
+"""Every message that passes between actors, grouped by the actor that receives it.
+
+Messages are frozen, slotted dataclasses and carry a `request_id` (or a step id for step-wide
+messages). Receivers dispatch with `match` on the type and fail loudly on anything else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from anyio.streams.memory import MemoryObjectSendStream
+
+from cadenza.model_runner import ScheduledChunk
+from cadenza.outputs import TokenLogprob
+from cadenza.sampling_params import SamplingParams
+
+# --- to the ingress -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SubmitRequest:
+    """A caller's request as it arrived: text, token ids or chat messages."""
+
+    request_id: str
+    prompt: Any
+    params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+
+
+IngressMessage = SubmitRequest
+
+# --- to the scheduler -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitRequest:
+    """A validated, tokenized request ready to be scheduled."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    max_tokens: int
+    arrival_time: float
+    priority: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class AbortRequest:
+    """Stop a request now. `reason` becomes its finish reason ("abort", or "stop" for stop strings)."""
+
+    request_id: str
+    reason: str = "abort"
+
+
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    request_id: str
+    token_id: int
+    logprob: TokenLogprob | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """What one step produced: a token per sampling request; requests that failed alone."""
+
+    step_id: int
+    sampled: tuple[SampledToken, ...]
+    failed: tuple[tuple[str, str], ...] = ()  # (request_id, error message)
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class StepFailed:
+    """The whole step failed (the model raised); every request in it fails with `message`."""
+
+    step_id: int
+    request_ids: tuple[str, ...]
+    message: str
+
+
+SchedulerMessage = Union[AdmitRequest, AbortRequest, StepOutput, StepFailed]
+
+# --- to the cache manager -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRequest:
+    """Make `request_id`'s block table cover `num_tokens` tokens.
+
+    `match_prefix` holds the request's tokens when it is (re-)admitted: the cache manager first
+    reuses cached blocks for its longest cached prefix, and then covers `num_tokens` more.
+    """
+
+    request_id: str
+    num_tokens: int
+    match_prefix: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockGrant:
+    request_id: str
+    granted: bool
+    block_table: tuple[int, ...] = ()
+    num_cached_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StepAllocation:
+    """The cache manager's answer to `AllocateStep`, in the order asked."""
+
+    step_id: int
+    grants: tuple[BlockGrant, ...]
+    num_free_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class AllocateStep:
+    """Free the blocks of `release`, then grant `requests` in order (running first, then new).
+
+    A new request (one with `match_prefix`) that does not fit is refused, and so is every new
+    request after it, so admission stays first come, first served.
+    """
+
+    step_id: int
+    release: tuple[str, ...]
+    requests: tuple[BlockRequest, ...]
+    reply: MemoryObjectSendStream[StepAllocation] = field(compare=False, repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class CommitTokens:
+    """A step's computed tokens, per request: their keys and values are now in the request's
+    blocks, so the blocks they complete become cacheable."""
+
+    step_id: int
+    entries: tuple[tuple[str, tuple[int, ...]], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class FreeBlocks:
+    """The request finished or was aborted: drop its references to its blocks."""
+
+    request_id: str
+
+
+CacheMessage = Union[AllocateStep, CommitTokens, FreeBlocks]
+
+# --- to the runner --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ExecuteStep:
+    step_id: int
+    chunks: tuple[ScheduledChunk, ...]
+
+
+RunnerMessage = ExecuteStep
+
+# --- to the detokenizer ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TrackRequest:
+    """Sent by the ingress before it admits a request, so the detokenizer knows it first."""
+
+    request_id: str
+    params: SamplingParams
+    prompt_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class NewTokens:
+    """Tokens a request generated; `finish_reason` is set on its last message from the scheduler."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    queue_seconds: float | None = None  # on a request's first tokens
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFailed:
+    """The request ends with `finish_reason="error"` before or without generating."""
+
+    request_id: str
+    message: str
+    code: str = "internal_error"
+
+
+DetokenizerMessage = Union[TrackRequest, NewTokens, RequestFailed]
+
+
+class UnexpectedMessageError(TypeError):
+    """An actor received a message type it does not handle: a wiring bug, never silently ignored."""
+
+    def __init__(self, actor: str, message: object) -> None:
+        super().__init__(f"{actor} cannot handle {type(message).__name__}: {message!r}")

@@ -1,0 +1,39 @@
+"""Engine counters and gauges, kept in one place for logs, tests and the server's /metrics."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class EngineMetrics:
+    """Written by the actors (each owns its fields), read by anyone; plain numbers, no locking needed."""
+
+    # scheduler
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    prompt_tokens: int = 0  # prompt tokens admitted
+    prefill_tokens_computed: int = 0  # prompt tokens actually run through the model
+    generation_tokens: int = 0
+    requests_finished: int = 0
+    requests_failed: int = 0
+    requests_aborted: int = 0
+    # cache manager
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_cached: int = 0
+    prefix_hit_rate: float = 0.0
+    prefix_cached_tokens: int = 0
+    # runner
+    step_seconds_total: float = 0.0
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    def snapshot(self) -> dict[str, float]:
+        values = asdict(self)
+        values["kv_usage"] = self.kv_usage
+        return values

@@ -1,0 +1,131 @@
+"""Per-request output streams between the detokenizer and whoever reads the request's output.
+
+Putting never blocks: deltas that arrive while the reader is busy are merged, so a slow reader
+costs memory for its own text only and never stalls the engine. A reader that falls more than
+`max_pending_tokens` behind is cut off with an error instead of growing without bound.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import anyio
+
+from cadenza.actors.detokenizer import TextDelta
+from cadenza.outputs import TokenLogprob
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTimings:
+    queue_seconds: float | None
+    ttft_seconds: float | None  # time to first token, from arrival
+    tpot_seconds: float | None  # mean time per output token after the first
+    e2e_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationOutput:
+    """One streamed update for a request: what is new since the last one, plus running totals."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    timings: RequestTimings | None = None
+    error: str | None = None
+    error_code: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SlowReaderError(RuntimeError):
+    pass
+
+
+class RequestStream:
+    def __init__(self, request_id: str, arrival_time: float, max_pending_tokens: int = 1 << 16) -> None:
+        self.request_id = request_id
+        self.arrival_time = arrival_time
+        self.max_pending_tokens = max_pending_tokens
+        self.cancelled = False
+        self.finished = False
+        self._pending: list[TextDelta] = []
+        self._pending_tokens = 0
+        self._ready = anyio.Event()
+        self._num_output = 0
+        self._first_token_time: float | None = None
+        self._finish_time: float | None = None
+        self._queue_seconds: float | None = None
+        self._num_prompt = 0
+        self._num_cached = 0
+
+    def put(self, delta: TextDelta) -> None:
+        if self.finished:
+            return
+        now = time.monotonic()
+        if delta.token_ids and self._first_token_time is None:
+            self._first_token_time = now  # when the token reached us, not when the reader looked
+        self._pending.append(delta)
+        self._pending_tokens += len(delta.token_ids)
+        if delta.finish_reason is not None:
+            self.finished = True
+            self._finish_time = now
+        elif self._pending_tokens > self.max_pending_tokens:
+            self.finished = True
+            self._finish_time = now
+            self._pending.append(
+                TextDelta(self.request_id, "", (), None, "error", error="the client read too slowly", error_code="slow_reader")
+            )
+        self._ready.set()
+
+    async def get(self) -> GenerationOutput:
+        await self._ready.wait()
+        self._ready = anyio.Event()
+        pending, self._pending, self._pending_tokens = self._pending, [], 0
+        return self._merge(pending)
+
+    def _merge(self, deltas: list[TextDelta]) -> GenerationOutput:
+        tokens: list[int] = []
+        logprobs: list[TokenLogprob] | None = None
+        finish = error = code = None
+        for d in deltas:
+            tokens.extend(d.token_ids)
+            if d.logprobs is not None:
+                logprobs = (logprobs or []) + list(d.logprobs)
+            finish = d.finish_reason or finish
+            error, code = d.error or error, d.error_code or code
+            self._num_prompt = d.num_prompt_tokens or self._num_prompt
+            self._num_cached = d.num_cached_tokens or self._num_cached
+            if d.queue_seconds is not None:
+                self._queue_seconds = d.queue_seconds
+        self._num_output += len(tokens)
+        timings = None
+        if finish is not None:
+            now = self._finish_time or time.monotonic()
+            first = self._first_token_time
+            timings = RequestTimings(
+                queue_seconds=self._queue_seconds,
+                ttft_seconds=None if first is None else first - self.arrival_time,
+                tpot_seconds=(now - first) / (self._num_output - 1) if first is not None and self._num_output > 1 else None,
+                e2e_seconds=now - self.arrival_time,
+            )
+        return GenerationOutput(
+            self.request_id,
+            "".join(d.text for d in deltas),
+            tuple(tokens),
+            tuple(logprobs) if logprobs is not None else None,
+            finish,
+            self._num_prompt,
+            self._num_output,
+            self._num_cached,
+            timings,
+            error,
+            code,
+        )
