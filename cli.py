@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int)
+    gen.add_argument("--verbose", action="store_true", help="show the engine's logs on stderr")
     _add_config_flags(gen)
 
     config = commands.add_parser("config", help="show the effective configuration or its reference")
@@ -48,14 +49,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    """Stream the completion to stdout as the engine produces it."""
+    import anyio
+
     from cadenza.config import load_config
-    from cadenza.llm import LLM
+    from cadenza.engine import AsyncEngine
     from cadenza.logging_setup import configure_logging
+    from cadenza.runtime import build_runtime
     from cadenza.sampling_params import SamplingParams
 
     config = load_config(args.config, overrides=_overrides(args))
-    configure_logging(config.logging.level, config.logging.format)
-    llm = LLM(config=config)
+    # Logs go to stderr and stay quiet below warnings unless asked, so stdout is the answer alone.
+    level = config.logging.level if args.verbose else "warning"
+    configure_logging(level, config.logging.format)
+    runtime = build_runtime(config)
     prompt: Any = args.prompt
     if args.chat:
         prompt = ([{"role": "system", "content": args.system}] if args.system else []) + [
@@ -64,9 +71,19 @@ def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
     )
-    (out,) = llm.generate([prompt], params)
-    print(out.text)
-    return 0
+
+    async def stream() -> int:
+        async with AsyncEngine.serve(runtime) as engine:
+            async for out in engine.generate(prompt, params):
+                sys.stdout.write(out.text)
+                sys.stdout.flush()
+                if out.finish_reason == "error":
+                    print(f"\ncadenza: error: {out.error}", file=sys.stderr)
+                    return 1
+        sys.stdout.write("\n")
+        return 0
+
+    return anyio.run(stream)
 
 
 def _config(args: argparse.Namespace) -> int:

@@ -29,6 +29,8 @@ from cadenza.actors.scheduler import SchedulerActor
 from cadenza.actors.scheduler_core import SchedulerCore
 from cadenza.messages import (
     AbortRequest,
+    AllocateStep,
+    StepAllocation,
     CacheMessage,
     DetokenizerMessage,
     IngressMessage,
@@ -69,7 +71,7 @@ class AsyncEngine:
         cache_tx, cache_rx = channel(CacheMessage, INBOX_CAPACITY)
         runner_tx, runner_rx = channel(RunnerMessage, 4)
         detok_tx, detok_rx = channel(DetokenizerMessage, INBOX_CAPACITY)
-        self._ingress, self._scheduler_inbox = ingress_tx, scheduler_tx
+        self._ingress, self._scheduler_inbox, self._cache_inbox = ingress_tx, scheduler_tx, cache_tx.clone()
         self.cache_core = KVCacheManager(
             rt.num_blocks, rt.block_size, rt.eviction_policy_cls(), cfg.cache.enable_prefix_caching
         )
@@ -93,7 +95,6 @@ class AsyncEngine:
                 scheduler=scheduler_tx.clone(),
                 detokenizer=detok_tx.clone(),
                 metrics=self.metrics,
-                max_waiting=cfg.scheduler.max_waiting,
                 is_cancelled=lambda rid: rid not in self._streams or self._streams[rid].cancelled,
             ),
             SchedulerActor(
@@ -103,6 +104,7 @@ class AsyncEngine:
                 runner=runner_tx,
                 detokenizer=detok_tx.clone(),
                 metrics=self.metrics,
+                max_waiting=cfg.scheduler.max_waiting,
             ),
             CacheManagerActor(cache_rx, self.cache_core, self.metrics),
             RunnerActor(runner_rx, rt.runner, scheduler_tx.clone(), self.metrics),
@@ -209,6 +211,17 @@ class AsyncEngine:
                 with anyio.CancelScope(shield=True):
                     await self.abort(request_id)
             self._streams.pop(request_id, None)
+
+    async def settle(self) -> StepAllocation:
+        """Wait until the cache manager has handled everything sent to it before this call.
+
+        Finished and aborted requests release their blocks before their callers hear of it, so
+        after `settle()` the cache reflects every request that has finished.
+        """
+        send, receive = anyio.create_memory_object_stream[StepAllocation](1)
+        async with receive:
+            await self._cache_inbox.send(AllocateStep(0, (), (), send))
+            return await receive.receive()
 
     async def abort(self, request_id: str) -> None:
         """Stop a request now and free its blocks; its stream ends with finish_reason "abort"."""

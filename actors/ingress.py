@@ -77,7 +77,6 @@ class IngressActor(Actor[IngressMessage]):
         scheduler: MemoryObjectSendStream[SchedulerMessage],
         detokenizer: MemoryObjectSendStream[DetokenizerMessage],
         metrics: EngineMetrics,
-        max_waiting: int,
         is_cancelled: Callable[[str], bool],
     ) -> None:
         super().__init__(inbox)
@@ -85,7 +84,6 @@ class IngressActor(Actor[IngressMessage]):
         self.scheduler = scheduler
         self.detokenizer = detokenizer
         self.metrics = metrics
-        self.max_waiting = max_waiting
         self.is_cancelled = is_cancelled
 
     async def handle(self, message: IngressMessage) -> None:
@@ -93,8 +91,6 @@ class IngressActor(Actor[IngressMessage]):
             raise UnexpectedMessageError(self.name, message)
         request_id = message.request_id
         try:
-            if self.metrics.num_waiting >= self.max_waiting:
-                raise RequestRejected("queue_full", f"{self.metrics.num_waiting} requests are waiting; try again later")
             if isinstance(message.prompt, str) and len(message.prompt) > OFF_LOOP_PROMPT_CHARS:
                 prompt_ids = await anyio.to_thread.run_sync(self.validator.tokenize, message.prompt)
             else:

@@ -27,6 +27,7 @@ from cadenza.messages import (
     ExecuteStep,
     FreeBlocks,
     NewTokens,
+    RequestFailed,
     RunnerMessage,
     SchedulerMessage,
     StepAllocation,
@@ -53,10 +54,12 @@ class SchedulerActor(Actor[SchedulerMessage]):
         runner: MemoryObjectSendStream[RunnerMessage],
         detokenizer: MemoryObjectSendStream[DetokenizerMessage],
         metrics: EngineMetrics,
+        max_waiting: int = 1 << 30,
         clock=time.monotonic,
     ) -> None:
         super().__init__(inbox)
         self.core = core
+        self.max_waiting = max_waiting
         self.cache = cache
         self.runner = runner
         self.detokenizer = detokenizer
@@ -78,6 +81,12 @@ class SchedulerActor(Actor[SchedulerMessage]):
 
     async def _dispatch(self, message: SchedulerMessage) -> None:
         match message:
+            case AdmitRequest() if len(self.core.waiting) >= self.max_waiting:
+                # Checked here, where the queue's length is exact, not at the ingress.
+                waiting = len(self.core.waiting)
+                await self.detokenizer.send(
+                    RequestFailed(message.request_id, f"{waiting} requests are waiting; try again later", "queue_full")
+                )
             case AdmitRequest():
                 self._admit(message)
             case AbortRequest(request_id=request_id, reason=reason):
@@ -127,6 +136,18 @@ class SchedulerActor(Actor[SchedulerMessage]):
             request, token = event.request, event.token
             first = len(request.output_token_ids) == 1
             self.metrics.generation_tokens += 1
+            if event.finish_reason is not None:
+                # Blocks go back before anyone hears of the finish, so a caller who sees it can
+                # count on the cache being free.
+                await self._release(request)
+                self.metrics.requests_finished += 1
+                self.log.info(
+                    "Request finished",
+                    request_id=request.request_id,
+                    finish_reason=event.finish_reason,
+                    output_tokens=len(request.output_token_ids),
+                    preemptions=request.num_preemptions,
+                )
             await self.detokenizer.send(
                 NewTokens(
                     request.request_id,
@@ -138,16 +159,6 @@ class SchedulerActor(Actor[SchedulerMessage]):
                     queue_seconds=(request.first_scheduled_time or now) - request.arrival_time if first else None,
                 )
             )
-            if event.finish_reason is not None:
-                self.metrics.requests_finished += 1
-                self.log.info(
-                    "Request finished",
-                    request_id=request.request_id,
-                    finish_reason=event.finish_reason,
-                    output_tokens=len(request.output_token_ids),
-                    preemptions=request.num_preemptions,
-                )
-                await self._release(request)
 
     async def _maybe_step(self) -> None:
         if self._in_flight is not None or not self.core.has_work:
