@@ -6,15 +6,21 @@ scheduler's and cache manager's business. Synchronous; the runner actor calls it
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from cadenza.attention_backends.base import AttentionBackend, AttentionMetadata
 from cadenza.models.llama import LlamaForCausalLM
 from cadenza.samplers.base import SamplerOutput, SamplingBatch, SamplingError
 from cadenza.sampling_params import SamplingParams
+
+
+# A decode scheduled before the step that samples its input token has finished carries this in
+# place of the token; the runner fills in what that step sampled (steps run in order).
+PENDING_TOKEN = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,6 +30,8 @@ class ScheduledChunk:
     `token_ids` sit at positions `start_position ..`; the tokens before them are already cached in
     `block_table`, which covers every position this step writes. When `sample` is set (a decode, or
     the last chunk of a prompt) the step picks the sequence's next token from its last position.
+    A decode's token may be `PENDING_TOKEN`: the token the previous step sampled for this request,
+    which `output_token_ids` (a snapshot) does not hold yet either.
     """
 
     request_id: str
@@ -51,6 +59,27 @@ class StepResult:
     failed: list[tuple[str, str]] = field(default_factory=list)
 
 
+class _PackingBuffers:
+    """Host arrays reused every step, grown when a step needs more; tensors are views of them."""
+
+    def __init__(self) -> None:
+        self.tokens = np.empty(0, dtype=np.int64)
+        self.tables = np.empty((0, 0), dtype=np.int64)
+
+    def token_array(self, n: int) -> np.ndarray:
+        if self.tokens.shape[0] < n:
+            self.tokens = np.empty(max(n, 2 * self.tokens.shape[0]), dtype=np.int64)
+        return self.tokens[:n]
+
+    def table_array(self, rows: int, cols: int) -> np.ndarray:
+        have_rows, have_cols = self.tables.shape
+        if have_rows < rows or have_cols < cols:
+            self.tables = np.empty((max(rows, have_rows), max(cols, have_cols)), dtype=np.int64)
+        table = self.tables[:rows, :cols]
+        table.fill(0)
+        return table
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -67,11 +96,41 @@ class ModelRunner:
         self.sampling_pipeline = sampling_pipeline
         self.block_size = block_size
         self.device = device
+        self._buffers = _PackingBuffers()
+        self._last_sampled: dict[str, int] = {}  # what the previous step sampled, by request
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[ScheduledChunk], return_logits: bool = False) -> StepResult:
         if not chunks:
             raise ValueError("a step needs at least one chunk")
+        chunks, unresolved = self._resolve_pending(chunks)
+        failed = [(c.request_id, "the step that was to produce its input token failed") for c in unresolved]
+        if not chunks:
+            self._last_sampled = {}
+            return StepResult([], None, failed=failed)
+        result = self._run(chunks, return_logits)
+        result.failed[:0] = failed
+        if result.sampled is not None:
+            self._last_sampled = dict(zip(result.request_ids, result.sampled.token_ids.tolist()))
+        else:
+            self._last_sampled = {}
+        return result
+
+    def _resolve_pending(self, chunks: Sequence[ScheduledChunk]) -> tuple[list[ScheduledChunk], list[ScheduledChunk]]:
+        resolved, unresolved = [], []
+        for chunk in chunks:
+            if PENDING_TOKEN not in chunk.token_ids:
+                resolved.append(chunk)
+                continue
+            token = self._last_sampled.get(chunk.request_id)
+            if token is None:
+                unresolved.append(chunk)
+                continue
+            ids = [token if t == PENDING_TOKEN else t for t in chunk.token_ids]
+            resolved.append(replace(chunk, token_ids=ids, output_token_ids=(*chunk.output_token_ids, token)))
+        return resolved, unresolved
+
+    def _run(self, chunks: Sequence[ScheduledChunk], return_logits: bool) -> StepResult:
         input_ids, positions, meta = self._prepare(chunks)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
         sampling_rows = [i for i, c in enumerate(chunks) if c.sample]
@@ -117,37 +176,41 @@ class ModelRunner:
 
     def _prepare(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         block_size = self.block_size
+        num_seqs = len(chunks)
         query_lens = [len(c.token_ids) for c in chunks]
         starts = [c.start_position for c in chunks]
         seq_lens = [s + q for s, q in zip(starts, query_lens)]
-        max_blocks = max(len(c.block_table) for c in chunks)
         for c, seq_len in zip(chunks, seq_lens):
             if len(c.block_table) * block_size < seq_len:
                 raise ValueError(
                     f"request {c.request_id}: block table covers {len(c.block_table) * block_size} tokens, "
                     f"step needs {seq_len}"
                 )
-        block_tables = torch.tensor(
-            [list(c.block_table) + [0] * (max_blocks - len(c.block_table)) for c in chunks], dtype=torch.int64
-        )
-        input_ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64)
-        query_lens_t = torch.tensor(query_lens, dtype=torch.int64)
-        seq_index = torch.repeat_interleave(torch.arange(len(chunks)), query_lens_t)
-        query_start_loc = torch.zeros(len(chunks) + 1, dtype=torch.int64)
-        torch.cumsum(query_lens_t, 0, out=query_start_loc[1:])
-        context_lens = torch.tensor(starts, dtype=torch.int64)
-        positions = context_lens[seq_index] + (torch.arange(len(input_ids)) - query_start_loc[seq_index])
-        slot_mapping = block_tables[seq_index, positions // block_size] * block_size + positions % block_size
+        num_tokens = sum(query_lens)
+        tables = self._buffers.table_array(num_seqs, max(len(c.block_table) for c in chunks))
+        ids = self._buffers.token_array(num_tokens)
+        offset = 0
+        for row, chunk in enumerate(chunks):
+            tables[row, : len(chunk.block_table)] = chunk.block_table
+            ids[offset : offset + query_lens[row]] = chunk.token_ids
+            offset += query_lens[row]
+        query_lens_np = np.asarray(query_lens, dtype=np.int64)
+        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(query_lens_np, out=query_start_loc[1:])
+        seq_index = np.repeat(np.arange(num_seqs), query_lens_np)
+        context_lens = np.asarray(starts, dtype=np.int64)
+        positions = context_lens[seq_index] + np.arange(num_tokens) - query_start_loc[seq_index]
+        slot_mapping = tables[seq_index, positions // block_size] * block_size + positions % block_size
         device = self.device
         meta = AttentionMetadata(
-            query_start_loc=query_start_loc.to(device),
+            query_start_loc=torch.from_numpy(query_start_loc).to(device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
-            context_lens=context_lens.to(device),
-            block_tables=block_tables.to(device),
-            slot_mapping=slot_mapping.to(device),
+            context_lens=torch.from_numpy(context_lens).to(device),
+            block_tables=torch.from_numpy(tables).to(device),
+            slot_mapping=torch.from_numpy(slot_mapping).to(device),
             query_lens_list=query_lens,
             seq_lens_list=seq_lens,
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
         )
-        return input_ids.to(device), positions.to(device), meta
+        return torch.from_numpy(ids).to(device), torch.from_numpy(positions).to(device), meta

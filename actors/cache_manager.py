@@ -191,8 +191,8 @@ class KVCacheManager:
         return hits, hashes
 
     def _acquire(self, block: int) -> None:
-        if self._ref[block] == 0:
-            self.policy.on_acquire(block)
+        # Every reuse counts (LFU's frequency), not only a revival from the evictable set.
+        self.policy.on_acquire(block)
         self._ref[block] += 1
 
     def _grow(self, request_id: str, num_tokens: int) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+import structlog
 from anyio.streams.memory import MemoryObjectSendStream
 from tokenizers.decoders import DecodeStream
 
@@ -19,6 +20,11 @@ from cadenza.metrics import EngineMetrics
 from cadenza.models.tokenizer import Tokenizer
 from cadenza.outputs import TokenLogprob
 from cadenza.sampling_params import SamplingParams
+
+log = structlog.get_logger(__name__)
+
+# How `tokenizers` words the error of a `DecodeStream` whose decoder rewrote text already emitted.
+_INVALID_PREFIX = "Invalid prefix encountered"
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +50,9 @@ class _Stream:
     text: str = ""  # everything decoded so far
     sent: int = 0  # characters of `text` already emitted
     token_ids: list[int] = field(default_factory=list)
+    num_decoded: int = 0  # leading `token_ids` whose text is in `text`; the rest the decoder holds
     stop_max: int = field(default=0)
+    stopped: bool = False  # a stop string was hit: the request's text is complete
 
 
 class IncrementalDetokenizer:
@@ -65,26 +73,35 @@ class IncrementalDetokenizer:
     def add(self, request_id: str, token_ids: tuple[int, ...], finishing: bool) -> tuple[str, bool]:
         """(text to emit now, whether a stop string was hit). Finishing flushes held-back text."""
         stream = self._streams[request_id]
-        backend = self.tokenizer.backend
+        if stream.stopped:
+            return "", False  # tokens that were in flight when the stop string was hit
         for token in token_ids:
-            piece = stream.decoder.step(backend, token)
+            stream.token_ids.append(token)
+            piece = self._step(request_id, stream, token)
             if piece:
                 stream.text += piece
-        stream.token_ids.extend(token_ids)
+                stream.num_decoded = len(stream.token_ids)
         if finishing:
             # The stream holds back bytes that do not yet form a character; at the end, the
             # whole decode says what they are (a replacement character, if they never complete).
-            full = self.tokenizer.decode(stream.token_ids, skip_special_tokens=stream.params.skip_special_tokens)
+            skip = stream.params.skip_special_tokens
+            full = self.tokenizer.decode(stream.token_ids, skip_special_tokens=skip)
             if full.startswith(stream.text):
                 stream.text = full
+            else:  # the decoder rewrote emitted text (see `_step`): add what it still held
+                stream.text += self.tokenizer.decode(stream.token_ids[stream.num_decoded :], skip_special_tokens=skip)
         params = stream.params
         if params.stop:
             # Only the new text (plus a stop string's length of context) can hold a new match.
             search_from = max(0, stream.sent - stream.stop_max + 1)
-            hits = [(i, s) for s in params.stop if (i := stream.text.find(s, search_from)) != -1]
+            # The stop string that is complete first wins (on a tie, the one that starts first),
+            # as if the text had arrived a character at a time, so how tokens were grouped into
+            # messages cannot change where the text stops.
+            hits = [(i + len(s), i, s) for s in params.stop if (i := stream.text.find(s, search_from)) != -1]
             if hits:
-                index, stop = min(hits)
+                _, index, stop = min(hits)
                 end = index + (len(stop) if params.include_stop_str_in_output else 0)
+                stream.stopped = True
                 return self._emit(stream, max(end, stream.sent)), True
             if not finishing:
                 return self._emit(stream, len(stream.text) - _partial_stop_len(stream.text, params.stop)), False
@@ -92,6 +109,22 @@ class IncrementalDetokenizer:
 
     def finish(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
+
+    def _step(self, request_id: str, stream: _Stream, token: int) -> str | None:
+        backend = self.tokenizer.backend
+        try:
+            return stream.decoder.step(backend, token)
+        except Exception as exc:
+            if not str(exc).startswith(_INVALID_PREFIX):
+                raise
+        # A byte-fallback decoder (SentencePiece) turns a whole run of byte tokens into
+        # replacement characters once the run stops being UTF-8, which changes text already
+        # emitted, and the DecodeStream fails from then on. What was emitted stays; decode on
+        # with a new stream, starting from the tokens the old one still held.
+        log.warning("Decoded text changed after it was emitted; restarting the decode stream", request_id=request_id)
+        stream.decoder = DecodeStream(skip_special_tokens=stream.params.skip_special_tokens)
+        pieces = [stream.decoder.step(backend, held) for held in stream.token_ids[stream.num_decoded :]]
+        return "".join(piece for piece in pieces if piece)
 
     @staticmethod
     def _emit(stream: _Stream, end: int) -> str:

@@ -78,8 +78,10 @@ class SchedulerCore:
             return None
         if request in self.running:
             self.running.remove(request)
-        else:
+        elif request in self.waiting:
             self.waiting.remove(request)
+        # Otherwise a plan not yet applied took it from the queue (the actor's error path fails
+        # every request after a step failed between `schedule` and `apply_allocation`).
         return request
 
     # --- planning -------------------------------------------------------------------------------
@@ -101,7 +103,11 @@ class SchedulerCore:
             while need > free and running[-1] is not request:
                 free += self._preempt(running.pop(), plan)
             if need > free:
-                free += self._preempt(running.pop(), plan)
+                # It does not fit even with every request ranked below it preempted. If nothing is
+                # scheduled before it, it needs more than the whole cache: it goes to the head of
+                # the queue whatever the policy, so the queue's head is the request that cannot
+                # fit (the actor fails the head when nothing runs), not a better-ranked bystander.
+                free += self._preempt(running.pop(), plan, front=not plan.scheduled)
                 break
             free -= need
             budget -= n
@@ -210,7 +216,7 @@ class SchedulerCore:
         request.block_table = table
         request.num_blocks = len(table)
 
-    def _preempt(self, request: Request, plan: StepPlan) -> int:
+    def _preempt(self, request: Request, plan: StepPlan, front: bool = False) -> int:
         """Back to the queue, to be recomputed; returns the blocks it held."""
         held = request.num_blocks
         request.num_computed_tokens = 0
@@ -218,7 +224,7 @@ class SchedulerCore:
         self._set_blocks(request, ())
         self.num_preemptions += 1
         plan.preempted.append(request)
-        self._enqueue(request, front=self.config.policy == "fcfs")
+        self._enqueue(request, front=front or self.config.policy == "fcfs")
         return held
 
     def _enqueue(self, request: Request, front: bool = False) -> None:

@@ -138,6 +138,11 @@ class SchedulerConfig(_Section):
     policy: Literal["fcfs", "priority"] = Field(
         "fcfs", description="Queue order: first come first served, or by request priority."
     )
+    async_scheduling: bool = Field(
+        True,
+        description="Plan step N+1 while step N runs, so scheduling overlaps the forward pass. "
+        "A request that stops on EOS then runs one discarded extra step.",
+    )
 
     @model_validator(mode="after")
     def _chunk_fits(self) -> SchedulerConfig:

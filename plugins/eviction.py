@@ -20,8 +20,9 @@ class EvictionPolicy(ABC):
     """Orders evictable cached blocks.
 
     Call order per block: `on_cached` once when the block enters the prefix cache; `on_release` each
-    time it becomes evictable (no request holds it), `on_acquire` each time a request reuses it
-    (no longer evictable; a prefix hit), and `on_evict`/`pop_victim` when it leaves the cache.
+    time it becomes evictable (no request holds it); `on_acquire` on every prefix hit, whether the
+    block was evictable (it no longer is) or already held by other requests; and
+    `on_evict`/`pop_victim` when it leaves the cache.
     `pop_victim` is only called when `len(policy) > 0` and returns an evictable block id.
     """
 
