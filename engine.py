@@ -53,8 +53,9 @@ class EngineClosedError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: Runtime, *, max_pending_tokens: int = 1 << 16) -> None:
         self.runtime = runtime
+        self.max_pending_tokens = max_pending_tokens  # per stream, before a slow reader is cut off
         self.metrics = EngineMetrics()
         self._streams: dict[str, RequestStream] = {}
         self._accepting = False
@@ -114,16 +115,22 @@ class AsyncEngine:
 
     def _deliver(self, delta: TextDelta) -> None:
         stream = self._streams.get(delta.request_id)
-        if stream is not None:
-            stream.put(delta)
+        if stream is not None and stream.put(delta):
+            # The reader fell too far behind: its stream has ended, so stop generating for it.
+            try:
+                self._scheduler_inbox.send_nowait(AbortRequest(delta.request_id, "abort"))
+            except anyio.WouldBlock:
+                log.warning("Could not abort a slow reader's request", request_id=delta.request_id)
 
     # --- lifecycle ------------------------------------------------------------------------------
 
     @classmethod
     @asynccontextmanager
-    async def serve(cls, runtime: Runtime, *, shutdown_grace: float = 5.0) -> AsyncIterator["AsyncEngine"]:
+    async def serve(
+        cls, runtime: Runtime, *, shutdown_grace: float = 5.0, max_pending_tokens: int = 1 << 16
+    ) -> AsyncIterator["AsyncEngine"]:
         """Start the actors, yield the running engine, drain and stop on exit."""
-        engine = cls(runtime)
+        engine = cls(runtime, max_pending_tokens=max_pending_tokens)
         async with anyio.create_task_group() as tg:
             for actor in engine.actors:
                 await tg.start(engine._supervise, actor)
@@ -195,7 +202,7 @@ class AsyncEngine:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival = time.monotonic()
-        stream = RequestStream(request_id, arrival)
+        stream = RequestStream(request_id, arrival, self.max_pending_tokens)
         self._streams[request_id] = stream
         finished = False
         try:

@@ -182,6 +182,7 @@ class NewTokens:
     num_cached_tokens: int = 0
     queue_seconds: float | None = None  # on a request's first tokens
     error: str | None = None
+    error_code: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

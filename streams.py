@@ -66,9 +66,10 @@ class RequestStream:
         self._num_prompt = 0
         self._num_cached = 0
 
-    def put(self, delta: TextDelta) -> None:
+    def put(self, delta: TextDelta) -> bool:
+        """Queue a delta; True when this put cut a slow reader off (its request should stop)."""
         if self.finished:
-            return
+            return False
         now = time.monotonic()
         if delta.token_ids and self._first_token_time is None:
             self._first_token_time = now  # when the token reached us, not when the reader looked
@@ -83,7 +84,10 @@ class RequestStream:
             self._pending.append(
                 TextDelta(self.request_id, "", (), None, "error", error="the client read too slowly", error_code="slow_reader")
             )
+            self._ready.set()
+            return True
         self._ready.set()
+        return False
 
     async def get(self) -> GenerationOutput:
         await self._ready.wait()

@@ -194,7 +194,16 @@ class DetokenizerActor(Actor[DetokenizerMessage]):
                 message.num_prompt_tokens,
                 message.num_cached_tokens,
                 error=message.error,
-                error_code="sampler_error" if message.error else None,
+                error_code=message.error_code or ("internal_error" if message.error else None),
                 queue_seconds=message.queue_seconds,
             )
         )
+
+    async def on_error(self, message: DetokenizerMessage, exc: Exception) -> None:
+        # One request's text went wrong: finish that request with an error, keep serving the rest.
+        request_id = getattr(message, "request_id", None)
+        if request_id is None:
+            raise exc
+        self.core.finish(request_id)
+        self.deliver(TextDelta(request_id, "", (), None, "error", error=f"detokenizer failed: {exc!r}", error_code="internal_error"))
+        await self.scheduler.send(AbortRequest(request_id, "abort"))

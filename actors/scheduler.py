@@ -102,7 +102,7 @@ class SchedulerActor(Actor[SchedulerMessage]):
             case StepFailed(request_ids=request_ids, message=text):
                 self._in_flight = None
                 for request in self.core.fail(request_ids):
-                    await self._fail(request, text)
+                    await self._fail(request, text, "step_failed")
             case _:
                 raise UnexpectedMessageError(self.name, message)
         self._report()
@@ -130,7 +130,7 @@ class SchedulerActor(Actor[SchedulerMessage]):
         await self.cache.send(CommitTokens(plan.step_id, tuple(self.core.computed_tokens(plan))))
         for request_id, error in output.failed:
             for request in self.core.fail([request_id]):
-                await self._fail(request, error)
+                await self._fail(request, error, "sampler_error")
         now = self.clock()
         for event in self.core.update_from_output(output.sampled):
             request, token = event.request, event.token
@@ -209,14 +209,23 @@ class SchedulerActor(Actor[SchedulerMessage]):
             return
         request = self.core.waiting[0]
         self.core.abort(request.request_id)
-        await self._fail(request, f"request needs more KV cache blocks than are free ({self.core.num_free_blocks})")
+        await self._fail(
+            request, f"request needs more KV cache blocks than are free ({self.core.num_free_blocks})", "kv_cache_full"
+        )
 
-    async def _fail(self, request: Request, message: str) -> None:
+    async def _fail(self, request: Request, message: str, code: str = "internal_error") -> None:
         self.metrics.requests_failed += 1
         self.log.error("Request failed", request_id=request.request_id, error=message)
         await self._release(request)
         await self.detokenizer.send(
-            NewTokens(request.request_id, (), finish_reason="error", num_prompt_tokens=request.num_prompt_tokens, error=message)
+            NewTokens(
+                request.request_id,
+                (),
+                finish_reason="error",
+                num_prompt_tokens=request.num_prompt_tokens,
+                error=message,
+                error_code=code,
+            )
         )
 
     async def _release(self, request: Request) -> None:
@@ -232,4 +241,4 @@ class SchedulerActor(Actor[SchedulerMessage]):
         # fail the ones held, and carry on with an empty, consistent core.
         self._in_flight = None
         for request in self.core.fail(list(self.core.requests)):
-            await self._fail(request, f"scheduler error: {exc!r}")
+            await self._fail(request, f"scheduler error: {exc!r}", "scheduler_error")

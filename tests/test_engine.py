@@ -305,3 +305,21 @@ async def test_shutdown_drains_then_aborts(model_path):
             await anyio.sleep(0)
             await engine.drain(0.05)
     assert outputs and outputs[-1].finish_reason in ("abort", "length")
+
+
+async def test_slow_reader_is_cut_off_and_its_request_stops(model_path):
+    async with AsyncEngine.serve(make_runtime(model_path), max_pending_tokens=8) as engine:
+        stream = engine.generate([5, 6, 7], greedy(400), request_id="slow")
+        first = await stream.__anext__()
+        # Stop reading: more than 8 tokens pile up, the stream is cut off, the request aborted.
+        with anyio.fail_after(20):
+            while "slow" in engine.scheduler_core.requests or first.finished:
+                await anyio.sleep(0.01)
+        last = first
+        async for last in stream:
+            pass
+        assert last.finish_reason == "error" and last.error_code == "slow_reader"
+        assert engine.metrics.generation_tokens < 400
+        await assert_no_block_leaked(engine)
+        _, tokens, _ = await collect(engine, [5, 6, 7], greedy(4))  # others carry on
+        assert len(tokens) == 4
