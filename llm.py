@@ -84,7 +84,7 @@ class LLM:
     def close(self) -> None:
         """Stop the engine, then its event loop thread."""
         engine_cm, self._engine_cm = getattr(self, "_engine_cm", None), None
-        if engine_cm is None:
+        if engine_cm is None or not self._thread.is_alive():
             return
         try:
             engine_cm.__exit__(None, None, None)
@@ -99,8 +99,13 @@ class LLM:
         self.close()
 
     def __del__(self) -> None:
-        if sys.is_finalizing():
+        if sys.is_finalizing() or getattr(self, "_engine_cm", None) is None:
             return  # the loop thread is a daemon: nothing left to wait for
+        # The collector may run this in any thread, even one the engine's loop is waiting on,
+        # where a blocking close would deadlock: close from a thread of its own instead.
+        threading.Thread(target=self._close_quietly, name="cadenza-close", daemon=True).start()
+
+    def _close_quietly(self) -> None:
         try:
             self.close()
         except Exception:
