@@ -106,6 +106,7 @@ class AsyncEngine:
                 detokenizer=detok_tx.clone(),
                 metrics=self.metrics,
                 max_waiting=cfg.scheduler.max_waiting,
+                async_scheduling=cfg.scheduler.async_scheduling,
             ),
             CacheManagerActor(cache_rx, self.cache_core, self.metrics),
             RunnerActor(runner_rx, rt.runner, scheduler_tx.clone(), self.metrics),

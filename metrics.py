@@ -28,6 +28,7 @@ class EngineMetrics:
     prefix_cached_tokens: int = 0
     # runner
     step_seconds_total: float = 0.0
+    steps_ready_on_finish: int = 0  # the next step was already queued when one finished (overlap)
 
     @property
     def kv_usage(self) -> float:

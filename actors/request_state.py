@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cadenza.model_runner import PENDING_TOKEN
 from cadenza.sampling_params import SamplingParams
 
 
@@ -26,6 +27,8 @@ class Request:
     generator: torch.Generator | None = None
     first_scheduled_time: float | None = None
     sequence_number: int = 0  # admission order, breaks ties in the queue
+    num_pending: int = 0  # tokens being sampled by steps in flight
+    epoch: int = 0  # bumped on preemption: results of steps planned before it are stale
 
     @property
     def num_tokens(self) -> int:
@@ -36,17 +39,26 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
+    def num_planned_tokens(self) -> int:
+        """Tokens once the steps in flight have delivered theirs."""
+        return self.num_tokens + self.num_pending
+
+    @property
     def is_prefilling(self) -> bool:
         return self.num_computed_tokens < self.num_tokens - 1
 
     def tokens(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of prompt + output, without building the whole list."""
+        """Tokens [start, end) of prompt + output, without building the whole list; positions
+        whose token a step in flight is still sampling read `PENDING_TOKEN`."""
         prompt = self.prompt_token_ids
         if end <= len(prompt):
             return list(prompt[start:end])
+        known = self.num_tokens
+        pending = [PENDING_TOKEN] * (end - max(start, known)) if end > known else []
+        end = min(end, known)
         if start >= len(prompt):
-            return self.output_token_ids[start - len(prompt) : end - len(prompt)]
-        return list(prompt[start:]) + self.output_token_ids[: end - len(prompt)]
+            return self.output_token_ids[start - len(prompt) : end - len(prompt)] + pending
+        return list(prompt[start:]) + self.output_token_ids[: end - len(prompt)] + pending
 
     def all_tokens(self) -> tuple[int, ...]:
         return self.prompt_token_ids + tuple(self.output_token_ids)

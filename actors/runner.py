@@ -45,6 +45,8 @@ class RunnerActor(Actor[RunnerMessage]):
             return
         seconds = time.perf_counter() - started
         self.metrics.step_seconds_total += seconds
+        if self.inbox.statistics().current_buffer_used:
+            self.metrics.steps_ready_on_finish += 1
         await self.scheduler.send(
             StepOutput(message.step_id, sampled_tokens(result, message), tuple(result.failed), seconds)
         )

@@ -1,14 +1,17 @@
 """The scheduler actor: admits requests, plans each step, and turns step outputs into tokens.
 
-One step is in flight at a time. Per step: plan (`SchedulerCore.schedule`), ask the cache manager
-for blocks (`AllocateStep`, answered on a one-shot channel), hand the chunks to the runner, and when
-its `StepOutput` arrives, commit the computed tokens to the prefix cache, forward new tokens to the
-detokenizer and release finished requests' blocks.
+Per step: plan (`SchedulerCore.schedule`), ask the cache manager for blocks (`AllocateStep`,
+answered on a one-shot channel), hand the chunks to the runner, and when its `StepOutput` arrives,
+commit the computed tokens to the prefix cache, forward new tokens to the detokenizer and release
+finished requests' blocks. With async scheduling, step N+1 is planned and queued at the runner
+while step N runs: a decode whose input token step N is still sampling carries a placeholder the
+runner fills in, so planning and messaging overlap the forward pass.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import anyio
 import torch
@@ -55,17 +58,19 @@ class SchedulerActor(Actor[SchedulerMessage]):
         detokenizer: MemoryObjectSendStream[DetokenizerMessage],
         metrics: EngineMetrics,
         max_waiting: int = 1 << 30,
+        async_scheduling: bool = False,
         clock=time.monotonic,
     ) -> None:
         super().__init__(inbox)
         self.core = core
         self.max_waiting = max_waiting
+        self.max_in_flight = 2 if async_scheduling else 1
         self.cache = cache
         self.runner = runner
         self.detokenizer = detokenizer
         self.metrics = metrics
         self.clock = clock
-        self._in_flight: StepPlan | None = None
+        self._in_flight: deque[StepPlan] = deque()
         self._free_count_stale = True
 
     async def handle(self, message: SchedulerMessage) -> None:
@@ -99,8 +104,8 @@ class SchedulerActor(Actor[SchedulerMessage]):
                     await self.detokenizer.send(NewTokens(request_id, (), finish_reason=reason))
             case StepOutput():
                 await self._on_step_output(message)
-            case StepFailed(request_ids=request_ids, message=text):
-                self._in_flight = None
+            case StepFailed(step_id=step_id, request_ids=request_ids, message=text):
+                self._finish_step(step_id)
                 for request in self.core.fail(request_ids):
                     await self._fail(request, text, "step_failed")
             case _:
@@ -123,16 +128,21 @@ class SchedulerActor(Actor[SchedulerMessage]):
         self.metrics.prompt_tokens += request.num_prompt_tokens
         self.log.info("Request admitted", request_id=request.request_id, prompt_tokens=request.num_prompt_tokens)
 
+    def _finish_step(self, step_id: int) -> StepPlan:
+        """Steps finish in the order they were sent; anything else is a wiring bug."""
+        plan = self._in_flight.popleft() if self._in_flight else None
+        if plan is None or plan.step_id != step_id:
+            raise RuntimeError(f"step {step_id} finished but step {plan and plan.step_id} was next in flight")
+        return plan
+
     async def _on_step_output(self, output: StepOutput) -> None:
-        plan, self._in_flight = self._in_flight, None
-        if plan is None or plan.step_id != output.step_id:
-            raise RuntimeError(f"step {output.step_id} finished but step {plan and plan.step_id} was in flight")
+        plan = self._finish_step(output.step_id)
         await self.cache.send(CommitTokens(plan.step_id, tuple(self.core.computed_tokens(plan))))
         for request_id, error in output.failed:
             for request in self.core.fail([request_id]):
                 await self._fail(request, error, "sampler_error")
         now = self.clock()
-        for event in self.core.update_from_output(output.sampled):
+        for event in self.core.update_from_output(output.sampled, plan):
             request, token = event.request, event.token
             first = len(request.output_token_ids) == 1
             self.metrics.generation_tokens += 1
@@ -161,8 +171,12 @@ class SchedulerActor(Actor[SchedulerMessage]):
             )
 
     async def _maybe_step(self) -> None:
-        if self._in_flight is not None or not self.core.has_work:
-            return
+        while len(self._in_flight) < self.max_in_flight and self.core.has_work:
+            if not await self._plan_one_step():
+                return
+
+    async def _plan_one_step(self) -> bool:
+        """Plan a step and send it to the runner; False when there is nothing to run now."""
         if self._free_count_stale:
             self.core.num_free_blocks = (await self._allocate(0, (), ())).num_free_blocks
             self._free_count_stale = False
@@ -173,16 +187,18 @@ class SchedulerActor(Actor[SchedulerMessage]):
                 self.metrics.num_preemptions += 1
             released = tuple(r.request_id for r in plan.preempted)
             if plan.is_empty and not released:
-                await self._fail_unschedulable()
-                return
+                if not self._in_flight:
+                    await self._fail_unschedulable()
+                return False
             allocation = await self._allocate(plan.step_id, released, plan.block_requests())
             chunks = self.core.apply_allocation(plan, allocation, self.clock())
             if chunks is None:
                 continue
             if not chunks:
-                await self._fail_unschedulable()
-                return
-            self._in_flight = plan
+                if not self._in_flight:
+                    await self._fail_unschedulable()
+                return False
+            self._in_flight.append(plan)
             self.metrics.num_steps += 1
             self.metrics.prefill_tokens_computed += sum(len(c.token_ids) for c in chunks if c.start_position < len(c.prompt_token_ids))
             self.log.debug(
@@ -194,7 +210,7 @@ class SchedulerActor(Actor[SchedulerMessage]):
             )
             await self.runner.send(ExecuteStep(plan.step_id, tuple(chunks)))
             self._report()
-            return
+            return True
         raise RuntimeError("scheduling did not converge: the cache manager keeps refusing running requests")
 
     async def _allocate(self, step_id: int, release: tuple[str, ...], requests) -> StepAllocation:
@@ -239,6 +255,6 @@ class SchedulerActor(Actor[SchedulerMessage]):
     async def on_error(self, message: SchedulerMessage, exc: Exception) -> None:
         # Whatever went wrong, no request may be left waiting for a step that will never come:
         # fail the ones held, and carry on with an empty, consistent core.
-        self._in_flight = None
+        self._in_flight.clear()
         for request in self.core.fail(list(self.core.requests)):
             await self._fail(request, f"scheduler error: {exc!r}", "scheduler_error")

@@ -26,6 +26,7 @@ class StepPlan:
     admitted: list[tuple[Request, int]] = field(default_factory=list)  # from the queue
     preempted: list[Request] = field(default_factory=list)
     chunks: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, start, count), once granted
+    epochs: dict[str, int] = field(default_factory=dict)  # each chunk's request epoch when planned
 
     @property
     def is_empty(self) -> bool:
@@ -98,7 +99,11 @@ class SchedulerCore:
         i = 0
         while i < len(running) and budget > 0:
             request = running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, chunk, budget)
+            remaining = request.num_planned_tokens - request.num_computed_tokens
+            if remaining <= 0 or self._will_be_done(request):
+                i += 1  # waiting on the token a step in flight samples, or done once it lands
+                continue
+            n = min(remaining, chunk, budget)
             need = self._blocks_needed(request, n)
             while need > free and running[-1] is not request:
                 free += self._preempt(running.pop(), plan)
@@ -155,19 +160,24 @@ class SchedulerCore:
         chunks = []
         for request, start, n in plan.chunks:
             request.num_computed_tokens = start + n
+            sample = request.num_computed_tokens == request.num_planned_tokens
             chunks.append(
                 ScheduledChunk(
                     request_id=request.request_id,
                     token_ids=request.tokens(start, start + n),
                     start_position=start,
                     block_table=request.block_table,
-                    sample=request.num_computed_tokens == request.num_tokens,
+                    sample=sample,
                     params=request.params,
                     prompt_token_ids=request.prompt_token_ids,
-                    output_token_ids=request.output_token_ids,
+                    # A snapshot: the scheduler appends to the list while the step runs.
+                    output_token_ids=tuple(request.output_token_ids),
                     generator=request.generator,
                 )
             )
+            plan.epochs[request.request_id] = request.epoch
+            if sample:
+                request.num_pending += 1
         return chunks
 
     # --- results --------------------------------------------------------------------------------
@@ -177,15 +187,19 @@ class SchedulerCore:
         return [
             (r.request_id, tuple(r.tokens(start, start + n)))
             for r, start, n in plan.chunks
-            if self.requests.get(r.request_id) is r
+            if self.requests.get(r.request_id) is r and self._is_current(r, plan)
         ]
 
-    def update_from_output(self, sampled: tuple[SampledToken, ...]) -> list[TokenEvent]:
+    def update_from_output(self, sampled: tuple[SampledToken, ...], plan: StepPlan | None = None) -> list[TokenEvent]:
+        """Append each sampled token (`plan`: the step that sampled them, to spot stale ones)."""
         events = []
         for token in sampled:
             request = self.requests.get(token.request_id)
             if request is None or request not in self.running:
-                continue  # aborted while its step ran
+                continue  # aborted, finished or preempted while its step ran
+            if plan is not None and not self._is_current(request, plan):
+                continue  # sampled before a preemption: the request recomputes instead
+            request.num_pending = max(0, request.num_pending - 1)
             request.output_token_ids.append(token.token_id)
             reason = self._finish_reason(request, token.token_id)
             if reason is not None:
@@ -209,6 +223,17 @@ class SchedulerCore:
             return "length"
         return None
 
+    @staticmethod
+    def _is_current(request: Request, plan: StepPlan) -> bool:
+        return plan.epochs.get(request.request_id, request.epoch) == request.epoch
+
+    def _will_be_done(self, request: Request) -> bool:
+        """Its steps in flight already sample its last token (length limit): nothing to plan."""
+        if not request.num_pending:
+            return False
+        produced = len(request.output_token_ids) + request.num_pending
+        return produced >= request.max_tokens or request.num_planned_tokens >= self.max_model_len
+
     def _blocks_needed(self, request: Request, n: int) -> int:
         return max(0, -(-(request.num_computed_tokens + n) // self.block_size) - request.num_blocks)
 
@@ -220,6 +245,8 @@ class SchedulerCore:
         """Back to the queue, to be recomputed; returns the blocks it held."""
         held = request.num_blocks
         request.num_computed_tokens = 0
+        request.num_pending = 0
+        request.epoch += 1
         request.num_preemptions += 1
         self._set_blocks(request, ())
         self.num_preemptions += 1

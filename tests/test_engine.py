@@ -70,12 +70,19 @@ def random_prompts(n, seed, low=1, high=80):
     return [[rng.randrange(3, 300) for _ in range(rng.randint(low, high))] for _ in range(n)]
 
 
-async def test_64_concurrent_requests_match_each_alone(model_path):
+@pytest.mark.parametrize("async_scheduling", [True, False])
+async def test_64_concurrent_requests_match_each_alone(model_path, async_scheduling):
     rng = random.Random(7)
     prompts = random_prompts(64, seed=1)
     params = [greedy(rng.randint(1, 40)) for _ in prompts]
     runtime = make_runtime(
-        model_path, **{"scheduler.max_num_seqs": 64, "scheduler.max_num_batched_tokens": 256, "scheduler.chunk_size": 64}
+        model_path,
+        **{
+            "scheduler.max_num_seqs": 64,
+            "scheduler.max_num_batched_tokens": 256,
+            "scheduler.chunk_size": 64,
+            "scheduler.async_scheduling": async_scheduling,
+        },
     )
     async with AsyncEngine.serve(runtime) as engine:
         together = await run_all(engine, prompts, params)
@@ -85,6 +92,8 @@ async def test_64_concurrent_requests_match_each_alone(model_path):
             assert got == expected
             assert len(got) == sp.max_tokens and last.finish_reason == "length"
         assert engine.metrics.requests_finished == 128
+        # With async scheduling the next step is already queued when one finishes: they overlap.
+        assert (engine.metrics.steps_ready_on_finish > 0) == async_scheduling
         await assert_no_block_leaked(engine)
 
 
@@ -112,13 +121,17 @@ async def test_shared_system_prompt_is_computed_once(model_path):
     assert cached[0][2].num_cached_tokens == 0
 
 
-async def test_small_cache_preempts_and_every_request_finishes_the_same(model_path):
+@pytest.mark.parametrize("async_scheduling", [True, False])
+async def test_small_cache_preempts_and_every_request_finishes_the_same(model_path, async_scheduling):
     prompts = random_prompts(12, seed=4, low=10, high=30)
     params = greedy(40)
     async with AsyncEngine.serve(make_runtime(model_path)) as engine:
         roomy = await run_all(engine, prompts, params)
     # 12 sequences of up to 70 tokens need ~100 blocks of 8; 24 blocks force preemption.
-    tight_runtime = make_runtime(model_path, **{"cache.num_blocks": 24, "cache.enable_prefix_caching": False})
+    tight_runtime = make_runtime(
+        model_path,
+        **{"cache.num_blocks": 24, "cache.enable_prefix_caching": False, "scheduler.async_scheduling": async_scheduling},
+    )
     async with AsyncEngine.serve(tight_runtime) as engine:
         tight = await run_all(engine, prompts, params)
         assert engine.metrics.num_preemptions > 0
@@ -126,8 +139,12 @@ async def test_small_cache_preempts_and_every_request_finishes_the_same(model_pa
     assert [t for _, t, _ in tight] == [t for _, t, _ in roomy]
 
 
-async def test_abort_mid_stream_frees_blocks_at_once(model_path):
-    async with AsyncEngine.serve(make_runtime(model_path, **{"cache.enable_prefix_caching": False})) as engine:
+@pytest.mark.parametrize("async_scheduling", [True, False])
+async def test_abort_mid_stream_frees_blocks_at_once(model_path, async_scheduling):
+    runtime = make_runtime(
+        model_path, **{"cache.enable_prefix_caching": False, "scheduler.async_scheduling": async_scheduling}
+    )
+    async with AsyncEngine.serve(runtime) as engine:
         seen = 0
         last = None
         async for out in engine.generate(random_prompts(1, seed=5, low=40, high=40)[0], greedy(500), request_id="victim"):
@@ -323,3 +340,44 @@ async def test_slow_reader_is_cut_off_and_its_request_stops(model_path):
         await assert_no_block_leaked(engine)
         _, tokens, _ = await collect(engine, [5, 6, 7], greedy(4))  # others carry on
         assert len(tokens) == 4
+
+
+async def test_random_load_tight_cache_shared_prefixes_and_aborts(model_path):
+    """Everything at once: what survives gives the tokens a roomy, synchronous engine gives."""
+    rng = random.Random(11)
+    prefixes = random_prompts(3, seed=12, low=20, high=40)
+    prompts = [rng.choice(prefixes) + p for p in random_prompts(40, seed=13, low=1, high=20)]
+    params = [greedy(rng.randint(1, 30)) for _ in prompts]
+    doomed = set(rng.sample(range(len(prompts)), 8))
+
+    roomy = make_runtime(model_path, **{"scheduler.async_scheduling": False, "cache.enable_prefix_caching": False})
+    async with AsyncEngine.serve(roomy) as engine:
+        expected = await run_all(engine, prompts, params)
+
+    tight = make_runtime(
+        model_path, **{"cache.num_blocks": 40, "scheduler.max_num_batched_tokens": 64, "scheduler.chunk_size": 16}
+    )
+    results: dict[int, tuple] = {}
+    async with AsyncEngine.serve(tight) as engine:
+
+        async def one(i):
+            if i in doomed:
+                async for out in engine.generate(prompts[i], params[i], request_id=f"r{i}"):
+                    if out.num_output_tokens >= 1 and not out.finished:
+                        await engine.abort(f"r{i}")
+                    last = out
+                results[i] = ("aborted-or-done", last)
+            else:
+                results[i] = await collect(engine, prompts[i], params[i], request_id=f"r{i}")
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(prompts)):
+                tg.start_soon(one, i)
+        await assert_no_block_leaked(engine)
+        assert engine.metrics.num_preemptions > 0
+        assert engine.cache_core.prefix_hits > 0
+    for i, result in results.items():
+        if i in doomed:
+            assert result[1].finish_reason in ("abort", "length")
+        else:
+            assert result[1] == expected[i][1], f"request {i}"
