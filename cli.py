@@ -21,7 +21,21 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "model.dtype": args.dtype,
         "attention_backend": args.attention_backend,
         "model.num_threads": args.num_threads,
+        "server.host": getattr(args, "host", None),
+        "server.port": getattr(args, "port", None),
+        "server.api_key": getattr(args, "api_key", None),
     }
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from cadenza.api.server import run_server
+    from cadenza.config import load_config
+    from cadenza.logging_setup import configure_logging
+
+    config = load_config(args.config, overrides=_overrides(args))
+    configure_logging(config.logging.level, config.logging.format)
+    run_server(config)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--verbose", action="store_true", help="show the engine's logs on stderr")
     _add_config_flags(gen)
+
+    serve = commands.add_parser("serve", help="serve the model over WebSocket sessions and an OpenAI-compatible API")
+    _add_config_flags(serve)
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    serve.add_argument("--api-key", help="require this bearer token on HTTP and WebSocket")
 
     config = commands.add_parser("config", help="show the effective configuration or its reference")
     config_commands = config.add_subparsers(dest="config_command", required=True)
@@ -105,6 +125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "serve":
+            return _serve(args)
         return _config(args)
     except (ConfigError, ModelLoadError, PluginError, ValueError) as exc:
         print(f"cadenza: error: {exc}", file=sys.stderr)

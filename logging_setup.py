@@ -11,6 +11,7 @@ _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARN
 
 
 def configure_logging(level: str = "info", fmt: str = "auto", stream=None) -> None:
+    """structlog for cadenza's own events; stdlib logging (uvicorn's lifecycle lines) rendered the same way."""
     stream = stream or sys.stderr
     if fmt == "auto":
         fmt = "console" if stream.isatty() else "json"
@@ -19,6 +20,16 @@ def configure_logging(level: str = "info", fmt: str = "auto", stream=None) -> No
         if fmt == "json"
         else structlog.dev.ConsoleRenderer(colors=stream.isatty())
     )
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            processor=renderer,
+            foreign_pre_chain=[structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso")],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers = [handler]
+    root.setLevel(_LEVELS[level.lower()])
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

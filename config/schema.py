@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from decimal import Decimal
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -210,6 +210,18 @@ class ServerConfig(_Section):
     api_key: str | None = Field(
         None, min_length=1, description="Bearer token clients must send. null: no auth."
     )
+    max_pending_tokens: int = Field(
+        4096, gt=0, description="Tokens a request may have waiting for a slow client before it "
+        "is aborted with a slow_reader error (other requests are never held up).",
+    )
+    socket_send_buffer: int | None = Field(
+        262144, ge=4096, description="Kernel send buffer per connection in bytes (SO_SNDBUF), so "
+        "what a slow client has not read yet is bounded. null: the OS autotunes (up to megabytes).",
+    )
+    shutdown_grace: float = Field(
+        10.0, ge=0, description="Seconds running requests get to finish on SIGINT/SIGTERM before "
+        "they are aborted.",
+    )
 
 
 class LoggingConfig(_Section):
@@ -246,6 +258,11 @@ class CadenzaConfig(_Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logging.")
     plugins: list[str] = Field(
         default_factory=list, description="Module names to load as plugins."
+    )
+    plugin_options: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="Deployment settings for plugins, keyed by the registered name (e.g. "
+        "pinned_prefix: {pinned_blocks: 4}); checked at start-up against the plugin's options model.",
     )
 
     @field_validator("model", "cache", "scheduler", "sampling", "server", "logging", mode="before")

@@ -67,13 +67,15 @@ def build_tokenizer():
     )
 
 
-def build_tiny_model(directory: Path, arch: str, seed: int = 0, max_shard_size: str | None = None) -> Path:
+def build_tiny_model(
+    directory: Path, arch: str, seed: int = 0, max_shard_size: str | None = None, **config_overrides
+) -> Path:
     """Save a random `arch` model with the tiny tokenizer into `directory` and return it."""
     import torch
     import transformers
 
     config_cls_name, extra = ARCHITECTURES[arch]
-    config = getattr(transformers, config_cls_name)(**{**_COMMON, **extra})
+    config = getattr(transformers, config_cls_name)(**{**_COMMON, **extra, **config_overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     directory.mkdir(parents=True, exist_ok=True)

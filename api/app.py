@@ -1,0 +1,98 @@
+"""The ASGI app: OpenAI-compatible HTTP, WebSocket sessions, health and metrics, on one port."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from cadenza.api.errors import APIError, install_error_handlers
+from cadenza.api.prometheus import ServerMetrics
+from cadenza.api.state import ServerState, check_api_key, served_model_name, server_state
+from cadenza.engine import AsyncEngine
+from cadenza.runtime import Runtime
+
+log = structlog.get_logger("cadenza.api")
+
+# Paths anyone may call, key or not: liveness probes and scrapers do not carry API keys.
+_OPEN_PATHS = ("/health", "/metrics")
+
+
+def create_app(runtime: Runtime, *, shutdown_grace: float = 10.0) -> FastAPI:
+    config = runtime.config
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async with AsyncEngine.serve(
+            runtime, shutdown_grace=shutdown_grace, max_pending_tokens=config.server.max_pending_tokens
+        ) as engine:
+            app.state.server = ServerState(engine, config, served_model_name(config), ServerMetrics(engine.metrics))
+            log.info("Application startup complete", model=app.state.server.model_name)
+            yield
+            app.state.server.draining = True
+            log.info("Shutting down", requests_in_flight=engine.num_active_requests)
+
+    app = FastAPI(title="cadenza", lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+
+    @app.middleware("http")
+    async def access_log_and_auth(request: Request, call_next):
+        started = time.perf_counter()
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex[:16]
+        request.state.request_id = request_id
+        try:
+            if request.url.path not in _OPEN_PATHS:
+                check_api_key(request, server_state(request))
+            response = await call_next(request)
+        except APIError as exc:
+            response = JSONResponse(exc.body(), status_code=exc.status)
+        log.info(
+            "access",
+            request_id=request_id,
+            method=request.method,
+            path=request.url.path,
+            status=response.status_code,
+            ms=round((time.perf_counter() - started) * 1000, 1),
+        )
+        response.headers["x-request-id"] = request_id
+        return response
+
+    @app.get("/health")
+    async def health(request: Request):
+        state = server_state(request)
+        if not state.engine.healthy:
+            raise APIError(503, "unhealthy", state.engine.unhealthy_reason or "the engine is unhealthy")
+        if state.draining:
+            raise APIError(503, "draining", "the server is shutting down")
+        return {"status": "ok", "model": state.model_name}
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        return Response(generate_latest(server_state(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        state = server_state(request)
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": state.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "cadenza",
+                    "max_model_len": state.engine.runtime.max_model_len,
+                }
+            ],
+        }
+
+    from cadenza.api import openai_routes, websocket
+
+    app.include_router(openai_routes.router)
+    app.include_router(websocket.router)
+    return app

@@ -1,0 +1,80 @@
+"""Errors on the wire: one exception type, rendered in OpenAI's error shape for HTTP."""
+
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+# Engine error codes (RequestFailed / NewTokens.error_code) and the HTTP status each deserves.
+ENGINE_CODE_STATUS = {
+    "invalid_prompt": 400,
+    "invalid_messages": 400,
+    "invalid_extra": 400,
+    "prompt_too_long": 400,
+    "queue_full": 429,
+    "engine_failed": 503,
+    "kv_cache_full": 503,
+    "slow_reader": 408,  # the client did not read its output in time
+    "sampler_error": 500,
+    "step_failed": 500,
+}
+
+
+class APIError(Exception):
+    """A request the server will not serve; `code` is stable, `message` says what to fix."""
+
+    def __init__(self, status: int, code: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message, self.param = status, code, message, param
+
+    @property
+    def error_type(self) -> str:
+        if self.status == 401:
+            return "authentication_error"
+        if self.status == 404:
+            return "not_found_error"
+        if self.status == 429:
+            return "rate_limit_error"
+        if self.status >= 500:
+            return "server_error"
+        return "invalid_request_error"
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+
+
+def engine_error(code: str | None, message: str | None) -> APIError:
+    code = code or "internal_error"
+    return APIError(ENGINE_CODE_STATUS.get(code, 500), code, message or "the request failed")
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    problems = "; ".join(
+        f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}" for e in exc.errors()
+    )
+    code = "unknown_field" if first.get("type") == "extra_forbidden" else "invalid_request"
+    if first.get("type") == "json_invalid":
+        code = "invalid_json"
+    return APIError(400, code, problems or "invalid request", param)
+
+
+def install_error_handlers(app) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        error = validation_error(exc)
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        error = APIError(exc.status_code, code, str(exc.detail))
+        return JSONResponse(error.body(), status_code=exc.status_code)

@@ -1,0 +1,249 @@
+"""OpenAI's request shapes for /v1/completions and /v1/chat/completions, and what they map to.
+
+Requests are pydantic models that forbid unknown fields (a typo is a 400 naming the field, never
+silently ignored). Parameters OpenAI defines but cadenza does not implement are declared so they
+can be rejected with a message naming them; parameters with no effect here (user, metadata, store,
+service_tier) are accepted and ignored. `to_sampling_params` fills what a request leaves out from
+`config.sampling.defaults`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from cadenza.api.errors import APIError
+from cadenza.config.schema import SamplingDefaults
+from cadenza.sampling_params import SamplingParams
+
+MAX_N = 64  # choices one request may ask for; each is an engine request of its own
+
+
+def _invalid(param: str, message: str, code: str = "invalid_request") -> APIError:
+    return APIError(400, code, message, param)
+
+
+def _unsupported(param: str, message: str) -> APIError:
+    return _invalid(param, message, "unsupported_parameter")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's; accepted, ignored
+
+
+class _SamplingFields(_Strict):
+    """What both endpoints share."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    extra: dict[str, Any] | None = Field(None, description="Parameters for sampler plugins, by plugin name.")
+    # Accepted and ignored: they change nothing about how a local server generates.
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+
+    def check(self) -> None:
+        """Rejections that need more than one field, or name a feature cadenza lacks."""
+        if self.stream_options is not None and not self.stream:
+            raise _invalid("stream_options", "stream_options is only allowed when stream is true")
+        if self.logit_bias:
+            bad = {k: v for k, v in self.logit_bias.items() if not -100.0 <= v <= 100.0}
+            if bad:
+                raise _invalid("logit_bias", f"logit_bias values must be in [-100, 100] (got {bad})")
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check(self) -> None:
+        super().check()
+        if not self.prompt or any(isinstance(p, list) and not p for p in self.prompt):
+            raise _invalid("prompt", "the prompt is empty", "invalid_prompt")
+        if self.suffix:
+            raise _unsupported("suffix", "suffix (insertion) is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise _unsupported("best_of", "best_of is not supported; use n")
+        if self.echo and self.logprobs is not None:
+            raise _unsupported("echo", "echo with logprobs is not supported (no prompt logprobs)")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: a string and a list of token ids are one prompt each."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        return list(self.prompt)
+
+
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+class ChatMessage(_Strict):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    # Fields an assistant message round-tripped from a response may carry; they must be empty.
+    refusal: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    function_call: dict[str, Any] | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _role(cls, role: str) -> str:
+        if role not in _ROLES:
+            raise ValueError(f"role {role!r} is not supported; use one of system, user, assistant (no tool calling)")
+        return _ROLES[role]
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, content):
+        if not isinstance(content, list):
+            return content
+        texts = []
+        for i, part in enumerate(content):
+            kind = part.get("type")
+            if kind != "text":
+                raise ValueError(f"content[{i}]: only 'text' content parts are supported (got type {kind!r})")
+            if not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+                raise ValueError(f"content[{i}]: a text part is {{'type': 'text', 'text': '...'}}")
+            texts.append(part["text"])
+        return "\n".join(texts)
+
+    @field_validator("tool_calls", "function_call")
+    @classmethod
+    def _no_tools(cls, value):
+        if value:
+            raise ValueError("tool calls are not supported by this server")
+        return value
+
+    def to_engine(self, index: int) -> dict[str, str]:
+        if self.content is None and self.role != "assistant":
+            raise _invalid(f"messages.{index}.content", f"messages[{index}] has no content", "invalid_messages")
+        message = {"role": self.role, "content": self.content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ResponseFormat(_Strict):
+    type: str
+    json_schema: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    # Declared so that asking for them is a clear 400 rather than an unknown field.
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    modalities: list[str] | None = None
+
+    def check(self) -> None:
+        super().check()
+        unsupported = {
+            "tools": bool(self.tools),
+            "tool_choice": self.tool_choice not in (None, "none", "auto"),
+            "functions": bool(self.functions),
+            "function_call": self.function_call not in (None, "none", "auto"),
+            "response_format": self.response_format is not None and self.response_format.type != "text",
+            "modalities": bool(self.modalities) and self.modalities != ["text"],
+        }
+        for name, asked in unsupported.items():
+            if asked:
+                raise _unsupported(name, f"{name} is not supported by this server")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise _invalid("top_logprobs", "top_logprobs requires logprobs to be true")
+
+    def engine_messages(self) -> list[dict[str, str]]:
+        return [m.to_engine(i) for i, m in enumerate(self.messages)]
+
+
+# --- sampling parameters ------------------------------------------------------------------------
+
+_PARAM_ERROR = re.compile(r"SamplingParams\.(\w+): (.*)", re.S)
+
+
+def to_sampling_params(
+    req: CompletionRequest | ChatCompletionRequest,
+    defaults: SamplingDefaults,
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    choice: int,
+    rename: dict[str, str],
+) -> SamplingParams:
+    """The engine's parameters for one choice: what the request set, else the config's defaults.
+
+    Choice `i` of a seeded request samples with `seed + i`, so choices differ yet repeat.
+    `rename` maps SamplingParams names to the request's own, for error messages.
+    """
+
+    def pick(name: str):
+        value = getattr(req, name)
+        return getattr(defaults, name) if value is None else value
+
+    try:
+        return SamplingParams(
+            n=1,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            temperature=pick("temperature"),
+            top_p=pick("top_p"),
+            top_k=pick("top_k"),
+            min_p=pick("min_p"),
+            repetition_penalty=pick("repetition_penalty"),
+            presence_penalty=pick("presence_penalty"),
+            frequency_penalty=pick("frequency_penalty"),
+            logit_bias=req.logit_bias or None,
+            seed=None if req.seed is None else req.seed + choice,
+            ignore_eos=req.ignore_eos,
+            stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or ()),
+            stop_token_ids=list(req.stop_token_ids or ()),
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            extra=dict(req.extra or {}),
+        )
+    except ValueError as exc:
+        match = _PARAM_ERROR.match(str(exc))
+        if match is None:
+            raise APIError(400, "invalid_request", str(exc)) from exc
+        param = rename.get(match.group(1), match.group(1))
+        raise _invalid(param, f"{param}: {match.group(2)}", "invalid_value") from exc
+

@@ -1,0 +1,358 @@
+"""OpenAI-compatible /v1/completions and /v1/chat/completions, streaming (SSE) or not.
+
+Each choice of a request (n per prompt) is an engine request of its own, all run at once. A
+request the engine rejects (bad prompt, too long, queue full) gets its HTTP status; a failure once
+a stream has started is an SSE error event followed by `[DONE]`. A client that disconnects aborts
+every choice still running.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from cadenza.api.errors import APIError, engine_error
+from cadenza.api.http_streaming import Emit, EventStreamResponse, parse_body, run_choices, sse, until_disconnected
+from cadenza.api.openai_protocol import ChatCompletionRequest, CompletionRequest, to_sampling_params
+from cadenza.api.state import ServerState, server_state
+from cadenza.outputs import TokenLogprob
+from cadenza.streams import GenerationOutput
+
+log = structlog.get_logger("cadenza.api")
+router = APIRouter()
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    state = server_state(request)
+    req = await parse_body(request, CompletionRequest)
+    _admit(state, req)
+    max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
+    prompts = req.prompts()
+    jobs = [
+        (prompt, to_sampling_params(req, state.config.sampling.defaults, max_tokens=max_tokens,
+                                    logprobs=req.logprobs, choice=j, rename={}))
+        for prompt in prompts
+        for j in range(req.n)
+    ]  # fmt: skip
+    tokenizer = state.engine.runtime.tokenizer
+    echo = [_prompt_text(state, p) for p in prompts] if req.echo else None
+    shape = _CompletionShape(_TokenTexts(tokenizer), req.n, req.logprobs is not None, echo)
+    return await _respond(request, state, shape, jobs, req)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    state = server_state(request)
+    req = await parse_body(request, ChatCompletionRequest)
+    _admit(state, req)
+    defaults = state.config.sampling.defaults
+    max_tokens = next((v for v in (req.max_completion_tokens, req.max_tokens) if v is not None), defaults.max_tokens)
+    max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    rename = {"logprobs": "top_logprobs", "max_tokens": max_name}
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    messages = req.engine_messages()
+    jobs = [
+        (messages, to_sampling_params(req, defaults, max_tokens=max_tokens, logprobs=logprobs, choice=j, rename=rename))
+        for j in range(req.n)
+    ]
+    shape = _ChatShape(_TokenTexts(state.engine.runtime.tokenizer), req.n, req.logprobs)
+    return await _respond(request, state, shape, jobs, req)
+
+
+def _prompt_text(state: ServerState, prompt: str | list[int]) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    vocab_size = state.engine.runtime.loaded.arch.vocab_size
+    # Ids out of range fail the request in the engine, with a message saying so.
+    return state.engine.runtime.tokenizer.decode(prompt) if all(0 <= t < vocab_size for t in prompt) else ""
+
+
+def _admit(state: ServerState, req: CompletionRequest | ChatCompletionRequest) -> None:
+    if req.model != state.model_name:
+        message = f"the model {req.model!r} does not exist; this server serves {state.model_name!r}"
+        raise APIError(404, "model_not_found", message, "model")
+    req.check()
+    vocab_size = state.engine.runtime.loaded.arch.vocab_size
+    for name, ids in (("logit_bias", req.logit_bias or {}), ("stop_token_ids", req.stop_token_ids or ())):
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            message = f"{name}: token ids must be in [0, {vocab_size}) (got {bad[:5]})"
+            raise APIError(400, "invalid_value", message, name)
+    if state.draining:
+        raise APIError(503, "draining", "the server is shutting down")
+
+
+# --- running a request --------------------------------------------------------------------------
+
+
+@dataclass
+class _Choice:
+    """What one choice has produced so far."""
+
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    last: GenerationOutput | None = None
+
+    def add(self, out: GenerationOutput) -> None:
+        self.text.append(out.text)
+        self.logprobs.extend(out.logprobs or ())
+        self.last = out
+
+
+_PROMPT_ERRORS = ("invalid_prompt", "invalid_messages", "prompt_too_long")
+
+
+def _check_finish(out: GenerationOutput | APIError, prompt_param: str) -> GenerationOutput:
+    """The output, or the error a client should see instead of it."""
+    if isinstance(out, APIError):
+        raise out
+    if out.finish_reason == "error":
+        error = engine_error(out.error_code, out.error)
+        error.param = prompt_param if error.code in _PROMPT_ERRORS else None
+        raise error
+    if out.finish_reason == "abort":
+        raise APIError(503, "aborted", "the request was aborted (the server may be shutting down)")
+    return out
+
+
+async def _respond(request: Request, state: ServerState, shape: "_Shape", jobs, req) -> Response:
+    rid = f"{shape.id_prefix}{uuid.uuid4().hex}"
+    created = int(time.time())
+    head = {"id": rid, "object": shape.object, "created": created, "model": state.model_name}
+    choices = [_Choice() for _ in jobs]
+    run = run_choices(state.engine, jobs, rid, state.metrics)
+    client_id = getattr(request.state, "request_id", None)
+
+    if not req.stream:
+
+        async def collect() -> None:
+            async with run as items:
+                async for index, out in items:
+                    choices[index].add(_check_finish(out, shape.prompt_param))
+
+        disconnected, _ = await until_disconnected(request, collect)
+        if disconnected:
+            log.info("Client disconnected", request_id=client_id, completion_id=rid)
+            return Response(status_code=499)
+        whole = [shape.choice(i, c) for i, c in enumerate(choices)]
+        return JSONResponse({**head, "choices": whole, "usage": _usage(choices, shape.n)})
+
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    chunk_head = {**head, "object": shape.chunk_object}
+
+    def chunk(choice: dict[str, Any]) -> bytes:
+        body = {**chunk_head, "choices": [choice]}
+        if include_usage:
+            body["usage"] = None
+        return sse(_json(body))
+
+    async def produce(emit: Emit) -> None:
+        async with run as items:
+            # Wait for every choice's first output, so a rejected request gets its HTTP status.
+            buffered, started = [], set()
+            async for index, out in items:
+                buffered.append((index, _check_finish(out, shape.prompt_param)))
+                started.add(index)
+                if len(started) == len(jobs):
+                    break
+            for index in range(len(jobs)):
+                for opening in shape.opening(index):
+                    await emit(chunk(opening))
+            for index, out in buffered:
+                await _emit_output(emit, chunk, shape, choices[index], index, out)
+            async for index, out in items:
+                await _emit_output(emit, chunk, shape, choices[index], index, _check_finish(out, shape.prompt_param))
+        if include_usage:
+            await emit(sse(_json({**chunk_head, "choices": [], "usage": _usage(choices, shape.n)})))
+        await emit(sse("[DONE]"))
+
+    return EventStreamResponse(produce, request_id=client_id, completion_id=rid)
+
+
+async def _emit_output(emit: Emit, chunk, shape: "_Shape", choice: _Choice, index: int, out: GenerationOutput) -> None:
+    choice.add(out)
+    for body in shape.deltas(index, out):
+        await emit(chunk(body))
+
+
+def _usage(choices: list[_Choice], n: int) -> dict[str, Any]:
+    """A prompt shared by n choices counts once, as OpenAI counts it."""
+    lasts = [c.last for c in choices if c.last is not None]
+    firsts = [c.last for c in choices[::n] if c.last is not None]
+    prompt = sum(o.num_prompt_tokens for o in firsts)
+    completion = sum(o.num_output_tokens for o in lasts)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in firsts)},
+    }
+
+
+def _json(body: dict[str, Any]) -> str:
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+
+
+# --- response shapes ----------------------------------------------------------------------------
+
+
+class _Shape:
+    id_prefix: str
+    object: str
+    chunk_object: str
+    prompt_param: str  # where a prompt the engine rejects came from
+
+    def __init__(self, tokens: "_TokenTexts", n: int, want_logprobs: bool) -> None:
+        self.tokens, self.n, self.want_logprobs = tokens, n, want_logprobs
+
+    def opening(self, index: int) -> list[dict[str, Any]]:
+        return []
+
+    def deltas(self, index: int, out: GenerationOutput) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def choice(self, index: int, choice: _Choice) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class _ChatShape(_Shape):
+    id_prefix, object, chunk_object = "chatcmpl-", "chat.completion", "chat.completion.chunk"
+    prompt_param = "messages"
+
+    def opening(self, index):
+        return [{"index": index, "delta": {"role": "assistant"}, "logprobs": None, "finish_reason": None}]
+
+    def deltas(self, index, out):
+        bodies = []
+        if out.text or out.logprobs:
+            logprobs = self._logprobs(out.logprobs) if self.want_logprobs and out.logprobs else None
+            bodies.append({"index": index, "delta": {"content": out.text}, "logprobs": logprobs, "finish_reason": None})
+        if out.finish_reason is not None:
+            bodies.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason})
+        return bodies
+
+    def choice(self, index, choice):
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": "".join(choice.text), "refusal": None},
+            "logprobs": self._logprobs(choice.logprobs) if self.want_logprobs else None,
+            "finish_reason": choice.last.finish_reason if choice.last else None,
+        }
+
+    def _logprobs(self, logprobs: list[TokenLogprob]) -> dict[str, Any]:
+        content = []
+        for lp in logprobs:
+            text, raw = self.tokens(lp.token_id)
+            top = []
+            for token_id, value in lp.top:
+                t, b = self.tokens(token_id)
+                top.append({"token": t, "logprob": _finite(value), "bytes": b})
+            content.append({"token": text, "logprob": _finite(lp.logprob), "bytes": raw, "top_logprobs": top})
+        return {"content": content, "refusal": None}
+
+
+class _CompletionShape(_Shape):
+    id_prefix, object, chunk_object = "cmpl-", "text_completion", "text_completion"
+    prompt_param = "prompt"
+
+    def __init__(self, tokens, n, want_logprobs, echo: list[str] | None) -> None:
+        super().__init__(tokens, n, want_logprobs)
+        self.echo = echo
+        self.offsets: dict[int, int] = {}  # choice -> characters of text so far, for text_offset
+
+    def _prompt_text(self, index: int) -> str:
+        return self.echo[index // self.n] if self.echo else ""
+
+    def opening(self, index):
+        text = self._prompt_text(index)
+        self.offsets[index] = len(text)
+        return [{"index": index, "text": text, "logprobs": None, "finish_reason": None}] if text else []
+
+    def deltas(self, index, out):
+        if not (out.text or out.logprobs or out.finish_reason):
+            return []
+        logprobs = self._logprobs(index, out.logprobs) if self.want_logprobs and out.logprobs else None
+        return [{"index": index, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}]
+
+    def choice(self, index, choice):
+        self.offsets[index] = len(self._prompt_text(index))
+        return {
+            "index": index,
+            "text": self._prompt_text(index) + "".join(choice.text),
+            "logprobs": self._logprobs(index, choice.logprobs) if self.want_logprobs else None,
+            "finish_reason": choice.last.finish_reason if choice.last else None,
+        }
+
+    def _logprobs(self, index: int, logprobs: list[TokenLogprob]) -> dict[str, Any]:
+        tokens, values, tops, offsets = [], [], [], []
+        offset = self.offsets.get(index, 0)
+        for lp in logprobs:
+            text, _ = self.tokens(lp.token_id)
+            tokens.append(text)
+            values.append(_finite(lp.logprob))
+            tops.append({self.tokens(t)[0]: _finite(v) for t, v in lp.top})
+            offsets.append(offset)
+            offset += len(text)
+        self.offsets[index] = offset
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _finite(value: float) -> float:
+    return value if math.isfinite(value) else -9999.0
+
+
+# --- token text for logprobs --------------------------------------------------------------------
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    """Byte-level BPE's printable stand-ins for raw bytes, reversed (GPT-2's bytes_to_unicode)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+_BYTE_DECODER = _gpt2_byte_decoder()
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+class _TokenTexts:
+    """token id -> (its text, its UTF-8 bytes); a token that is part of a character keeps its
+    exact bytes even though its text alone is a replacement character."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        found = self._cache.get(token_id)
+        if found is None:
+            found = self._cache[token_id] = self._lookup(token_id)
+        return found
+
+    def _lookup(self, token_id: int) -> tuple[str, list[int]]:
+        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return text, list(text.encode())
+        raw = self.tokenizer.backend.id_to_token(token_id) or ""
+        if match := _BYTE_TOKEN.fullmatch(raw):
+            return text, [int(match.group(1), 16)]
+        if raw and all(c in _BYTE_DECODER for c in raw):
+            return text, [_BYTE_DECODER[c] for c in raw]
+        return text, list(text.encode())

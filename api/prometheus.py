@@ -1,0 +1,73 @@
+"""/metrics in the Prometheus text format: request and token counters, latency histograms, and
+the engine's gauges read at scrape time."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from cadenza.metrics import EngineMetrics
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class ServerMetrics:
+    """One registry per app, so several servers (tests) never share counters."""
+
+    def __init__(self, engine_metrics: EngineMetrics) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "cadenza_requests", "Finished requests.", ["api", "finish_reason"], registry=self.registry
+        )
+        self.prompt_tokens = Counter("cadenza_prompt_tokens", "Prompt tokens of finished requests.", registry=self.registry)
+        self.generation_tokens = Counter(
+            "cadenza_generation_tokens", "Tokens generated for finished requests.", registry=self.registry
+        )
+        self.ttft = Histogram(
+            "cadenza_time_to_first_token_seconds", "Arrival to first token.", buckets=_LATENCY_BUCKETS, registry=self.registry
+        )
+        self.tpot = Histogram(
+            "cadenza_time_per_output_token_seconds", "Mean time per token after the first.",
+            buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "cadenza_request_seconds", "Arrival to finish.", buckets=_LATENCY_BUCKETS, registry=self.registry
+        )
+        self.registry.register(_EngineCollector(engine_metrics))
+
+    def observe(self, api: str, last) -> None:
+        """Record a finished request from its last `GenerationOutput`."""
+        self.requests.labels(api, last.finish_reason or "unknown").inc()
+        self.prompt_tokens.inc(last.num_prompt_tokens)
+        self.generation_tokens.inc(last.num_output_tokens)
+        timings = last.timings
+        if timings is not None:
+            if timings.ttft_seconds is not None:
+                self.ttft.observe(timings.ttft_seconds)
+            if timings.tpot_seconds is not None:
+                self.tpot.observe(timings.tpot_seconds)
+            self.e2e.observe(timings.e2e_seconds)
+
+
+class _EngineCollector:
+    def __init__(self, metrics: EngineMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self):
+        m = self.metrics
+        gauges = {
+            "cadenza_requests_running": ("Requests being generated.", m.num_running),
+            "cadenza_requests_waiting": ("Requests queued.", m.num_waiting),
+            "cadenza_kv_cache_usage_ratio": ("Share of KV cache blocks in use.", m.kv_usage),
+            "cadenza_kv_cache_blocks_cached": ("Blocks held in the prefix cache.", m.kv_blocks_cached),
+            "cadenza_prefix_cache_hit_ratio": ("Prompt tokens served from the prefix cache.", m.prefix_hit_rate),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=value)
+        counters = {
+            "cadenza_preemptions": ("Requests preempted for lack of KV blocks.", m.num_preemptions),
+            "cadenza_engine_steps": ("Engine steps run.", m.num_steps),
+            "cadenza_prefill_tokens_computed": ("Prompt tokens run through the model.", m.prefill_tokens_computed),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(name, doc, value=value)

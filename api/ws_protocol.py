@@ -1,0 +1,126 @@
+"""The WebSocket session protocol's client messages (validated) and server messages (built).
+
+Every message is a JSON text frame with a `type`. docs/websocket.md describes the exchange.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SamplingOptions(_Message):
+    """Per-request sampling; anything left out comes from the session's, then the server's, defaults."""
+
+    max_tokens: int | None = Field(None, ge=1)
+    min_tokens: int | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    logprobs: int | None = Field(None, ge=0, le=20)
+    logit_bias: dict[int, float] | None = None
+    extra: dict[str, Any] | None = None
+
+
+class ChatMessage(_Message):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class SessionUpdate(_Message):
+    type: Literal["session.update"]
+    system_prompt: str | None = Field(None, description="Replaces the session's system prompt; '' clears it.")
+    sampling: SamplingOptions | None = None
+
+
+class Generate(_Message):
+    """Exactly one of `prompt` (text), `token_ids`, `messages` (a whole chat) or `user` (append a
+    user turn to the session's conversation and answer it)."""
+
+    type: Literal["generate"]
+    request_id: str = Field(min_length=1, max_length=128)
+    prompt: str | None = None
+    token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    user: str | None = None
+    sampling: SamplingOptions | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "Generate":
+        given = [k for k in ("prompt", "token_ids", "messages", "user") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of prompt, token_ids, messages, user (got {given or 'none'})")
+        return self
+
+
+class Cancel(_Message):
+    type: Literal["cancel"]
+    request_id: str
+
+
+class Interrupt(_Message):
+    """Stop the running conversation turn and keep its partial answer in the history (barge-in)."""
+
+    type: Literal["interrupt"]
+    request_id: str | None = None
+
+
+class SessionGet(_Message):
+    type: Literal["session.get"]
+
+
+class Ping(_Message):
+    type: Literal["ping"]
+
+
+ClientMessage = Annotated[Union[SessionUpdate, Generate, Cancel, Interrupt, SessionGet, Ping], Field(discriminator="type")]
+_CLIENT = TypeAdapter(ClientMessage)
+CLIENT_TYPES = ("session.update", "generate", "cancel", "interrupt", "session.get", "ping")
+
+
+class ProtocolError(Exception):
+    def __init__(self, code: str, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.code, self.message, self.request_id = code, message, request_id
+
+
+def parse_client_message(frame: str) -> ClientMessage:
+    """A validated client message, or a `ProtocolError` that names the problem."""
+    try:
+        raw = json.loads(frame)
+    except json.JSONDecodeError as exc:
+        raise ProtocolError("invalid_json", f"not valid JSON: {exc.msg} at position {exc.pos}") from None
+    if not isinstance(raw, dict):
+        raise ProtocolError("invalid_message", "a message must be a JSON object with a 'type'")
+    request_id = raw.get("request_id") if isinstance(raw.get("request_id"), str) else None
+    kind = raw.get("type")
+    if kind not in CLIENT_TYPES:
+        raise ProtocolError("unknown_type", f"unknown message type {kind!r}; known: {', '.join(CLIENT_TYPES)}", request_id)
+    try:
+        return _CLIENT.validate_python(raw)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'][1:]) or kind}: {e['msg']}" for e in exc.errors()
+        )
+        raise ProtocolError("invalid_params", problems, request_id) from None
+
+
+def error(code: str, message: str, request_id: str | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"type": "error", "code": code, "message": message}
+    if request_id is not None:
+        body["request_id"] = request_id
+    return body
