@@ -20,7 +20,7 @@ install: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-SERVE_ARGS ?= generate --chat "What is the capital of France? Answer in one sentence." --max-tokens 48
+SERVE_ARGS ?= serve --ask "What is the capital of France? Answer in one sentence."
 
 serve: $(STAMP)
 	$(BIN)/python -m cadenza $(SERVE_ARGS)

@@ -34,7 +34,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     config = load_config(args.config, overrides=_overrides(args))
     configure_logging(config.logging.level, config.logging.format)
-    run_server(config)
+    run_server(config, ask=args.ask)
     return 0
 
 
@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
     serve.add_argument("--api-key", help="require this bearer token on HTTP and WebSocket")
+    serve.add_argument("--ask", metavar="QUESTION", help="once listening, ask the served model this (a demo) and keep serving")
 
     config = commands.add_parser("config", help="show the effective configuration or its reference")
     config_commands = config.add_subparsers(dest="config_command", required=True)

@@ -22,9 +22,10 @@ log = structlog.get_logger("cadenza.api")
 
 
 class _Server(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, grace: float) -> None:
+    def __init__(self, config: uvicorn.Config, grace: float, ask: str | None = None) -> None:
         super().__init__(config)
         self.grace = grace
+        self.ask = ask
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
 
@@ -36,6 +37,8 @@ class _Server(uvicorn.Server):
             log.info("Started server", url=f"http://{host}:{port}", host=host, port=port)
             # Tests and scripts wait for this line: it carries the real port when port 0 was asked.
             print(f"cadenza listening on http://{host}:{port}", flush=True)
+            if self.ask:
+                asyncio.ensure_future(_ask_over_websocket(f"ws://{host}:{port}/v1/sessions", self.ask, self.config.app))
 
     def handle_exit(self, sig, frame) -> None:
         state = getattr(self.config.app.state, "server", None)
@@ -59,7 +62,33 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def run_server(config: CadenzaConfig) -> None:
+async def _ask_over_websocket(url: str, question: str, app) -> None:
+    """Show the server answering: one chat turn through its own WebSocket endpoint, streamed."""
+    import json
+
+    from websockets.asyncio.client import connect
+
+    headers = {}
+    key = app.state.server.config.server.api_key
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    try:
+        async with connect(url, additional_headers=headers) as ws:
+            await ws.recv()  # session.created
+            await ws.send(json.dumps({"type": "generate", "request_id": "ask", "user": question, "sampling": {"temperature": 0}}))
+            print(f"\n> {question}\n", flush=True)
+            async for raw in ws:
+                message = json.loads(raw)
+                if message["type"] == "delta":
+                    print(message["text"], end="", flush=True)
+                elif message["type"] in ("done", "error"):
+                    print(f"\n\n[{message.get('finish_reason') or message.get('code')}; serving on {url}; Ctrl-C stops]\n", flush=True)
+                    return
+    except Exception as exc:  # the demo must never take the server down
+        log.warning("The --ask demo failed", error=repr(exc))
+
+
+def run_server(config: CadenzaConfig, ask: str | None = None) -> None:
     """Load the model, then listen; the port opens only once the engine can serve."""
     runtime = build_runtime(config)
     server = config.server
@@ -77,7 +106,7 @@ def run_server(config: CadenzaConfig) -> None:
         ws_ping_timeout=20.0,
         lifespan="on",
     )
-    _Server(uv_config, server.shutdown_grace).run(sockets=[_listening_socket(server.host, server.port, server.socket_send_buffer)])
+    _Server(uv_config, server.shutdown_grace, ask).run(sockets=[_listening_socket(server.host, server.port, server.socket_send_buffer)])
 
 
 def _listening_socket(host: str, port: int, send_buffer: int | None) -> socket.socket:
