@@ -96,6 +96,9 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
+        # The dtype activations (and the KV cache) use; float32 where weights are bf16 but the CPU
+        # has no native bf16 (see models/dual_linear.py). None: the weights' dtype.
+        self.compute_dtype: torch.dtype | None = None
 
     @torch.inference_mode()
     def forward(
@@ -108,6 +111,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
         h = self.embed_tokens(input_ids)
+        if self.compute_dtype is not None:
+            h = h.to(self.compute_dtype)
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
         backend.begin_step(meta)
         for layer, kv_cache in zip(self.layers, kv_caches):

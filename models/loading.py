@@ -10,6 +10,8 @@ import structlog
 import torch
 
 from cadenza.models.config import ModelArchConfig
+from cadenza.models.cpu_features import cpu_has_native_bf16
+from cadenza.models.dual_linear import use_dual_precision
 from cadenza.models.default_model import default_model_path
 from cadenza.models.errors import ModelLoadError
 from cadenza.models.llama import LlamaForCausalLM
@@ -28,6 +30,7 @@ class LoadedModel:
     max_model_len: int
     dtype: torch.dtype
     device: torch.device
+    compute_dtype: torch.dtype  # activations and KV cache: float32 when the weights are dual precision
 
 
 def load_model(
@@ -35,7 +38,10 @@ def load_model(
     dtype: torch.dtype = torch.bfloat16,
     device: str | torch.device = "cpu",
     max_model_len: int | None = None,
+    cpu_fp32_matmul: str = "auto",
 ) -> LoadedModel:
+    """`cpu_fp32_matmul`: "auto" keeps a float32 copy of bf16/fp16 linear weights for batched
+    matmuls when the CPU has no native bf16 (see `models/dual_linear.py`); "on" always, "off" never."""
     started = time.perf_counter()
     resolved = default_model_path() if path is None else Path(path).expanduser()
     if not resolved.exists():
@@ -61,15 +67,21 @@ def load_model(
     model.rotary = RotaryEmbedding(arch.rope, arch.head_dim, limit).to(device)
     model.load_weights(weights, source)
     model.eval()
+    dual = 0
+    wants_dual = cpu_fp32_matmul == "on" or (cpu_fp32_matmul == "auto" and not cpu_has_native_bf16())
+    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and wants_dual:
+        dual = use_dual_precision(model)
+        model.compute_dtype = torch.float32
     log.info(
         "Loaded model",
         source=source,
         model_type=arch.model_type,
         dtype=str(dtype).removeprefix("torch."),
         layers=arch.num_layers,
+        fp32_matmul_copies=dual,
         seconds=round(time.perf_counter() - started, 2),
     )
-    return LoadedModel(model, arch, tokenizer, source, limit, dtype, device)
+    return LoadedModel(model, arch, tokenizer, source, limit, dtype, device, model.compute_dtype or dtype)
 
 
 def _read_hf(directory: Path, dtype: torch.dtype):
