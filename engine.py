@@ -88,6 +88,7 @@ class AsyncEngine:
             max_model_len=rt.max_model_len,
             max_prompt_tokens=cfg.server.max_prompt_tokens,
             capacity_tokens=rt.num_blocks * rt.block_size,
+            extra_params=rt.extra_params,
         )
         self.actors: list[Actor] = [
             IngressActor(

@@ -152,11 +152,22 @@ CacheMessage = Union[AllocateStep, CommitTokens, FreeBlocks]
 
 @dataclass(frozen=True, slots=True)
 class ExecuteStep:
+    """Run a step. `finished_request_ids`: requests gone since the last message (finished, aborted
+    or failed), so the sampling plugins drop their state before this step runs."""
+
     step_id: int
     chunks: tuple[ScheduledChunk, ...]
+    finished_request_ids: tuple[str, ...] = ()
 
 
-RunnerMessage = ExecuteStep
+@dataclass(frozen=True, slots=True)
+class RequestsFinished:
+    """Requests gone while no step was left to carry the news (the engine went idle)."""
+
+    request_ids: tuple[str, ...]
+
+
+RunnerMessage = Union[ExecuteStep, RequestsFinished]
 
 # --- to the detokenizer ---------------------------------------------------------------------------
 

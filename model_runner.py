@@ -145,6 +145,11 @@ class ModelRunner:
             return self._resample_without(exc, chunks, sampling_rows, last_hidden)
         return StepResult(request_ids, sampled, logits if return_logits else None)
 
+    def finish_requests(self, request_ids: Sequence[str]) -> None:
+        """The scheduler reports these requests gone: the sampling plugins drop their state."""
+        if request_ids:
+            self.sampling_pipeline.finish_requests(request_ids)
+
     @staticmethod
     def _batch(chunks: Sequence[ScheduledChunk], rows: list[int]) -> SamplingBatch:
         return SamplingBatch(
@@ -152,27 +157,35 @@ class ModelRunner:
             prompt_token_ids=[chunks[i].prompt_token_ids for i in rows],
             output_token_ids=[chunks[i].output_token_ids for i in rows],
             generators=[chunks[i].generator for i in rows],
+            request_ids=[chunks[i].request_id for i in rows],
         )
 
     def _resample_without(self, exc: SamplingError, chunks, sampling_rows: list[int], last_hidden) -> StepResult:
         """Fail the rows a plugin took down; sample the rest again from fresh logits.
 
         The processors may have half-edited the logits in place, so the survivors' logits are
-        recomputed from the hidden states rather than reused.
+        recomputed from the hidden states rather than reused. Another plugin may then fail other
+        rows (it had not run yet): each round drops the rows blamed, so innocent rows survive
+        any number of failing plugins, and the loop ends because every round drops a row.
         """
-        blamed = set(exc.rows)
-        failed = [(chunks[sampling_rows[r]].request_id, str(exc)) for r in sorted(blamed)]
-        keep = [r for r in range(len(sampling_rows)) if r not in blamed]
-        if not keep:
-            return StepResult([], None, failed=failed)
-        rows = [sampling_rows[r] for r in keep]
-        logits = self.model.compute_logits(last_hidden[keep])
-        try:
-            sampled = self.sampling_pipeline(logits, self._batch(chunks, rows))
-        except SamplingError as again:
-            failed += [(chunks[i].request_id, str(again)) for i in rows]
-            return StepResult([], None, failed=failed)
-        return StepResult([chunks[i].request_id for i in rows], sampled, failed=failed)
+        failed: list[tuple[str, str]] = []
+        alive = list(range(len(sampling_rows)))  # indices into sampling_rows still to sample
+        while True:
+            blamed = {r for r in exc.rows if 0 <= r < len(alive)}
+            if not blamed:  # a plugin blamed no row it was given: nobody can be trusted
+                blamed = set(range(len(alive)))
+            failed += [(chunks[sampling_rows[alive[r]]].request_id, exc.message_for(r)) for r in sorted(blamed)]
+            alive = [a for r, a in enumerate(alive) if r not in blamed]
+            if not alive:
+                return StepResult([], None, failed=failed)
+            rows = [sampling_rows[a] for a in alive]
+            logits = self.model.compute_logits(last_hidden[alive])
+            try:
+                sampled = self.sampling_pipeline(logits, self._batch(chunks, rows))
+            except SamplingError as again:
+                exc = again
+                continue
+            return StepResult([chunks[i].request_id for i in rows], sampled, failed=failed)
 
     def _prepare(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         block_size = self.block_size

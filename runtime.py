@@ -1,27 +1,96 @@
 """Builds an engine's components from a deployment config, once, at start-up.
 
-Every name in the config (attention backend, sampler, logits processors, eviction policy) is
-resolved here, so a typo fails before the first request with the list of known names.
+Every name in the config (attention backend, sampler, logits processors, eviction policy) and every
+`plugin_options` entry is resolved here, so a typo fails before the first request with the list of
+known names, and a bad option with its key path.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
+from typing import Any, Callable, Iterable
 
 import structlog
 import torch
+from pydantic import BaseModel, ValidationError
 
 from cadenza.config import CadenzaConfig
+from cadenza.config.errors import ConfigError, key_path
 from cadenza.kv_cache import allocate_kv_caches, choose_num_blocks
 from cadenza.model_runner import ModelRunner
 from cadenza.models.loading import LoadedModel, load_model
+from cadenza.plugins.eviction import EvictionPolicy
 from cadenza.plugins.registry import Registries, load_registries
 from cadenza.samplers.base import SamplingContext
+from cadenza.samplers.extra import ExtraParams
 from cadenza.samplers.pipeline import SamplingPipeline
 
 log = structlog.get_logger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Plugins:
+    """The classes a config names, and the validated `plugin_options` of each (None: no options)."""
+
+    registries: Registries
+    attention_backend: type
+    sampler: type
+    logits_processors: list[type]
+    eviction_policy: type
+    options: dict[str, BaseModel | None]
+
+    def build(self, cls: type, *args: Any, **kwargs: Any) -> Any:
+        """`cls(*args, **kwargs)`, with `options=` when the class takes options."""
+        if cls.options_model is not None:
+            kwargs["options"] = self.options.get(cls.name)
+        return cls(*args, **kwargs)
+
+
+def resolve_plugins(config: CadenzaConfig, extra_plugins: Iterable[object] = ()) -> Plugins:
+    """Load plugins, resolve the config's names and validate `plugin_options`; loads no model."""
+    registries = load_registries(config.plugins, extra_plugins=extra_plugins)
+    plugins = Plugins(
+        registries,
+        attention_backend=registries.attention_backends.get(config.attention_backend),
+        sampler=registries.samplers.get(config.sampling.sampler),
+        logits_processors=[registries.logits_processors.get(n) for n in config.sampling.logits_processors],
+        eviction_policy=registries.eviction_policies.get(config.cache.eviction_policy),
+        options={},
+    )
+    configured = [plugins.attention_backend, plugins.sampler, *plugins.logits_processors, plugins.eviction_policy]
+    plugins.options = _validate_options(config.plugin_options, registries, configured)
+    return plugins
+
+
+def _validate_options(given: dict[str, dict[str, Any]], registries: Registries, configured: list[type]) -> dict[str, BaseModel | None]:
+    registered = {
+        name: registry.get(name)
+        for registry in (registries.attention_backends, registries.samplers, registries.logits_processors, registries.eviction_policies)
+        for name in registry.names()
+    }
+    problems = []
+    for name in given:
+        cls = registered.get(name)
+        if cls is None:
+            problems.append(f"plugin_options.{name}: no plugin registers {name!r}; registered: {', '.join(sorted(registered))}")
+        elif cls.options_model is None:
+            problems.append(f"plugin_options.{name}: {name!r} takes no options")
+    options: dict[str, BaseModel | None] = {}
+    for cls in configured:
+        if cls.options_model is None:
+            continue
+        try:
+            options[cls.name] = cls.options_model.model_validate(given.get(cls.name, {}))
+        except ValidationError as exc:
+            problems += [
+                f"{key_path(('plugin_options', cls.name, *err['loc']))}: {err['msg']}" for err in exc.errors(include_url=False)
+            ]
+    if problems:
+        raise ConfigError(problems)
+    return options
 
 
 @dataclass
@@ -32,7 +101,9 @@ class Runtime:
     runner: ModelRunner
     num_blocks: int
     block_size: int
-    eviction_policy_cls: type
+    # A zero-argument factory: the configured policy class with its `plugin_options` bound.
+    eviction_policy_cls: Callable[[], EvictionPolicy]
+    extra_params: ExtraParams | None = None  # what `SamplingParams.extra` may name; for the ingress
 
     @property
     def tokenizer(self):
@@ -41,6 +112,9 @@ class Runtime:
     @property
     def max_model_len(self) -> int:
         return self.loaded.max_model_len
+
+    def make_eviction_policy(self) -> EvictionPolicy:
+        return self.eviction_policy_cls()
 
 
 def resolve_device(name: str) -> torch.device:
@@ -57,11 +131,8 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 
 def build_runtime(config: CadenzaConfig, extra_plugins=()) -> Runtime:
-    registries = load_registries(config.plugins, extra_plugins=extra_plugins)
-    backend_cls = registries.attention_backends.get(config.attention_backend)
-    sampler_cls = registries.samplers.get(config.sampling.sampler)
-    processor_classes = [registries.logits_processors.get(n) for n in config.sampling.logits_processors]
-    eviction_cls = registries.eviction_policies.get(config.cache.eviction_policy)
+    plugins = resolve_plugins(config, extra_plugins)
+    backend_cls = plugins.attention_backend
 
     device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype)
@@ -73,17 +144,21 @@ def build_runtime(config: CadenzaConfig, extra_plugins=()) -> Runtime:
     loaded = load_model(config.model.path, dtype=dtype, device=device, max_model_len=config.model.max_model_len)
     arch = loaded.arch
     block_size = config.cache.block_size
+    # The cache holds keys and values in the dtype attention computes in (float32 where bf16
+    # weights run on a CPU without native bf16): no per-layer conversion of the whole context.
+    kv_dtype = loaded.compute_dtype
     num_blocks = choose_num_blocks(
         arch,
         block_size,
-        dtype,
+        kv_dtype,
         num_blocks=config.cache.num_blocks,
         memory_budget=config.cache.memory_budget_bytes,
         max_num_seqs=config.scheduler.max_num_seqs,
         max_model_len=loaded.max_model_len,
     )
-    kv_caches = allocate_kv_caches(arch, num_blocks, block_size, dtype, device)
-    backend = backend_cls(
+    kv_caches = allocate_kv_caches(arch, num_blocks, block_size, kv_dtype, device)
+    backend = plugins.build(
+        backend_cls,
         num_heads=arch.num_heads,
         num_kv_heads=arch.num_kv_heads,
         head_dim=arch.head_dim,
@@ -93,9 +168,11 @@ def build_runtime(config: CadenzaConfig, extra_plugins=()) -> Runtime:
         device=device,
     )
     context = SamplingContext(
-        vocab_size=arch.vocab_size, eos_token_ids=loaded.tokenizer.eos_token_ids, device=device
+        vocab_size=arch.vocab_size, eos_token_ids=loaded.tokenizer.eos_token_ids, device=device, tokenizer=loaded.tokenizer
     )
-    pipeline = SamplingPipeline(context, [cls(context) for cls in processor_classes], sampler_cls(context))
+    pipeline = SamplingPipeline(
+        context, [plugins.build(cls, context) for cls in plugins.logits_processors], plugins.build(plugins.sampler, context)
+    )
     runner = ModelRunner(loaded.model, kv_caches, backend, pipeline, block_size, device)
     log.info(
         "Runtime ready",
@@ -104,4 +181,5 @@ def build_runtime(config: CadenzaConfig, extra_plugins=()) -> Runtime:
         block_size=block_size,
         device=str(device),
     )
-    return Runtime(config, registries, loaded, runner, num_blocks, block_size, eviction_cls)
+    eviction_policy = functools.partial(plugins.build, plugins.eviction_policy)
+    return Runtime(config, plugins.registries, loaded, runner, num_blocks, block_size, eviction_policy, pipeline.extra_params)

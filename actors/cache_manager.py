@@ -158,7 +158,7 @@ class KVCacheManager:
             if digest not in self._cached and block not in self._hash_of:
                 self._cached[digest] = block
                 self._hash_of[block] = digest
-                self.policy.on_cached(block)
+                self.policy.on_cached(block, index)
 
     def free(self, request_id: str) -> None:
         table = self._tables.pop(request_id, None)

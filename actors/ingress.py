@@ -22,6 +22,8 @@ from cadenza.messages import (
 from cadenza.metrics import EngineMetrics
 from cadenza.models.tokenizer import ChatTemplateError, Tokenizer
 from cadenza.prompts import PromptError, tokenize_prompt
+from cadenza.samplers.extra import ExtraParams, ExtraParamsError
+from cadenza.sampling_params import SamplingParams
 
 # Prompts longer than this (in characters) are tokenized in a worker thread, off the event loop.
 OFF_LOOP_PROMPT_CHARS = 4096
@@ -36,14 +38,37 @@ class RequestRejected(ValueError):
 
 
 class PromptValidator:
-    """The synchronous core: prompt to token ids, or a `RequestRejected` naming the problem."""
+    """The synchronous core: prompt to token ids, or a `RequestRejected` naming the problem.
 
-    def __init__(self, tokenizer: Tokenizer, *, vocab_size: int, max_model_len: int, max_prompt_tokens: int | None, capacity_tokens: int):
+    `extra_params` (the runtime's `extra_params`) checks `SamplingParams.extra` against the
+    deployment's sampling plugins; without it the runner still checks, when the request first runs.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        vocab_size: int,
+        max_model_len: int,
+        max_prompt_tokens: int | None,
+        capacity_tokens: int,
+        extra_params: ExtraParams | None = None,
+    ):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_prompt_tokens = max_prompt_tokens
         self.capacity_tokens = capacity_tokens  # the whole KV cache, in tokens
+        self.extra_params = extra_params
+
+    def check_extra(self, params: SamplingParams) -> None:
+        """Reject `extra` naming no configured plugin, or with params its plugin's model refuses."""
+        if self.extra_params is None or not params.extra:
+            return
+        try:
+            self.extra_params.validate(params.extra)
+        except ExtraParamsError as exc:
+            raise RequestRejected("invalid_extra", str(exc)) from exc
 
     def tokenize(self, prompt) -> tuple[int, ...]:
         try:
@@ -91,6 +116,7 @@ class IngressActor(Actor[IngressMessage]):
             raise UnexpectedMessageError(self.name, message)
         request_id = message.request_id
         try:
+            self.validator.check_extra(message.params)
             if isinstance(message.prompt, str) and len(message.prompt) > OFF_LOOP_PROMPT_CHARS:
                 prompt_ids = await anyio.to_thread.run_sync(self.validator.tokenize, message.prompt)
             else:

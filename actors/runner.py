@@ -10,6 +10,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 from cadenza.actors.base import Actor
 from cadenza.messages import (
     ExecuteStep,
+    RequestsFinished,
     RunnerMessage,
     SampledToken,
     SchedulerMessage,
@@ -32,12 +33,25 @@ class RunnerActor(Actor[RunnerMessage]):
         self.metrics = metrics
 
     async def handle(self, message: RunnerMessage) -> None:
-        if not isinstance(message, ExecuteStep):
-            raise UnexpectedMessageError(self.name, message)
+        match message:
+            case ExecuteStep():
+                await self._execute(message)
+            case RequestsFinished(request_ids=request_ids):
+                # Plugin hooks are third-party code: keep them off the event loop too.
+                await anyio.to_thread.run_sync(self.runner.finish_requests, request_ids)
+            case _:
+                raise UnexpectedMessageError(self.name, message)
+
+    def _run_step(self, message: ExecuteStep) -> StepResult:
+        # Departures first: a request that left is in no step from now on.
+        self.runner.finish_requests(message.finished_request_ids)
+        return self.runner.execute(message.chunks)
+
+    async def _execute(self, message: ExecuteStep) -> None:
         started = time.perf_counter()
         try:
             # A worker thread: torch releases the GIL in its kernels, so the loop keeps serving I/O.
-            result = await anyio.to_thread.run_sync(self.runner.execute, message.chunks)
+            result = await anyio.to_thread.run_sync(self._run_step, message)
         except Exception as exc:
             self.log.error("Step failed", step=message.step_id, error=repr(exc))
             ids = tuple(c.request_id for c in message.chunks)

@@ -31,6 +31,7 @@ from cadenza.messages import (
     FreeBlocks,
     NewTokens,
     RequestFailed,
+    RequestsFinished,
     RunnerMessage,
     SchedulerMessage,
     StepAllocation,
@@ -72,6 +73,7 @@ class SchedulerActor(Actor[SchedulerMessage]):
         self.clock = clock
         self._in_flight: deque[StepPlan] = deque()
         self._free_count_stale = True
+        self._gone: list[str] = []  # requests ended since the runner last heard, for its plugins
 
     async def handle(self, message: SchedulerMessage) -> None:
         await self._dispatch(message)
@@ -83,6 +85,9 @@ class SchedulerActor(Actor[SchedulerMessage]):
                 break
             await self._dispatch(queued)
         await self._maybe_step()
+        if self._gone and not self._in_flight:
+            # No step will carry the news soon (one in flight would: its output wakes us up).
+            await self.runner.send(RequestsFinished(self._take_gone()))
 
     async def _dispatch(self, message: SchedulerMessage) -> None:
         match message:
@@ -208,7 +213,7 @@ class SchedulerActor(Actor[SchedulerMessage]):
                 prefill_tokens=sum(len(c.token_ids) for c in chunks if not (len(c.token_ids) == 1 and c.sample)),
                 requests=[(c.request_id, len(c.token_ids)) for c in chunks],
             )
-            await self.runner.send(ExecuteStep(plan.step_id, tuple(chunks)))
+            await self.runner.send(ExecuteStep(plan.step_id, tuple(chunks), self._take_gone()))
             self._report()
             return True
         raise RuntimeError("scheduling did not converge: the cache manager keeps refusing running requests")
@@ -245,8 +250,14 @@ class SchedulerActor(Actor[SchedulerMessage]):
         )
 
     async def _release(self, request: Request) -> None:
+        """The request has ended (finished, aborted or failed): its blocks and plugin state go."""
         await self.cache.send(FreeBlocks(request.request_id))
         self._free_count_stale = True
+        self._gone.append(request.request_id)
+
+    def _take_gone(self) -> tuple[str, ...]:
+        gone, self._gone = tuple(self._gone), []
+        return gone
 
     def _report(self) -> None:
         self.metrics.num_running = len(self.core.running)
@@ -258,3 +269,5 @@ class SchedulerActor(Actor[SchedulerMessage]):
         self._in_flight.clear()
         for request in self.core.fail(list(self.core.requests)):
             await self._fail(request, f"scheduler error: {exc!r}", "scheduler_error")
+        if self._gone:
+            await self.runner.send(RequestsFinished(self._take_gone()))

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from pydantic import BaseModel
 
 
 class BackendUnavailableError(RuntimeError):
@@ -56,10 +57,12 @@ class AttentionBackend(ABC):
     `begin_step(meta)` runs once per step before the first layer (derive masks and gather indices
     there, not per layer); `forward` runs per layer: it must store the new keys and values through
     `meta.slot_mapping`, then attend each query row to its sequence's keys at positions
-    `<= its own position` (and within `sliding_window` when set).
+    `<= its own position` (and within `sliding_window` when set). A backend with an
+    `options_model` also gets `options=` from the config's `plugin_options[name]`.
     """
 
     name: ClassVar[str]
+    options_model: ClassVar[type[BaseModel] | None] = None
 
     def __init__(
         self,
@@ -71,8 +74,12 @@ class AttentionBackend(ABC):
         block_size: int,
         sliding_window: int | None = None,
         device: torch.device = torch.device("cpu"),
+        options: BaseModel | None = None,
     ) -> None:
         self.check_available(device)
+        if options is None and self.options_model is not None:
+            options = self.options_model()
+        self.options = options
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim

@@ -10,8 +10,9 @@ from __future__ import annotations
 import heapq
 import itertools
 from abc import ABC, abstractmethod
-from collections import OrderedDict
 from typing import ClassVar
+
+from pydantic import BaseModel
 
 from cadenza.plugins.hookspecs import hookimpl
 
@@ -24,25 +25,38 @@ class EvictionPolicy(ABC):
     block was evictable (it no longer is) or already held by other requests; and
     `on_evict`/`pop_victim` when it leaves the cache.
     `pop_victim` is only called when `len(policy) > 0` and returns an evictable block id.
+    A policy with an `options_model` is built with `options=` from the config's
+    `plugin_options[name]`; others are built with no arguments.
     """
 
     name: ClassVar[str]
+    options_model: ClassVar[type[BaseModel] | None] = None
+
+    def __init__(self, options: BaseModel | None = None) -> None:
+        if options is None and self.options_model is not None:
+            options = self.options_model()
+        self.options = options
 
     @abstractmethod
-    def on_cached(self, block_id: int) -> None: ...
+    def on_cached(self, block_id: int, position: int) -> None:
+        """The block entered the prefix cache; `position` is its index in its sequence (0 holds
+        the first `block_size` tokens), the same for every sequence that shares it."""
 
     @abstractmethod
-    def on_release(self, block_id: int) -> None: ...
+    def on_release(self, block_id: int) -> None:
+        """No request holds the block any more: it is evictable from now on."""
 
     @abstractmethod
-    def on_acquire(self, block_id: int) -> None: ...
+    def on_acquire(self, block_id: int) -> None:
+        """A request reuses the block (a prefix hit): it is not evictable while held."""
 
     @abstractmethod
     def on_evict(self, block_id: int) -> None:
         """The block left the cache for another reason (e.g. it was overwritten)."""
 
     @abstractmethod
-    def pop_victim(self) -> int: ...
+    def pop_victim(self) -> int:
+        """Remove and return the evictable block to evict next."""
 
     @abstractmethod
     def __len__(self) -> int:
@@ -53,6 +67,7 @@ class _OrderedPolicy(EvictionPolicy):
     """Evicts evictable blocks in ascending order of a per-block key (ties: first released)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self._evictable: dict[int, tuple] = {}
         self._heap: list[tuple] = []
         self._counter = itertools.count()
@@ -99,7 +114,7 @@ class LRUPolicy(_OrderedPolicy):
 
     name = "lru"
 
-    def on_cached(self, block_id: int) -> None:
+    def on_cached(self, block_id: int, position: int = 0) -> None:
         pass
 
     def key(self, block_id: int) -> tuple:
@@ -116,7 +131,7 @@ class FIFOPolicy(_OrderedPolicy):
         self._cached_at: dict[int, int] = {}
         self._clock = itertools.count()
 
-    def on_cached(self, block_id: int) -> None:
+    def on_cached(self, block_id: int, position: int = 0) -> None:
         self._cached_at[block_id] = next(self._clock)
 
     def key(self, block_id: int) -> tuple:
@@ -135,7 +150,7 @@ class LFUPolicy(_OrderedPolicy):
         super().__init__()
         self._uses: dict[int, int] = {}
 
-    def on_cached(self, block_id: int) -> None:
+    def on_cached(self, block_id: int, position: int = 0) -> None:
         self._uses[block_id] = 1
 
     def on_acquire(self, block_id: int) -> None:

@@ -1,7 +1,8 @@
 """The hooks a cadenza plugin may implement.
 
 Every hook receives a `register(name, factory)` callback, so cadenza keeps naming, de-duplication
-and validation. Hooks run once, at engine start-up, never on the per-token path.
+and validation. Hooks run once, at engine start-up, never on the per-token path. docs/plugins.md
+documents each hook and the contract of the classes they register.
 """
 
 from __future__ import annotations

@@ -173,12 +173,22 @@ def collect_registries(pm: pluggy.PluginManager) -> Registries:
 
 
 def _checked(registry: Registry) -> Callable[[str, Any, str], None]:
+    from pydantic import BaseModel
+
     def add(name: str, factory: Any, source: str) -> None:
         if not (isinstance(factory, type) and issubclass(factory, registry.base)):
             raise PluginError(
                 f"plugin {source!r} registered {registry.kind} {name!r} as {factory!r}, "
                 f"which is not a subclass of {registry.base.__name__}"
             )
+        for attr in ("params_model", "options_model"):
+            # Checked now, so a bad model fails start-up rather than the first request using it.
+            model = getattr(factory, attr, None)
+            if model is not None and not (isinstance(model, type) and issubclass(model, BaseModel)):
+                raise PluginError(
+                    f"plugin {source!r} registered {registry.kind} {name!r} whose {attr} is {model!r}, "
+                    "not a pydantic model class"
+                )
         registry.add(name, factory, source)
 
     return add

@@ -9,17 +9,24 @@ from cadenza.samplers.base import (
     Sampler,
     SamplerOutput,
     SamplingBatch,
+    SamplingComponent,
     SamplingContext,
+    SamplingError,
 )
+from cadenza.samplers.extra import ExtraParams, ExtraParamsError
 from cadenza.samplers.pipeline import DEFAULT_PROCESSORS, SamplingPipeline, build_pipeline
 
 __all__ = [
     "DEFAULT_PROCESSORS",
+    "ExtraParams",
+    "ExtraParamsError",
     "LogitsProcessor",
     "Sampler",
     "SamplerOutput",
     "SamplingBatch",
+    "SamplingComponent",
     "SamplingContext",
+    "SamplingError",
     "SamplingPipeline",
     "build_pipeline",
 ]

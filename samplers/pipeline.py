@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable, Sequence
 
+import structlog
 import torch
 
 from cadenza.samplers.base import (
@@ -11,9 +12,13 @@ from cadenza.samplers.base import (
     Sampler,
     SamplerOutput,
     SamplingBatch,
+    SamplingComponent,
     SamplingContext,
     SamplingError,
 )
+from cadenza.samplers.extra import ExtraParams, ExtraParamsError
+
+log = structlog.get_logger(__name__)
 
 # The built-in processors in the order they should run (vLLM's): bans and biases first, as they
 # decide what may be emitted at all; penalties next, on the biased logits; then temperature, and
@@ -32,6 +37,9 @@ class SamplingPipeline:
     """Applies each active processor to a batch's logits, in order, then calls the sampler.
 
     Built once at start-up; `__call__` runs on the per-token path, so it does no registry lookups.
+    It also keeps the plugins' request lifecycle: a request whose `SamplingParams.extra` switches
+    plugins on joins them the first time it is in a batch (`on_request_added`), and leaves them
+    when the engine reports it gone (`finish_requests` -> `on_request_finished`).
     """
 
     def __init__(
@@ -40,6 +48,9 @@ class SamplingPipeline:
         self.context = context
         self.processors = list(processors)
         self.sampler = sampler
+        self._components: dict[str, SamplingComponent] = {c.name: c for c in (*self.processors, sampler)}
+        self.extra_params = ExtraParams({name: type(c) for name, c in self._components.items()})
+        self._joined: dict[str, list[SamplingComponent]] = {}  # request id -> components told of it
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Pick one token per row of `logits` [B, V] (any float dtype).
@@ -48,8 +59,12 @@ class SamplingPipeline:
         them afterwards. Log-probabilities are still taken from the raw values: the raw tensor is
         copied first whenever a processor would otherwise overwrite it.
         An all-greedy batch skips argmax-invariant processors, and when nothing else is left to
-        run and no row wants log-probabilities it is a bare argmax, without calling the sampler.
+        run, no row wants log-probabilities and no row has params for the sampler, it is a bare
+        argmax, without calling the sampler.
         """
+        failed = self.add_requests(batch)
+        if failed:
+            raise SamplingError("sampling plugins", sorted(failed), "on_request_added failed", failed)
         all_greedy = batch.all_greedy
         active = [
             p
@@ -57,7 +72,7 @@ class SamplingPipeline:
             if not (all_greedy and p.argmax_invariant) and p.is_active(batch)
         ]
         wants_logprobs = any(p.logprobs is not None for p in batch.params)
-        if all_greedy and not active and not wants_logprobs:
+        if all_greedy and not active and not wants_logprobs and not self._sampler_has_rows(batch):
             return SamplerOutput(token_ids=logits.argmax(dim=-1))
 
         raw = logits
@@ -77,6 +92,51 @@ class SamplingPipeline:
             )
         return output
 
+    def _sampler_has_rows(self, batch: SamplingBatch) -> bool:
+        """A sampler given params for a row must see it, even a greedy one."""
+        params = self.sampler.request_params
+        return bool(params) and any(r in params for r in batch.request_ids)
+
+    def add_requests(self, batch: SamplingBatch) -> dict[int, str]:
+        """Join the batch's new requests to the plugins they switch on; failed rows -> why.
+
+        Requests without `extra` are never recorded: the common case costs one check per row.
+        """
+        failed: dict[int, str] = {}
+        for row, (request_id, params) in enumerate(zip(batch.request_ids, batch.params)):
+            if not params.extra or request_id in self._joined:
+                continue
+            joined = self._joined[request_id] = []
+            try:
+                parsed = self.extra_params.validate(params.extra)
+            except ExtraParamsError as exc:
+                failed[row] = str(exc)
+                continue
+            for name, value in parsed.items():
+                component = self._components[name]
+                try:
+                    component.on_request_added(request_id, value)
+                except Exception as exc:
+                    failed[row] = f"{_kind(component)} {name!r} failed in on_request_added: {exc!r}"
+                    break
+                joined.append(component)
+        return failed
+
+    def finish_requests(self, request_ids: Iterable[str]) -> None:
+        """The requests left the engine: tell each plugin that had joined them. Never raises."""
+        for request_id in request_ids:
+            for component in self._joined.pop(request_id, ()):
+                try:
+                    component.on_request_finished(request_id)
+                except Exception as exc:
+                    # The request is already over: there is no one left to fail, only to tell.
+                    log.warning("Plugin failed in on_request_finished", plugin=component.name, request_id=request_id, error=repr(exc))
+
+    @property
+    def num_joined(self) -> int:
+        """Requests the pipeline holds plugin state for (zero once every request has left)."""
+        return len(self._joined)
+
     @staticmethod
     def _apply(processor: LogitsProcessor, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Run one processor; a raise or a wrong shape fails only the rows that use it."""
@@ -91,6 +151,10 @@ class SamplingPipeline:
                 f"logits processor {processor.name!r}", _rows(processor, batch), f"returned {got}, expected {tuple(shape)}"
             )
         return result
+
+
+def _kind(component: SamplingComponent) -> str:
+    return "logits processor" if isinstance(component, LogitsProcessor) else "sampler"
 
 
 def _rows(processor: LogitsProcessor, batch: SamplingBatch) -> list[int]:

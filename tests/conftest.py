@@ -11,8 +11,16 @@ from tiny_models import ARCHITECTURES, build_tiny_model  # noqa: E402
 
 from cadenza.logging_setup import configure_logging  # noqa: E402
 
-# Engine logs at warning and above only: pytest shows them with a failing test's output.
-configure_logging("warning", "console")
+# Engine logs at warning and above only, to the interpreter's own stderr: a stream pytest
+# captures for one test is closed after it, and a logger left pointing there breaks later tests.
+configure_logging("warning", "console", stream=sys.__stderr__)
+
+
+@pytest.fixture(autouse=True)
+def _restore_logging():
+    """Code under test (the CLI, the bench) may configure logging for itself; undo it after."""
+    yield
+    configure_logging("warning", "console", stream=sys.__stderr__)
 
 
 @pytest.fixture(scope="session")

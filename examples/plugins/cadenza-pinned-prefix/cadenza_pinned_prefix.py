@@ -1,0 +1,103 @@
+"""cadenza-pinned-prefix: an eviction policy that keeps the shared system prompt's KV blocks cached.
+
+Every request of a chat deployment usually starts with the same system prompt, so its first blocks
+are the most valuable ones in the prefix cache; plain LRU evicts them as soon as a burst of other
+requests has gone by. This policy splits evictable blocks in two tiers:
+
+- *pinned*: blocks at positions `< pinned_blocks` of their sequence (the cache manager tells
+  `on_cached` each block's position). They are evicted only when no other evictable block is left,
+  the least reused first (the shared system prompt is reused by every request, a one-off prompt's
+  first blocks once), then the least recently released;
+- *unpinned*: every other block, evicted least recently released first (LRU).
+
+Pinned blocks are never held back from a request that needs the room: "evicted last" rather than
+"never evicted", so a cache full of pinned blocks cannot leave requests unschedulable.
+
+Deployment: `cache: {eviction_policy: pinned_prefix}` and
+`plugin_options: {pinned_prefix: {pinned_blocks: 4}}`.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from cadenza.plugins.eviction import EvictionPolicy
+from cadenza.plugins.hookspecs import hookimpl
+
+__version__ = "0.1.0"
+
+
+class PinnedPrefixOptions(BaseModel):
+    """The deployment's `plugin_options.pinned_prefix`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    pinned_blocks: int = Field(4, ge=0, description="Leading blocks of every sequence that are evicted last.")
+
+
+class PinnedPrefixPolicy(EvictionPolicy):
+    """LRU for most blocks; a sequence's first `pinned_blocks` blocks go last, least reused first."""
+
+    name = "pinned_prefix"
+    options_model = PinnedPrefixOptions
+
+    def __init__(self, options: PinnedPrefixOptions | None = None) -> None:
+        super().__init__(options)
+        self._pinned: set[int] = set()
+        self._uses: dict[int, int] = {}  # pinned blocks only: how many requests used them
+        self._evictable: dict[int, tuple] = {}  # block -> its live heap entry
+        self._heap: list[tuple] = []  # (tier, uses, release order, block); stale entries skipped
+        self._clock = itertools.count()
+
+    @property
+    def pinned(self) -> frozenset[int]:
+        return frozenset(self._pinned)
+
+    def on_cached(self, block_id: int, position: int) -> None:
+        if position < self.options.pinned_blocks:
+            self._pinned.add(block_id)
+            self._uses[block_id] = 1
+
+    def on_acquire(self, block_id: int) -> None:
+        self._evictable.pop(block_id, None)  # its heap entry goes stale
+        if block_id in self._pinned:
+            self._uses[block_id] += 1
+
+    def on_release(self, block_id: int) -> None:
+        pinned = block_id in self._pinned
+        entry = (int(pinned), self._uses[block_id] if pinned else 0, next(self._clock), block_id)
+        self._evictable[block_id] = entry
+        heapq.heappush(self._heap, entry)
+        if len(self._heap) > 2 * len(self._evictable) + 64:
+            # Prefix hits leave stale entries behind; rebuild from the live ones, order unchanged.
+            self._heap = list(self._evictable.values())
+            heapq.heapify(self._heap)
+
+    def pop_victim(self) -> int:
+        while self._heap:
+            entry = heapq.heappop(self._heap)
+            block_id = entry[-1]
+            if self._evictable.get(block_id) == entry:
+                del self._evictable[block_id]
+                self._forget(block_id)
+                return block_id
+        raise LookupError("no evictable block")
+
+    def on_evict(self, block_id: int) -> None:
+        self._evictable.pop(block_id, None)
+        self._forget(block_id)
+
+    def _forget(self, block_id: int) -> None:
+        self._pinned.discard(block_id)
+        self._uses.pop(block_id, None)
+
+    def __len__(self) -> int:
+        return len(self._evictable)
+
+
+@hookimpl
+def register_eviction_policies(register) -> None:
+    register(PinnedPrefixPolicy.name, PinnedPrefixPolicy)
