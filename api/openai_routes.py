@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from cadenza.api.http_streaming import Emit, EventStreamResponse, parse_body, ru
 from cadenza.api.openai_protocol import ChatCompletionRequest, CompletionRequest, to_sampling_params
 from cadenza.api.state import ServerState, server_state
 from cadenza.outputs import TokenLogprob
+from cadenza.samplers.vocab import token_bytes_lookup
 from cadenza.streams import GenerationOutput
 
 log = structlog.get_logger("cadenza.api")
@@ -316,28 +316,13 @@ def _finite(value: float) -> float:
 # --- token text for logprobs --------------------------------------------------------------------
 
 
-def _gpt2_byte_decoder() -> dict[str, int]:
-    """Byte-level BPE's printable stand-ins for raw bytes, reversed (GPT-2's bytes_to_unicode)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = list(printable), 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, chars)}
-
-
-_BYTE_DECODER = _gpt2_byte_decoder()
-_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-
-
 class _TokenTexts:
     """token id -> (its text, its UTF-8 bytes); a token that is part of a character keeps its
     exact bytes even though its text alone is a replacement character."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        self._bytes_of = None  # built on first need: most tokens are whole characters
         self._cache: dict[int, tuple[str, list[int]]] = {}
 
     def __call__(self, token_id: int) -> tuple[str, list[int]]:
@@ -350,9 +335,6 @@ class _TokenTexts:
         text = self.tokenizer.decode([token_id], skip_special_tokens=False)
         if "\ufffd" not in text:
             return text, list(text.encode())
-        raw = self.tokenizer.backend.id_to_token(token_id) or ""
-        if match := _BYTE_TOKEN.fullmatch(raw):
-            return text, [int(match.group(1), 16)]
-        if raw and all(c in _BYTE_DECODER for c in raw):
-            return text, [_BYTE_DECODER[c] for c in raw]
-        return text, list(text.encode())
+        if self._bytes_of is None:
+            self._bytes_of = token_bytes_lookup(self.tokenizer, keep_special=True)
+        return text, list(self._bytes_of(token_id))  # part of a character: its exact bytes

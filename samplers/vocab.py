@@ -70,14 +70,22 @@ def token_bytes(tokenizer, size: int | None = None) -> list[bytes]:
     """
     backend = getattr(tokenizer, "backend", tokenizer)
     size = backend.get_vocab_size(with_added_tokens=True) if size is None else size
+    bytes_of = token_bytes_lookup(backend)
+    return [bytes_of(token_id) for token_id in range(size)]
+
+
+def token_bytes_lookup(tokenizer, keep_special: bool = False) -> Callable[[int], bytes]:
+    """token id -> the bytes it adds to decoded text (special tokens: b"", or their text when
+    `keep_special`, as a decode with `skip_special_tokens=False` shows them)."""
+    backend = getattr(tokenizer, "backend", tokenizer)
     spell = _speller(backend)
     added = backend.get_added_tokens_decoder()
-    pieces = []
-    for token_id in range(size):
+
+    def bytes_of(token_id: int) -> bytes:
         special = added.get(token_id)
         if special is not None:
-            pieces.append(b"" if special.special else special.content.encode())
-            continue
+            return special.content.encode() if keep_special or not special.special else b""
         piece = backend.id_to_token(token_id)
-        pieces.append(b"" if piece is None else spell(piece, token_id))
-    return pieces
+        return b"" if piece is None else spell(piece, token_id)
+
+    return bytes_of
