@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", help="require this bearer token on HTTP and WebSocket")
     serve.add_argument("--ask", metavar="QUESTION", help="once listening, ask the served model this (a demo) and keep serving")
 
+    from cadenza.bench.cli import add_bench_parser
+
+    add_bench_parser(commands)
+
     config = commands.add_parser("config", help="show the effective configuration or its reference")
     config_commands = config.add_subparsers(dest="config_command", required=True)
     show = config_commands.add_parser("show", help="print the effective configuration as YAML")
@@ -128,6 +132,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _generate(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "bench":
+            from cadenza.bench.cli import run_bench
+
+            return run_bench(args)
         return _config(args)
     except (ConfigError, ModelLoadError, PluginError, ValueError) as exc:
         print(f"cadenza: error: {exc}", file=sys.stderr)

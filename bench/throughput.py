@@ -1,0 +1,133 @@
+"""`cadenza bench throughput`: one seeded offline workload through cadenza and its peers, same process."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from cadenza.bench.engines import EngineRun
+from cadenza.bench.quiet import QuietPolicy, run_quietly
+from cadenza.bench.report import table
+from cadenza.bench.workload import Workload
+
+
+@dataclass(slots=True)
+class ThroughputResult:
+    workload: Workload
+    runs: list[EngineRun] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)  # peer -> why it did not run
+    load_seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def cadenza(self) -> EngineRun | None:
+        return next((r for r in self.runs if r.engine == "cadenza"), None)
+
+    def render(self) -> str:
+        base = self.cadenza
+        rows = []
+        for run in self.runs:
+            ratio = None
+            if base is not None and run is not base:
+                ratio = f"{base.output_tokens_per_second / run.output_tokens_per_second:.2f}x"
+            rows.append([
+                run.engine, run.seconds, run.output_tokens_per_second, run.total_tokens_per_second,
+                ratio or "-", run.quiet.describe() if run.quiet else "-",
+            ])
+        lines = [table(["engine", "seconds", "output tok/s", "total tok/s", "cadenza/peer", "machine"], rows)]
+        lines += [f"  {r.engine}: {r.note}" for r in self.runs if r.note]
+        lines += [f"  {name}: skipped ({why})" for name, why in self.skipped.items()]
+        if self.load_seconds:
+            lines.append("  load: " + ", ".join(f"{k} {v:.1f}s" for k, v in self.load_seconds.items()))
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict:
+        base = self.cadenza
+        runs = []
+        for run in self.runs:
+            entry = run.as_dict()
+            if base is not None and run is not base:
+                entry["cadenza_over_peer_output"] = round(base.output_tokens_per_second / run.output_tokens_per_second, 3)
+            runs.append(entry)
+        return {
+            "workload": self.workload.describe(),
+            "runs": runs,
+            "skipped": self.skipped,
+            "load_seconds": {k: round(v, 2) for k, v in self.load_seconds.items()},
+        }
+
+
+def run_throughput(
+    cadenza,
+    workload: Workload,
+    *,
+    compare: list[str],
+    dtype: str,
+    policy: QuietPolicy,
+    hf_batch_size: int = 32,
+    num_threads: int | None = None,
+    gguf_cache: Path | None = None,
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+) -> ThroughputResult:
+    """`cadenza` is a built `CadenzaEngine`; peers are loaded here, one after another."""
+    result = ThroughputResult(workload, load_seconds={"cadenza": cadenza.load_seconds})
+
+    def timed(engine) -> None:
+        log(f"running {getattr(engine, 'name', engine)} ...")
+        run, quiet = run_quietly(lambda: engine.run(workload), policy)
+        run.quiet = quiet
+        result.runs.append(run)
+        log(f"  {run.engine}: {run.output_tokens_per_second:.1f} output tok/s in {run.seconds:.1f}s ({quiet.describe()})")
+
+    timed(cadenza)
+    if "hf" in compare:
+        _run_hf(cadenza.source, dtype, hf_batch_size, result, timed, log)
+    if "llamacpp" in compare:
+        _run_llamacpp(cadenza, num_threads, gguf_cache, seed, workload, result, timed, log)
+    return result
+
+
+def _run_hf(source: str, dtype: str, batch_size: int, result: ThroughputResult, timed, log) -> None:
+    from cadenza.bench.peers import HFContinuousEngine, HFStaticEngine, has_continuous_batching, load_hf_model
+
+    log("loading the transformers model ...")
+    started = time.perf_counter()
+    try:
+        model = load_hf_model(source, dtype)
+    except Exception as exc:  # an architecture or GGUF quantization transformers cannot load
+        result.skipped["hf"] = f"transformers could not load {source}: {exc}"
+        return
+    result.load_seconds["hf"] = time.perf_counter() - started
+    timed(HFStaticEngine(model, batch_size))
+    if has_continuous_batching(model):
+        try:
+            timed(HFContinuousEngine(model))
+        except Exception as exc:
+            result.skipped["hf-continuous"] = f"failed: {exc}"
+    else:
+        result.skipped["hf-continuous"] = "this transformers has no generate_batch"
+
+
+def _run_llamacpp(cadenza, num_threads, gguf_cache, seed, workload, result: ThroughputResult, timed, log) -> None:
+    from cadenza.bench.llamacpp import LlamaCppEngine, bf16_gguf_for, llama_cpp_available
+
+    source = Path(cadenza.source)
+    if not llama_cpp_available():
+        result.skipped["llama.cpp"] = "llama-cpp-python is not installed (pip install llama-cpp-python)"
+        return
+    if source.suffix != ".gguf":
+        result.skipped["llama.cpp"] = "needs a .gguf model"
+        return
+    log("preparing the bf16 GGUF for llama.cpp ...")
+    started = time.perf_counter()
+    path = bf16_gguf_for(source, gguf_cache or default_gguf_cache())
+    max_len = max(len(r.prompt_token_ids) + r.max_tokens for r in workload.requests) + 16
+    engine = LlamaCppEngine(path, num_threads=num_threads, max_len=max_len, seed=seed)
+    result.load_seconds["llama.cpp"] = time.perf_counter() - started
+    timed(engine)
+
+
+def default_gguf_cache() -> Path:
+    return Path.home() / ".cache" / "cadenza" / "bench"

@@ -1,0 +1,176 @@
+"""`cadenza bench`: end to end on a tiny random model, with tiny sizes. Timings are never asserted."""
+
+from __future__ import annotations
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from cadenza.bench import quiet
+from cadenza.bench.ceilings import Ceilings, ModelCost
+from cadenza.bench.cli import main
+from cadenza.bench.llamacpp import write_bf16_gguf
+from cadenza.bench.report import table
+from cadenza.bench.workload import make_workload
+from cadenza.models.config import ModelArchConfig, RopeConfig
+
+TINY_THROUGHPUT = ["--num-requests", "4", "--prompt-len", "4", "24", "--output-len", "2", "6", "--no-quiet-check"]
+TINY_LATENCY = ["--prefill-lens", "8", "16", "--decode-prompt-len", "8", "--decode-tokens", "3", "--batch-size", "3",
+                "--repeats", "1", "--read-mib", "16", "--no-quiet-check"]
+
+
+# --- end to end ---------------------------------------------------------------------------------
+
+
+def test_throughput_with_hf_peers(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "throughput.json"
+    code = main(["throughput", "--model", str(tiny_model_dir("llama3")), *TINY_THROUGHPUT,
+                 "--hf-batch-size", "2", "--compare", "hf", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    for column in ("engine", "seconds", "output tok/s", "total tok/s", "cadenza/peer", "machine"):
+        assert column in printed
+    for engine in ("cadenza", "hf-static (batch 2)", "hf-continuous"):
+        assert engine in printed
+    assert "workload: 4 requests" in printed
+    result = json.loads(out.read_text())
+    runs = {r["engine"]: r for r in result["runs"]}
+    workload = make_workload(4, (4, 24), (2, 6), seed=0, vocab_size=320)
+    # Every engine produced exactly what the workload asked for: EOS is ignored everywhere.
+    for run in runs.values():
+        assert run["output_tokens"] == workload.num_output_tokens
+        assert run["prompt_tokens"] == workload.num_prompt_tokens
+        assert run["quiet"]["summary"].startswith(("quiet", "disturbed"))
+    assert runs["hf-static (batch 2)"]["computed_output_tokens"] >= workload.num_output_tokens
+    assert "cadenza_over_peer_output" in runs["hf-continuous"]
+
+
+def test_throughput_llamacpp_needs_a_gguf(tiny_model_dir, capsys):
+    code = main(["throughput", "--model", str(tiny_model_dir("llama3")), *TINY_THROUGHPUT, "--compare", "llamacpp"])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "llama.cpp: skipped (" in printed
+
+
+def test_latency_with_hf_peer(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "latency.json"
+    code = main(["latency", "--model", str(tiny_model_dir("llama3")), *TINY_LATENCY, "--compare", "hf", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "ceilings: memory read" in printed
+    for column in ("measure", "tok/s", "ceiling tok/s", "achieved", "% bf16 mm", "% fp32 mm"):
+        assert column in printed
+    for measure in ("decode, batch 1, ctx 8+3", "prefill 8", "prefill 16", "decode, batch 3, ctx 8+3"):
+        assert measure in printed
+    result = json.loads(out.read_text())
+    engines = {row["engine"] for row in result["rows"]}
+    assert engines == {"cadenza", "cadenza model step", "hf generate"}
+    assert len(result["rows"]) == 3 * 4
+    assert all(row["tokens_per_s"] > 0 and row["ceiling_tokens_per_s"] > 0 for row in result["rows"])
+    assert result["ceilings"]["memory_read_GBps"] > 0
+
+
+def test_bad_workload_is_a_usage_error(tiny_model_dir, capsys):
+    code = main(["throughput", "--model", str(tiny_model_dir("llama3")), "--num-requests", "2",
+                 "--prompt-len", "9", "3", "--no-quiet-check"])
+    assert code == 2
+    assert "prompt_len" in capsys.readouterr().err
+
+
+# --- pieces -------------------------------------------------------------------------------------
+
+
+def test_workload_is_seeded():
+    a = make_workload(8, (3, 9), (2, 5), seed=7, vocab_size=50)
+    b = make_workload(8, (3, 9), (2, 5), seed=7, vocab_size=50)
+    c = make_workload(8, (3, 9), (2, 5), seed=8, vocab_size=50)
+    assert a == b and a != c
+    assert all(3 <= len(r.prompt_token_ids) <= 9 and 2 <= r.max_tokens <= 5 for r in a.requests)
+    assert all(0 <= t < 50 for r in a.requests for t in r.prompt_token_ids)
+    assert a.num_output_tokens == sum(r.max_tokens for r in a.requests)
+
+
+def test_model_cost_counts_the_projections():
+    arch = ModelArchConfig(
+        model_type="llama", vocab_size=100, hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2,
+        num_kv_heads=1, head_dim=4, rms_norm_eps=1e-6, rope=RopeConfig(theta=10000.0),
+        max_position_embeddings=64, tie_word_embeddings=True, qkv_bias=False, o_bias=False, mlp_bias=False,
+        qk_norm=False, sliding_window=None, bos_token_id=None, eos_token_ids=(),
+    )
+    cost = ModelCost.from_arch(arch, torch.bfloat16)
+    per_layer = 8 * (8 + 2 * 4) + 8 * 8 + 8 * 32 + 16 * 8
+    assert cost.body_params == 2 * per_layer
+    assert cost.head_params == 800
+    assert cost.weight_bytes == 2 * (2 * per_layer + 800)
+    assert cost.decode_flops(0) == 2 * (2 * per_layer + 800)
+    ceilings = Ceilings(memory_bandwidth=1e9, matmul_bf16=1e9, matmul_fp32=1e8, matmul_shape=(1, 1, 1))
+    # Batch 1 is bound by reading the weights; a big batch by the matmuls.
+    assert cost.decode_step_seconds(ceilings, torch.bfloat16, 1, 0) == pytest.approx(cost.weight_bytes / 1e9)
+    assert cost.decode_step_seconds(ceilings, torch.bfloat16, 1000, 0) == pytest.approx(1000 * cost.decode_flops(0) / 1e9)
+
+
+def test_proc_stat_snapshot_and_share():
+    snap = quiet.take_snapshot()
+    if snap is None:
+        pytest.skip("no /proc here")
+    assert snap.total >= snap.busy >= 0 and snap.own >= 0
+    a = quiet.CpuSnapshot(total=1000, busy=300, own=100)
+    b = quiet.CpuSnapshot(total=2000, busy=1000, own=600)
+    assert quiet.other_cpu_share(a, b) == pytest.approx(0.2)  # (700 - 500) / 1000
+    assert quiet.other_cpu_share(a, a) is None
+
+
+def test_disturbed_runs_are_repeated_and_reported(monkeypatch):
+    shares = iter([0.40, 0.30, 0.02])
+    monkeypatch.setattr(quiet, "wait_for_quiet", lambda policy: (0.0, 0.0))
+    monkeypatch.setattr(quiet, "other_cpu_share", lambda a, b: next(shares))
+    calls = []
+    result, report = quiet.run_quietly(lambda: calls.append(1) or len(calls), quiet.QuietPolicy(threshold=0.05, max_repeats=5))
+    assert result == 3 and report.attempts == 3
+    assert report.describe() == "quiet: yes (2.0% other CPU, repeated 2x)"
+
+    shares = iter([0.40, 0.34, 0.50])
+    result, report = quiet.run_quietly(lambda: "x", quiet.QuietPolicy(threshold=0.05, max_repeats=2))
+    assert report.attempts == 3 and report.other_share == pytest.approx(0.34)
+    assert report.describe() == "disturbed: 34% other CPU, repeated 2x"
+
+
+def test_table_aligns_columns():
+    text = table(["name", "tok/s"], [["a", 1234.5], ["bb", None]])
+    lines = text.splitlines()
+    assert lines[0].startswith("name") and len({len(line) for line in lines[:2]}) == 1
+    assert lines[2].endswith("1,234.5") and lines[3].endswith("-")
+
+
+def test_bf16_gguf_keeps_metadata_and_values(tmp_path):
+    source, target = tmp_path / "q.gguf", tmp_path / "bf16.gguf"
+    rng = np.random.default_rng(0)
+    matrix = rng.standard_normal((4, 64)).astype(np.float32)
+    norm = rng.standard_normal(64).astype(np.float32)
+    writer = gguf.GGUFWriter(str(source), "llama")
+    writer.add_block_count(1)
+    writer.add_token_list(["a", "b"])
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0)
+    writer.add_tensor("blk.0.ffn_up.weight", gguf.quants.quantize(matrix, gguf.GGMLQuantizationType.Q8_0),
+                      raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("blk.0.attn_norm.weight", norm)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    write_bf16_gguf(source, target)
+    before, after = gguf.GGUFReader(str(source)), gguf.GGUFReader(str(target))
+    assert after.fields["llama.block_count"].contents() == 1
+    assert after.fields["tokenizer.ggml.tokens"].contents() == ["a", "b"]
+    assert after.fields["general.file_type"].contents() == gguf.LlamaFileType.MOSTLY_BF16
+    tensors = {t.name: t for t in after.tensors}
+    assert tensors["blk.0.ffn_up.weight"].tensor_type == gguf.GGMLQuantizationType.BF16
+    assert tensors["blk.0.attn_norm.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+    original = {t.name: t for t in before.tensors}["blk.0.ffn_up.weight"]
+    want = torch.from_numpy(gguf.quants.dequantize(original.data, original.tensor_type)).bfloat16().float()
+    got = gguf.quants.dequantize(tensors["blk.0.ffn_up.weight"].data, gguf.GGMLQuantizationType.BF16)
+    assert torch.equal(torch.from_numpy(np.asarray(got, dtype=np.float32)).reshape(want.shape), want)
