@@ -74,7 +74,7 @@ class AsyncEngine:
         detok_tx, detok_rx = channel(DetokenizerMessage, INBOX_CAPACITY)
         self._ingress, self._scheduler_inbox, self._cache_inbox = ingress_tx, scheduler_tx, cache_tx.clone()
         self.cache_core = KVCacheManager(
-            rt.num_blocks, rt.block_size, rt.eviction_policy_cls(), cfg.cache.enable_prefix_caching
+            rt.num_blocks, rt.block_size, rt.make_eviction_policy(), cfg.cache.enable_prefix_caching
         )
         self.scheduler_core = SchedulerCore(
             cfg.scheduler,
