@@ -131,6 +131,14 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 
 def build_runtime(config: CadenzaConfig, extra_plugins=()) -> Runtime:
+    """Everything an engine needs, built on the compute thread (see `compute_thread.py`), where
+    the engine's runner will later run every step."""
+    from cadenza import compute_thread
+
+    return compute_thread.run_sync(_build_runtime, config, extra_plugins)
+
+
+def _build_runtime(config: CadenzaConfig, extra_plugins=()) -> Runtime:
     plugins = resolve_plugins(config, extra_plugins)
     backend_cls = plugins.attention_backend
 

@@ -7,6 +7,7 @@ import time
 import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
+from cadenza import compute_thread
 from cadenza.actors.base import Actor
 from cadenza.messages import (
     ExecuteStep,
@@ -38,7 +39,7 @@ class RunnerActor(Actor[RunnerMessage]):
                 await self._execute(message)
             case RequestsFinished(request_ids=request_ids):
                 # Plugin hooks are third-party code: keep them off the event loop too.
-                await anyio.to_thread.run_sync(self.runner.finish_requests, request_ids)
+                await compute_thread.run_async(self.runner.finish_requests, request_ids)
             case _:
                 raise UnexpectedMessageError(self.name, message)
 
@@ -50,8 +51,8 @@ class RunnerActor(Actor[RunnerMessage]):
     async def _execute(self, message: ExecuteStep) -> None:
         started = time.perf_counter()
         try:
-            # A worker thread: torch releases the GIL in its kernels, so the loop keeps serving I/O.
-            result = await anyio.to_thread.run_sync(self._run_step, message)
+            # On the compute thread: the event loop keeps serving I/O, and torch keeps one OpenMP team.
+            result = await compute_thread.run_async(self._run_step, message)
         except Exception as exc:
             self.log.error("Step failed", step=message.step_id, error=repr(exc))
             ids = tuple(c.request_id for c in message.chunks)
