@@ -7,6 +7,8 @@ fraction of all CPUs' time: 0.5 on two cores means another process kept one core
 
 from __future__ import annotations
 
+from cadenza import compute_thread
+
 import os
 import time
 from dataclasses import dataclass, field
@@ -128,7 +130,7 @@ def run_quietly(fn: Callable[[], T], policy: QuietPolicy | None = None) -> tuple
     policy = policy or QuietPolicy()
     if not policy.enabled:
         start = take_snapshot()
-        result = fn()
+        result = compute_thread.run_sync(fn)
         share = other_cpu_share(start, take_snapshot())
         return result, QuietReport(share, None, 1, 0.0, [share], threshold=policy.threshold)
     best: tuple[T, float | None, float | None] | None = None
@@ -138,7 +140,7 @@ def run_quietly(fn: Callable[[], T], policy: QuietPolicy | None = None) -> tuple
         before_share, wait = wait_for_quiet(policy)
         waited += wait
         start = take_snapshot()
-        result = fn()
+        result = compute_thread.run_sync(fn)
         share = other_cpu_share(start, take_snapshot())
         shares.append(share)
         if best is None or (share is not None and (best[1] is None or share < best[1])):
