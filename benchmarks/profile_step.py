@@ -34,6 +34,21 @@ def label(fn, name):
     return wrapped
 
 
+class _Labelled:
+    """A callable object labelled like `label`, its other attributes passed through."""
+
+    def __init__(self, target, name: str) -> None:
+        LABELS.add(name)
+        self._target, self._name = target, name
+
+    def __call__(self, *args, **kwargs):
+        with record_function(self._name):
+            return self._target(*args, **kwargs)
+
+    def __getattr__(self, attr):
+        return getattr(self._target, attr)
+
+
 def instrument(runtime) -> None:
     """Label the parts of a step: projections, norms, rotary, attention pieces, sampling, packing."""
     import cadenza.attention_backends.torch_sdpa as sdpa
@@ -42,7 +57,7 @@ def instrument(runtime) -> None:
     model, runner = runtime.loaded.model, runtime.runner
     for name, module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
-        if isinstance(module, torch.nn.Linear):
+        if isinstance(module, torch.nn.Linear) or type(module).__name__ == "DualPrecisionLinear":
             module.forward = label(module.forward, f"linear.{leaf}")
         elif isinstance(module, llama.RMSNorm):
             module.forward = label(module.forward, "rmsnorm")
@@ -57,7 +72,7 @@ def instrument(runtime) -> None:
     backend = runner.backend
     backend.forward = label(backend.forward, "attention (all: write, gather, sdpa)")
     backend.begin_step = label(backend.begin_step, "attention.begin_step (masks)")
-    runner.sampling_pipeline = label(runner.sampling_pipeline, "sampling pipeline")
+    runner.sampling_pipeline = _Labelled(runner.sampling_pipeline, "sampling pipeline")
     runner._prepare = label(runner._prepare, "runner._prepare (packing)")
     model.compute_logits = label(model.compute_logits, "compute_logits (lm_head)")
 
