@@ -43,10 +43,6 @@ class Request:
         """Tokens once the steps in flight have delivered theirs."""
         return self.num_tokens + self.num_pending
 
-    @property
-    def is_prefilling(self) -> bool:
-        return self.num_computed_tokens < self.num_tokens - 1
-
     def tokens(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output, without building the whole list; positions
         whose token a step in flight is still sampling read `PENDING_TOKEN`."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hmac
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from starlette.requests import HTTPConnection
@@ -21,9 +21,7 @@ class ServerState:
     config: CadenzaConfig
     model_name: str
     metrics: ServerMetrics
-    websocket_sessions: int = 0
     draining: bool = False
-    session_ids: set[str] = field(default_factory=set)
 
 
 def served_model_name(config: CadenzaConfig) -> str:
