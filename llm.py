@@ -32,6 +32,7 @@ _OVERRIDES = {
     "max_model_len": "model.max_model_len",
     "num_threads": "model.num_threads",
     "seed": "model.seed",
+    "cpu_kernels": "model.cpu_kernels",
     "block_size": "cache.block_size",
     "num_blocks": "cache.num_blocks",
     "memory_budget": "cache.memory_budget",

@@ -149,7 +149,8 @@ def _build_runtime(config: CadenzaConfig, extra_plugins=()) -> Runtime:
         torch.set_num_threads(config.model.num_threads)
     torch.manual_seed(config.model.seed)
 
-    loaded = load_model(config.model.path, dtype=dtype, device=device, max_model_len=config.model.max_model_len)
+    loaded = load_model(config.model.path, dtype=dtype, device=device, max_model_len=config.model.max_model_len,
+                        cpu_kernels=config.model.cpu_kernels)
     arch = loaded.arch
     block_size = config.cache.block_size
     # The cache holds keys and values in the dtype attention computes in (float32 where bf16
@@ -175,6 +176,7 @@ def _build_runtime(config: CadenzaConfig, extra_plugins=()) -> Runtime:
         sliding_window=arch.sliding_window,
         device=device,
     )
+    backend.use_cpu_kernels(loaded.model.kernels if kv_dtype == torch.float32 else None)
     context = SamplingContext(
         vocab_size=arch.vocab_size, eos_token_ids=loaded.tokenizer.eos_token_ids, device=device, tokenizer=loaded.tokenizer
     )

@@ -95,6 +95,10 @@ class AttentionBackend(ABC):
     def begin_step(self, meta: AttentionMetadata) -> None:
         """Prepare per-step state shared by all layers."""
 
+    def use_cpu_kernels(self, kernels) -> None:
+        """Called once at start-up with cadenza's compiled CPU kernels (`cadenza.kernels.cpu`), or
+        None where they are off or unavailable. A backend may use them; the default ignores them."""
+
     @abstractmethod
     def forward(
         self,

@@ -1,4 +1,8 @@
-"""`torch_sdpa`: gathers each sequence's keys from the paged cache and runs PyTorch's fused SDPA."""
+"""`torch_sdpa`: gathers each sequence's keys from the paged cache and runs PyTorch's fused SDPA.
+
+Decode-only steps on the CPU, where cadenza's CPU kernels run, skip the gather: the paged decode
+kernel reads each key and value where it lies in the cache.
+"""
 
 from __future__ import annotations
 
@@ -25,17 +29,20 @@ class TorchSDPABackend(AttentionBackend):
         # Without native bf16, PyTorch's CPU attention kernels are several times slower in bf16
         # than in float32 (and the softmax is better in float32 anyway): compute there in float32.
         self._upcast = torch.device(self.device).type == "cpu" and not cpu_has_native_bf16()
+        self._kernels = None
+
+    def use_cpu_kernels(self, kernels) -> None:
+        self._kernels = kernels if torch.device(self.device).type == "cpu" else None
 
     def begin_step(self, meta: AttentionMetadata) -> None:
         device = meta.slot_mapping.device
         num_seqs, max_q, max_k = meta.num_seqs, meta.max_query_len, meta.max_seq_len
-        # The flat cache slot of every key position each sequence attends to (padding reads slot 0,
-        # which the mask then hides): exactly max_seq_len keys, not whole blocks.
-        key_positions = torch.arange(max_k, device=device)
-        blocks = meta.block_tables.gather(1, (key_positions // self.block_size).expand(num_seqs, -1))
-        self._key_slots = (blocks * self.block_size + key_positions % self.block_size).reshape(-1)
+        self._meta = meta
+        self._key_slots: torch.Tensor | None = None  # built on first use: the kernel path needs none
         self._decode_only = meta.is_decode_only
         self._num_seqs, self._max_q, self._max_k = num_seqs, max_q, max_k
+        self._paged_decode = self._decode_only and self._kernels is not None
+        key_positions = torch.arange(max_k, device=device)
         if not self._decode_only:
             offsets = torch.arange(max_q, device=device)
             query_lens = meta.seq_lens - meta.context_lens
@@ -63,12 +70,27 @@ class TorchSDPABackend(AttentionBackend):
             self._mask.masked_fill_(~self._mask_bool, float("-inf"))
         return self._mask
 
+    def _gather_slots(self) -> torch.Tensor:
+        # The flat cache slot of every key position each sequence attends to (padding reads slot 0,
+        # which the mask then hides): exactly max_seq_len keys, not whole blocks.
+        if self._key_slots is None:
+            meta = self._meta
+            key_positions = torch.arange(self._max_k, device=meta.block_tables.device)
+            blocks = meta.block_tables.gather(1, (key_positions // self.block_size).expand(self._num_seqs, -1))
+            self._key_slots = (blocks * self.block_size + key_positions % self.block_size).reshape(-1)
+        return self._key_slots
+
     def forward(self, q, k, v, kv_cache, meta):
         write_kv(k, v, kv_cache, meta.slot_mapping)
+        if self._paged_decode and q.dtype == torch.float32 and kv_cache.dtype == torch.float32:
+            return self._kernels.paged_decode_attention(
+                q, kv_cache, meta.block_tables, meta.seq_lens, self.scale, self.sliding_window or 0
+            )
         num_seqs, max_q, max_k = self._num_seqs, self._max_q, self._max_k
         flat = kv_cache.view(2, -1, self.num_kv_heads, self.head_dim)
-        keys = flat[0].index_select(0, self._key_slots).view(num_seqs, max_k, self.num_kv_heads, self.head_dim)
-        values = flat[1].index_select(0, self._key_slots).view(num_seqs, max_k, self.num_kv_heads, self.head_dim)
+        slots = self._gather_slots()
+        keys = flat[0].index_select(0, slots).view(num_seqs, max_k, self.num_kv_heads, self.head_dim)
+        values = flat[1].index_select(0, slots).view(num_seqs, max_k, self.num_kv_heads, self.head_dim)
         if self._decode_only:
             queries = q.view(num_seqs, 1, self.num_heads, self.head_dim)
         else:

@@ -65,7 +65,9 @@ def instrument(runtime) -> None:
             module.forward = label(module.forward, "mlp (incl. its linears)")
         elif isinstance(module, torch.nn.Embedding):
             module.forward = label(module.forward, "embedding")
-    llama.apply_rotary = label(llama.apply_rotary, "rotary.apply")
+    import cadenza.models.rotary as rotary
+
+    rotary.StepRotary.rotate = label(rotary.StepRotary.rotate, "rotary.apply")
     model.rotary.cos_sin = label(model.rotary.cos_sin, "rotary.cos_sin")
     sdpa.write_kv = label(sdpa.write_kv, "attention.write_kv")
     sdpa.F.scaled_dot_product_attention = label(torch.nn.functional.scaled_dot_product_attention, "attention.sdpa")

@@ -68,6 +68,12 @@ class ModelConfig(_Section):
         None, gt=0, description="torch intra-op threads. null leaves torch's default."
     )
     seed: int = Field(0, ge=0, description="Seed for torch's global random generator.")
+    cpu_kernels: Literal["auto", "on", "off"] = Field(
+        "auto", description="cadenza's compiled CPU kernels (x86-64 with AVX2/FMA; built on first "
+        "use, about 30 s, then cached): bf16 matrix-vector products, norms, rotary and paged decode "
+        "attention. auto uses them where they build and falls back to PyTorch ops otherwise; on "
+        "fails start-up if they cannot be built; off always uses PyTorch ops.",
+    )
 
 
 class CacheConfig(_Section):

@@ -6,6 +6,11 @@ decode batches are compute-bound, and without AVX512-BF16/AMX PyTorch's bf16 GEM
 than float32 on the same shapes, so those multiply the float32 copy (the exact upcast of the same
 bf16 values; accumulation is float32 either way). Activations stay float32 between layers, so no
 per-layer conversion of activations or of the KV cache is needed.
+
+With cadenza's CPU kernels (`cadenza.kernels.cpu`), matrix-vector products multiply the bf16
+weights by the float32 activations directly (no rounding of the activations to bf16, no extra
+casts), reading the weights at close to the memory bandwidth, and `linear_add_` fuses the
+residual add into the product.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from torch import nn
 
 # Rows at or above which the float32 copy wins (measured on AVX2: bf16 is already ~2.5x slower at 8).
 FP32_MIN_ROWS = 4
+# The same with the CPU kernel, which re-reads the bf16 weights once per 4 rows (see benchmarks/NOTES.md).
+KERNEL_FP32_MIN_ROWS = 8
 
 
 class DualPrecisionLinear(nn.Module):
@@ -28,11 +35,36 @@ class DualPrecisionLinear(nn.Module):
             "bias_f32", None if linear.bias is None else linear.bias.detach().float(), persistent=False
         )
         self.min_rows = min_rows
+        self.kernels = None  # cadenza.kernels.cpu's module, when switched on (see `use_cpu_kernels`)
+
+    def use_cpu_kernels(self, kernels) -> None:
+        self.kernels = kernels
+        if kernels is not None and self.weight.dtype == torch.bfloat16 and self.min_rows == FP32_MIN_ROWS:
+            self.min_rows = KERNEL_FP32_MIN_ROWS
+
+    def _kernel_applies(self, x: torch.Tensor) -> bool:
+        return (self.kernels is not None and self.weight.dtype == torch.bfloat16 and x.dtype == torch.float32
+                and x.dim() == 2 and x.stride(-1) == 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] >= self.min_rows:
             return F.linear(x.float(), self.weight_f32, self.bias_f32)
+        if self._kernel_applies(x):
+            return self.kernels.linear_bf16(x, self.weight, self.bias_f32)
         return F.linear(x.to(self.weight.dtype), self.weight, self.bias).float()
+
+    def linear_add_(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """`residual += self(x)`, in place, fused into the product where the kernel runs."""
+        if x.shape[0] < self.min_rows and self._kernel_applies(x) and residual.dtype == torch.float32:
+            return self.kernels.linear_bf16_add_(residual, x, self.weight, self.bias_f32)
+        return residual.add_(self(x))
+
+
+def linear_add_(linear: nn.Module, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """`residual += linear(x)` in place, for any linear layer (fused for `DualPrecisionLinear`)."""
+    if isinstance(linear, DualPrecisionLinear):
+        return linear.linear_add_(residual, x)
+    return residual.add_(linear(x))
 
 
 def use_dual_precision(model: nn.Module, min_rows: int = FP32_MIN_ROWS) -> int:

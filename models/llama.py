@@ -15,8 +15,9 @@ from torch import nn
 
 from cadenza.attention_backends.base import AttentionBackend, AttentionMetadata
 from cadenza.models.config import ModelArchConfig
+from cadenza.models.dual_linear import linear_add_
 from cadenza.models.errors import ModelLoadError
-from cadenza.models.rotary import RotaryEmbedding, apply_rotary
+from cadenza.models.rotary import RotaryEmbedding, StepRotary
 
 # Checkpoint tensors that carry nothing we need.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -27,8 +28,16 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.kernels = None
+        self.weight_f32: torch.Tensor | None = None
+
+    def use_cpu_kernels(self, kernels) -> None:
+        self.kernels = kernels
+        self.weight_f32 = None if kernels is None else self.weight.detach().float().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and x.dtype == torch.float32 and x.is_contiguous():
+            return self.kernels.rms_norm(x, self.weight_f32, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -45,17 +54,22 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, kv_cache, meta, backend: AttentionBackend) -> torch.Tensor:
+    def forward(self, x, residual, rotary: StepRotary, kv_cache, meta, backend: AttentionBackend) -> torch.Tensor:
+        """`residual` + attention(x), the sum written into `residual`."""
         cfg = self.cfg
-        q, k, v = self.qkv_proj(x).split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = q.view(-1, cfg.num_heads, cfg.head_dim)
-        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        qkv = self.qkv_proj(x)
         if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+            q = self.q_norm(q.reshape(-1, cfg.num_heads, cfg.head_dim))
+            k = self.k_norm(k.reshape(-1, cfg.num_kv_heads, cfg.head_dim))
+            q, k = rotary.rotate(q), rotary.rotate(k)
+        else:
+            # q and k side by side in the fused projection: one rotation for both.
+            qk = rotary.rotate(qkv[:, : cfg.q_size + cfg.kv_size].view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim))
+            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
+        v = qkv[:, cfg.q_size + cfg.kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
         out = backend.forward(q, k, v, kv_cache, meta)
-        return self.o_proj(out.reshape(-1, cfg.q_size))
+        return linear_add_(self.o_proj, residual, out.reshape(-1, cfg.q_size))
 
 
 class MLP(nn.Module):
@@ -64,10 +78,17 @@ class MLP(nn.Module):
         self.intermediate = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.kernels = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """`residual` + mlp(x), the sum written into `residual`."""
+        gate_up = self.gate_up_proj(x)
+        if self.kernels is not None and gate_up.dtype == torch.float32:
+            hidden = self.kernels.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            hidden = F.silu(gate) * up
+        return linear_add_(self.down_proj, residual, hidden)
 
 
 class DecoderLayer(nn.Module):
@@ -78,9 +99,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h, cos, sin, kv_cache, meta, backend) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, rotary: StepRotary, kv_cache, meta, backend) -> torch.Tensor:
+        """The next hidden states; `h` itself is updated in place (the residual stream)."""
+        h = self.self_attn(self.input_layernorm(h), h, rotary, kv_cache, meta, backend)
+        return self.mlp(self.post_attention_layernorm(h), h)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -99,6 +121,18 @@ class LlamaForCausalLM(nn.Module):
         # The dtype activations (and the KV cache) use; float32 where weights are bf16 but the CPU
         # has no native bf16 (see models/dual_linear.py). None: the weights' dtype.
         self.compute_dtype: torch.dtype | None = None
+        self.kernels = None
+
+    def use_cpu_kernels(self, kernels) -> None:
+        """Route norms, rotary, SiLU and bf16 matrix-vector products through cadenza's CPU kernels
+        (`cadenza.kernels.cpu`; None: PyTorch ops). Each falls back to PyTorch per call where its
+        inputs do not fit (not float32, not contiguous)."""
+        self.kernels = kernels
+        for module in self.modules():
+            if module is not self and hasattr(module, "use_cpu_kernels"):
+                module.use_cpu_kernels(kernels)
+            elif isinstance(module, MLP):
+                module.kernels = kernels
 
     @torch.inference_mode()
     def forward(
@@ -113,10 +147,10 @@ class LlamaForCausalLM(nn.Module):
         h = self.embed_tokens(input_ids)
         if self.compute_dtype is not None:
             h = h.to(self.compute_dtype)
-        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        rotary = StepRotary(self.rotary, positions, h.dtype, self.kernels)
         backend.begin_step(meta)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h = layer(h, cos, sin, kv_cache, meta, backend)
+            h = layer(h, rotary, kv_cache, meta, backend)
         return self.norm(h)
 
     @torch.inference_mode()

@@ -39,9 +39,12 @@ def load_model(
     device: str | torch.device = "cpu",
     max_model_len: int | None = None,
     cpu_fp32_matmul: str = "auto",
+    cpu_kernels: str = "off",
 ) -> LoadedModel:
     """`cpu_fp32_matmul`: "auto" keeps a float32 copy of bf16/fp16 linear weights for batched
-    matmuls when the CPU has no native bf16 (see `models/dual_linear.py`); "on" always, "off" never."""
+    matmuls when the CPU has no native bf16 (see `models/dual_linear.py`); "on" always, "off" never.
+    `cpu_kernels`: "auto", "on" or "off", whether a CPU model computing in float32 runs its hot ops
+    through `cadenza.kernels.cpu` (see there)."""
     started = time.perf_counter()
     resolved = default_model_path() if path is None else Path(path).expanduser()
     if not resolved.exists():
@@ -72,6 +75,12 @@ def load_model(
     if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and wants_dual:
         dual = use_dual_precision(model)
         model.compute_dtype = torch.float32
+    kernels = None
+    if device.type == "cpu" and (model.compute_dtype or dtype) == torch.float32:
+        from cadenza.kernels import cpu
+
+        kernels = cpu.configure(cpu_kernels)
+        model.use_cpu_kernels(kernels)
     log.info(
         "Loaded model",
         source=source,
@@ -79,6 +88,7 @@ def load_model(
         dtype=str(dtype).removeprefix("torch."),
         layers=arch.num_layers,
         fp32_matmul_copies=dual,
+        cpu_kernels=kernels is not None,
         seconds=round(time.perf_counter() - started, 2),
     )
     return LoadedModel(model, arch, tokenizer, source, limit, dtype, device, model.compute_dtype or dtype)

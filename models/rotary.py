@@ -57,3 +57,27 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+class StepRotary:
+    """One step's rotary embedding: the positions' cos/sin, applied by the CPU kernel in place
+    where it runs (float32, packed heads), else by `apply_rotary`."""
+
+    __slots__ = ("_embedding", "_positions", "_dtype", "_kernels", "_cos_sin")
+
+    def __init__(self, embedding: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype, kernels=None) -> None:
+        self._embedding, self._positions, self._dtype = embedding, positions, dtype
+        usable = kernels is not None and dtype == torch.float32 and positions.device.type == "cpu"
+        self._kernels = kernels if usable else None
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+        if self._kernels is None:
+            self._cos_sin = embedding.cos_sin(positions, dtype)
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, head_dim] rotated; in place (and returned) where the kernel runs."""
+        if self._kernels is not None and x.dtype == torch.float32 and x.stride(-1) == 1 and x.stride(1) == x.shape[2]:
+            self._kernels.rotary_(x, self._positions, self._embedding.cos_table, self._embedding.sin_table)
+            return x
+        if self._cos_sin is None:
+            self._cos_sin = self._embedding.cos_sin(self._positions, self._dtype)
+        return apply_rotary(x, *self._cos_sin)

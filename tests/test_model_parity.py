@@ -11,6 +11,7 @@ import transformers
 
 from cadenza import LLM, SamplingParams
 from cadenza.model_runner import ScheduledChunk
+from cadenza.models.cpu_features import cpu_has_avx2_fma
 
 BLOCK = 8
 TOLERANCE = 1e-4
@@ -41,10 +42,17 @@ def reference_greedy(model, prompt, n):
     return out[0, len(prompt) :].tolist()
 
 
-@pytest.mark.parametrize("backend", ["torch_sdpa", "eager"])
-def test_logits_match_through_paged_cache(tiny_model_dir, arch, backend):
+# cpu_kernels "auto" runs cadenza's CPU kernels where they build (x86-64 with AVX2, as on CI);
+# "off" is the pure PyTorch path. Both must match transformers.
+@pytest.mark.parametrize("backend,cpu_kernels", [("torch_sdpa", "auto"), ("torch_sdpa", "off"), ("eager", "auto")])
+def test_logits_match_through_paged_cache(tiny_model_dir, arch, backend, cpu_kernels):
     path = tiny_model_dir(arch)
-    llm = LLM(path, dtype="float32", block_size=BLOCK, num_blocks=128, attention_backend=backend)
+    llm = LLM(path, dtype="float32", block_size=BLOCK, num_blocks=128, attention_backend=backend,
+              cpu_kernels=cpu_kernels)
+    if cpu_kernels == "off" or not cpu_has_avx2_fma():
+        assert llm.runtime.loaded.model.kernels is None
+    else:
+        assert llm.runtime.loaded.model.kernels is not None
     runner = llm.runtime.runner
     prompts = random_prompts(1, PROMPT_LENGTHS)
     tables = [list(range(i * 16, (i + 1) * 16)) for i in range(len(prompts))]
@@ -82,7 +90,7 @@ def test_logits_match_through_paged_cache(tiny_model_dir, arch, backend):
         got = torch.stack(ours[i])
         assert got.shape == expected.shape
         diff = (got - expected).abs().max().item()
-        assert diff < TOLERANCE, f"{arch}/{backend} sequence {i}: max abs logit diff {diff:.2e}"
+        assert diff < TOLERANCE, f"{arch}/{backend}/{cpu_kernels} sequence {i}: max abs logit diff {diff:.2e}"
 
 
 def test_greedy_tokens_identical(tiny_model_dir, arch):
@@ -116,3 +124,40 @@ def test_bfloat16_stays_close_to_fp32(tiny_model_dir):
     fp32 = LLM(path, dtype="float32", num_blocks=32).generate(prompts, params)[0]
     bf16 = LLM(path, dtype="bfloat16", num_blocks=32).generate(prompts, params)[0]
     assert fp32.logprobs[0].top[0][0] in {t for t, _ in bf16.logprobs[0].top}
+
+
+@pytest.mark.parametrize("cpu_kernels", ["auto", "off"])
+def test_bfloat16_weights_compute_like_float32_on_the_same_weights(tiny_model_dir, cpu_kernels):
+    # Where the CPU has no native bf16, bf16 weights multiply float32 activations (the kernel for a
+    # few rows, the exact float32 copy for many): the logits are those of a float32 model whose
+    # weights are the bf16 values, at every batch size. PyTorch's own bf16 product (kernels off)
+    # rounds a few rows of activations to bf16 first, so it is only close.
+    from cadenza.models.cpu_features import cpu_has_native_bf16
+
+    if cpu_has_native_bf16():
+        pytest.skip("bf16 weights compute in bf16 on this CPU")
+    path = tiny_model_dir("qwen2")
+    bf16 = LLM(path, dtype="bfloat16", block_size=BLOCK, num_blocks=128, cpu_kernels=cpu_kernels)
+    fp32 = LLM(path, dtype="float32", block_size=BLOCK, num_blocks=128, cpu_kernels="off")
+    tolerance = TOLERANCE if bf16.runtime.loaded.model.kernels is not None else 0.2
+    with torch.no_grad():
+        for param in fp32.runtime.loaded.model.parameters():
+            param.copy_(param.bfloat16().float())
+    prompts = random_prompts(4, [12, 30, 7, 19, 3])
+    tables = [list(range(i * 16, (i + 1) * 16)) for i in range(len(prompts))]
+    greedy = [list(p) for p in prompts]
+
+    def both(chunks):
+        a = bf16.runtime.runner.execute(chunks, return_logits=True).logits
+        b = fp32.runtime.runner.execute(chunks, return_logits=True).logits
+        assert (a - b).abs().max().item() < tolerance
+        return b
+
+    logits = both([ScheduledChunk(str(i), p, 0, tables[i]) for i, p in enumerate(prompts)])
+    for i in range(len(prompts)):
+        greedy[i].append(int(logits[i].argmax()))
+    for live in (5, 5, 3, 2, 1, 1):  # decode batches of 5 rows down to 1
+        chunks = [ScheduledChunk(str(i), greedy[i][-1:], len(greedy[i]) - 1, tables[i]) for i in range(live)]
+        logits = both(chunks)
+        for i in range(live):
+            greedy[i].append(int(logits[i].argmax()))

@@ -133,6 +133,10 @@ class CountingBackend(EagerBackend):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.steps = self.layers = 0
+        self.kernels_given: list = []
+
+    def use_cpu_kernels(self, kernels):
+        self.kernels_given.append(kernels)
 
     def begin_step(self, meta):
         self.steps += 1
@@ -242,6 +246,18 @@ async def test_attention_backend_plugin_runs_every_step_and_layer(model_path):
     assert backend.steps >= 6 and backend.layers == 2 * backend.steps  # the tiny model has 2 layers
     with pytest.raises(BackendUnavailableError, match="flux capacitor"):
         make_runtime(model_path, attention_backend="unavailable_test")
+
+
+@covers("AttentionBackend.use_cpu_kernels")
+def test_attention_backend_is_offered_the_models_cpu_kernels_once(model_path):
+    from cadenza.models.cpu_features import cpu_has_avx2_fma
+
+    with_kernels = make_runtime(model_path, attention_backend="counting_test", **{"model.cpu_kernels": "auto"})
+    kernels = with_kernels.loaded.model.kernels
+    assert with_kernels.runner.backend.kernels_given == [kernels]
+    assert (kernels is not None) == cpu_has_avx2_fma()
+    without = make_runtime(model_path, attention_backend="counting_test", **{"model.cpu_kernels": "off"})
+    assert without.runner.backend.kernels_given == [None] and without.loaded.model.kernels is None
 
 
 @covers("Sampler.sample", "SamplingComponent.name")

@@ -1,0 +1,100 @@
+"""The CPU kernels of `cpu_kernels.cpp`: compiled on first use, cached, and optional.
+
+`configure(mode)` decides once per process whether they are used: "auto" builds them where the CPU
+has AVX2 and FMA and a C++ compiler is at hand, and falls back to PyTorch's ops (with a warning
+naming why) otherwise; "on" raises `KernelUnavailableError` instead of falling back; "off" never
+builds them. `active()` returns the compiled module, or None where the PyTorch path runs.
+
+The build (about 30 s) goes to PyTorch's extension cache (`TORCH_EXTENSIONS_DIR`, by default
+~/.cache/torch_extensions) and is reused until the source changes; concurrent processes wait on
+PyTorch's build lock instead of building twice.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+
+import structlog
+
+from cadenza.models.cpu_features import cpu_has_avx2_fma
+from cadenza.models.errors import ModelLoadError
+
+log = structlog.get_logger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+MODES = ("auto", "on", "off")
+
+
+class KernelUnavailableError(ModelLoadError):
+    """cpu_kernels is "on" but the kernels cannot be built or run here; the message says why."""
+
+
+_lock = threading.Lock()
+_built: ModuleType | None = None
+_build_error: str | None = None
+_active: ModuleType | None = None
+
+
+def active() -> ModuleType | None:
+    """The compiled kernels if `configure` switched them on, else None."""
+    return _active
+
+
+def configure(mode: str) -> ModuleType | None:
+    """Switch the kernels on or off for this process (see the module docstring); returns `active()`."""
+    global _active
+    if mode not in MODES:
+        raise ValueError(f"cpu_kernels must be one of {', '.join(MODES)}, not {mode!r}")
+    if mode == "off":
+        _active = None
+        return None
+    module, why = _build()
+    if module is None:
+        if mode == "on":
+            raise KernelUnavailableError(f"cpu_kernels is 'on' but the CPU kernels are unavailable: {why}")
+        _active = None
+        return None
+    _active = module
+    return module
+
+
+def _build() -> tuple[ModuleType | None, str | None]:
+    global _built, _build_error
+    with _lock:
+        if _built is not None or _build_error is not None:
+            return _built, _build_error
+        if not cpu_has_avx2_fma():
+            _build_error = "the CPU lacks AVX2/FMA (or is not x86-64)"
+            log.info("CPU kernels unavailable; using PyTorch ops", reason=_build_error)
+            return None, _build_error
+        started = time.perf_counter()
+        try:
+            _built = _compile()
+        except Exception as exc:  # a missing compiler, ninja or header: fall back, say why
+            _build_error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+            log.warning("Could not build the CPU kernels; using PyTorch ops", reason=_build_error)
+            return None, _build_error
+        log.info("CPU kernels ready", seconds=round(time.perf_counter() - started, 1))
+        return _built, None
+
+
+def _compile() -> ModuleType:
+    from torch.utils.cpp_extension import load
+
+    # ninja from the virtualenv (the `ninja` wheel) is on PATH only when it is activated.
+    bin_dir = str(Path(sys.executable).parent)
+    if shutil.which("ninja") is None and (Path(bin_dir) / "ninja").exists():
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    return load(
+        name="cadenza_cpu_kernels",
+        sources=[str(SOURCE)],
+        extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+        verbose=False,
+    )

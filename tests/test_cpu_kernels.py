@@ -1,0 +1,196 @@
+"""cadenza's CPU kernels (kernels/cpu_kernels.cpp) against PyTorch's reference ops, and their switch.
+
+The kernels build on x86-64 with AVX2/FMA (CI's machines); elsewhere these tests skip, and the
+engine falls back to PyTorch ops (checked by `test_configure_falls_back_where_unavailable`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cadenza.attention_backends.eager import EagerBackend
+from cadenza.attention_backends.base import AttentionMetadata
+from cadenza.kernels import cpu
+from cadenza.models.cpu_features import cpu_has_avx2_fma
+
+pytestmark = pytest.mark.skipif(not cpu_has_avx2_fma(), reason="the CPU kernels need x86-64 with AVX2 and FMA")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    module = cpu.configure("on")
+    yield module
+    cpu.configure("off")
+
+
+def _bf16(shape, gen):
+    return torch.randn(shape, generator=gen).bfloat16()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("in_features,out_features", [(576, 960), (1536, 576), (100, 37), (8, 5)])
+def test_linear_bf16_matches_float64_reference(kernels, rows, in_features, out_features):
+    gen = torch.Generator().manual_seed(rows * 1000 + in_features)
+    x = torch.randn(rows, in_features, generator=gen)
+    w = _bf16((out_features, in_features), gen)
+    bias = torch.randn(out_features, generator=gen)
+    expected = F.linear(x.double(), w.double(), bias.double())
+    got = kernels.linear_bf16(x, w, bias)
+    assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+    # float32 accumulation of in_features products: error grows with sqrt(in_features)
+    assert (got.double() - expected).abs().max().item() < 2e-6 * in_features
+    residual = torch.randn(rows, out_features, generator=gen)
+    summed = kernels.linear_bf16_add_(residual.clone(), x, w, None)
+    assert (summed.double() - (residual.double() + F.linear(x.double(), w.double()))).abs().max().item() < 2e-6 * in_features
+
+
+def test_linear_bf16_takes_a_strided_row_view(kernels):
+    gen = torch.Generator().manual_seed(1)
+    wide = torch.randn(3, 200, generator=gen)
+    x = wide[:, :96]  # rows 200 apart
+    w = _bf16((40, 96), gen)
+    assert torch.allclose(kernels.linear_bf16(x, w, None), F.linear(x, w.float()), atol=1e-5)
+
+
+def test_linear_bf16_rejects_wrong_inputs(kernels):
+    x = torch.randn(2, 16)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernels.linear_bf16(x, torch.randn(8, 16), None)
+    with pytest.raises(RuntimeError, match="features"):
+        kernels.linear_bf16(x, torch.randn(8, 12).bfloat16(), None)
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.linear_bf16(x.double(), torch.randn(8, 16).bfloat16(), None)
+
+
+@pytest.mark.parametrize("size", [576, 64, 13])
+def test_rms_norm(kernels, size):
+    gen = torch.Generator().manual_seed(size)
+    x = torch.randn(7, 3, size, generator=gen) * 3
+    w = torch.randn(size, generator=gen)
+    expected = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    assert torch.allclose(kernels.rms_norm(x, w, 1e-5), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("head_dim", [64, 32, 12])
+def test_rotary_in_place_on_a_fused_projection_view(kernels, head_dim):
+    from cadenza.models.config import RopeConfig
+    from cadenza.models.rotary import RotaryEmbedding, apply_rotary
+
+    gen = torch.Generator().manual_seed(head_dim)
+    heads, tokens = 5, 6
+    rope = RotaryEmbedding(RopeConfig(theta=10000.0), head_dim, 100)
+    qkv = torch.randn(tokens, (heads + 2) * head_dim, generator=gen)
+    positions = torch.tensor([0, 1, 7, 50, 99, 3])
+    view = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)  # rows (heads + 2) * head_dim apart
+    expected = apply_rotary(view.clone(), *rope.cos_sin(positions, torch.float32))
+    untouched = qkv[:, heads * head_dim :].clone()
+    kernels.rotary_(view, positions, rope.cos_table, rope.sin_table)
+    assert torch.allclose(view, expected, atol=1e-6)
+    assert torch.equal(qkv[:, heads * head_dim :], untouched)
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.rotary_(view, torch.tensor([0, 1, 2, 3, 4, 100]), rope.cos_table, rope.sin_table)
+
+
+def test_silu_mul(kernels):
+    gen = torch.Generator().manual_seed(3)
+    gate_up = torch.randn(5, 2 * 203, generator=gen) * 6
+    expected = F.silu(gate_up[:, :203]) * gate_up[:, 203:]
+    assert torch.allclose(kernels.silu_mul(gate_up), expected, rtol=1e-5, atol=1e-6)
+
+
+def _paged_case(gen, seq_lens, num_heads, num_kv_heads, head_dim, block_size, num_blocks=64):
+    """A cache with random contents and scattered, shuffled block tables (a strided view, as the
+    runner's reused buffers are)."""
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max(-(-n // block_size) for n in seq_lens)
+    tables = torch.zeros(len(seq_lens), width + 4, dtype=torch.int64)[:, : width + 1]  # padded with 0
+    for i, n in enumerate(seq_lens):
+        for j in range(-(-n // block_size)):
+            tables[i, j] = order.pop()
+    q = torch.randn(len(seq_lens), num_heads + 2 * num_kv_heads, head_dim, generator=gen)[:, :num_heads]
+    return q, cache, tables
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4), (8, 1)])
+@pytest.mark.parametrize("head_dim", [64, 20])
+def test_paged_decode_attention_matches_the_eager_backend(kernels, window, heads, head_dim):
+    num_heads, num_kv_heads = heads
+    block_size = 4
+    gen = torch.Generator().manual_seed(num_heads * 100 + head_dim)
+    seq_lens = [1, 4, 9, 33, 17]
+    q, cache, tables = _paged_case(gen, seq_lens, num_heads, num_kv_heads, head_dim, block_size)
+    scale = head_dim**-0.5
+    got = kernels.paged_decode_attention(q, cache, tables, torch.tensor(seq_lens), scale, window or 0)
+
+    eager = EagerBackend(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, scale=scale,
+                         block_size=block_size, sliding_window=window)
+    # The eager backend writes the step's keys and values first: hand it the ones already there.
+    last = [n - 1 for n in seq_lens]
+    slots = torch.tensor([int(tables[i, p // block_size]) * block_size + p % block_size for i, p in enumerate(last)])
+    flat = cache.view(2, -1, num_kv_heads, head_dim)
+    meta = AttentionMetadata(
+        query_start_loc=torch.arange(len(seq_lens) + 1), seq_lens=torch.tensor(seq_lens),
+        context_lens=torch.tensor(last), block_tables=tables, slot_mapping=slots,
+        query_lens_list=[1] * len(seq_lens), seq_lens_list=seq_lens, max_query_len=1, max_seq_len=max(seq_lens),
+    )
+    expected = eager.forward(q.contiguous(), flat[0][slots].clone(), flat[1][slots].clone(), cache.clone(), meta)
+    assert torch.allclose(got, expected, rtol=1e-5, atol=2e-6)
+
+
+def test_paged_decode_attention_rejects_a_table_that_points_outside_the_cache(kernels):
+    gen = torch.Generator().manual_seed(0)
+    q, cache, tables = _paged_case(gen, [5], 2, 2, 8, 4, num_blocks=8)
+    tables[0, 1] = 8
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.paged_decode_attention(q, cache, tables, torch.tensor([5]), 1.0, 0)
+    with pytest.raises(RuntimeError, match="block table"):
+        kernels.paged_decode_attention(q, cache, tables, torch.tensor([100]), 1.0, 0)
+
+
+def _thread_count() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_kernels_share_pytorchs_thread_team(kernels):
+    # A second OpenMP runtime would bring its own team of threads, which fight PyTorch's for the
+    # cores (see compute_thread.py): the kernels must start no thread PyTorch's ops did not.
+    x = torch.randn(4, 4096)
+    torch.mm(torch.randn(256, 256), torch.randn(256, 256))
+    x.sum()
+    before = _thread_count()
+    for _ in range(3):
+        kernels.linear_bf16(x, torch.randn(4096, 4096).bfloat16(), None)
+        kernels.rms_norm(torch.randn(64, 4096), torch.randn(4096), 1e-5)
+    assert _thread_count() == before
+
+
+def test_configure_modes(kernels, monkeypatch):
+    assert cpu.configure("off") is None and cpu.active() is None
+    assert cpu.configure("auto") is kernels and cpu.active() is kernels
+    with pytest.raises(ValueError, match="auto, on, off"):
+        cpu.configure("sometimes")
+
+
+def test_configure_falls_back_where_unavailable(monkeypatch):
+    monkeypatch.setattr(cpu, "_built", None)
+    monkeypatch.setattr(cpu, "_build_error", None)
+    monkeypatch.setattr(cpu, "cpu_has_avx2_fma", lambda: False)
+    try:
+        assert cpu.configure("auto") is None
+        with pytest.raises(cpu.KernelUnavailableError, match="AVX2"):
+            cpu.configure("on")
+    finally:
+        monkeypatch.undo()
+        cpu.configure("off")
+
+
+def test_kernel_source_ships_with_the_package():
+    assert cpu.SOURCE.exists() and cpu.SOURCE.suffix == ".cpp"
+    assert Path(cpu.__file__).parent == cpu.SOURCE.parent
