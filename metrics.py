@@ -26,6 +26,8 @@ class EngineMetrics:
     kv_blocks_cached: int = 0
     prefix_hit_rate: float = 0.0
     prefix_cached_tokens: int = 0
+    kv_slots_allocated_peak: int = 0  # most token slots requests held at once
+    kv_slots_filled_at_peak: int = 0  # of which holding (or about to hold) a token
     # runner
     step_seconds_total: float = 0.0
     steps_ready_on_finish: int = 0  # the next step was already queued when one finished (overlap)
@@ -34,7 +36,14 @@ class EngineMetrics:
     def kv_usage(self) -> float:
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
+    @property
+    def kv_unused_at_peak(self) -> float:
+        """Allocated-but-unfilled slots over filled ones, at the peak of allocation."""
+        filled = self.kv_slots_filled_at_peak
+        return (self.kv_slots_allocated_peak - filled) / filled if filled else 0.0
+
     def snapshot(self) -> dict[str, float]:
         values = asdict(self)
         values["kv_usage"] = self.kv_usage
+        values["kv_unused_at_peak"] = self.kv_unused_at_peak
         return values

@@ -43,6 +43,7 @@ class _Table:
     blocks: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)  # tokens whose K/V are computed, in order
     hashes: list[bytes] = field(default_factory=list)  # of the leading full blocks
+    reserved: int = 0  # tokens the blocks were taken for (computed, or being computed this step)
 
 
 class KVCacheManager:
@@ -86,6 +87,19 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> tuple[int, ...]:
         table = self._tables.get(request_id)
         return tuple(table.blocks) if table else ()
+
+    def slot_usage(self) -> tuple[int, int]:
+        """(slots in the blocks requests hold, slots their tokens fill once this step runs).
+
+        The difference is the paged cache's internal waste: the unfilled tail of each request's
+        last block. Shared prefix blocks count once per request on both sides (they are full).
+        """
+        allocated = reserved = 0
+        for table in self._tables.values():
+            slots = len(table.blocks) * self.block_size
+            allocated += slots
+            reserved += min(table.reserved, slots)
+        return allocated, reserved
 
     def blocks_needed(self, request_id: str, num_tokens: int) -> int:
         held = len(self._tables[request_id].blocks) if request_id in self._tables else 0
@@ -197,6 +211,7 @@ class KVCacheManager:
 
     def _grow(self, request_id: str, num_tokens: int) -> None:
         table = self._tables.setdefault(request_id, _Table())
+        table.reserved = max(table.reserved, num_tokens)
         for _ in range(self.blocks_needed(request_id, num_tokens)):
             block = self._take_block()
             self._ref[block] = 1
@@ -255,3 +270,7 @@ class CacheManagerActor(Actor[CacheMessage]):
         self.metrics.kv_blocks_cached = core.num_cached_blocks
         self.metrics.prefix_hit_rate = core.prefix_hit_rate
         self.metrics.prefix_cached_tokens = core.prefix_hits
+        allocated, filled = core.slot_usage()
+        if allocated and allocated >= self.metrics.kv_slots_allocated_peak:
+            self.metrics.kv_slots_allocated_peak = allocated
+            self.metrics.kv_slots_filled_at_peak = filled

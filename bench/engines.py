@@ -107,6 +107,7 @@ class CadenzaEngine:
         params = [SamplingParams(temperature=workload.temperature, max_tokens=r.max_tokens, ignore_eos=True)
                   for r in workload.requests]
         seconds, finished = self.generate(prompts, params)
+        metrics = self.last_metrics
         return EngineRun(
             engine=self.name,
             seconds=seconds,
@@ -114,6 +115,11 @@ class CadenzaEngine:
             num_output_tokens=sum(f.num_output_tokens for f in finished),
             num_computed_tokens=sum(f.num_output_tokens for f in finished),
             note=_failures(finished),
+            extra={
+                "kv_slots_allocated_peak": metrics.kv_slots_allocated_peak,
+                "kv_unused_at_peak": round(metrics.kv_unused_at_peak, 4),
+                "preemptions": metrics.num_preemptions,
+            },
         )
 
     def generate(self, prompts: Sequence[list[int]], params: Sequence[Any], *, warmup: bool = True
@@ -132,8 +138,10 @@ class CadenzaEngine:
         async with AsyncEngine.serve(self.runtime) as engine:
             if warmup:
                 await _collect_all(engine, [list(range(100, 116))], [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)], anyio)
+                engine.metrics.kv_slots_allocated_peak = engine.metrics.kv_slots_filled_at_peak = 0
             started = time.perf_counter()
             finished = await _collect_all(engine, prompts, params, anyio)
+            self.last_metrics = engine.metrics  # the run's counters, KV peak included
             return time.perf_counter() - started, finished
 
 

@@ -37,6 +37,10 @@ class ThroughputResult:
             ])
         lines = [table(["engine", "seconds", "output tok/s", "total tok/s", "cadenza/peer", "machine"], rows)]
         lines += [f"  {r.engine}: {r.note}" for r in self.runs if r.note]
+        if base is not None and "kv_unused_at_peak" in base.extra:
+            lines.append(f"  cadenza KV cache: at the peak of allocation ({base.extra['kv_slots_allocated_peak']} token slots), "
+                         f"allocated-but-unused slots were {100 * base.extra['kv_unused_at_peak']:.1f}% of used ones; "
+                         f"{base.extra['preemptions']} preemptions")
         lines += [f"  {name}: skipped ({why})" for name, why in self.skipped.items()]
         if self.load_seconds:
             lines.append("  load: " + ", ".join(f"{k} {v:.1f}s" for k, v in self.load_seconds.items()))

@@ -46,6 +46,10 @@ def test_throughput_with_hf_peers(tiny_model_dir, tmp_path, capsys):
         assert run["quiet"]["summary"].startswith(("quiet", "disturbed"))
     assert runs["hf-static (batch 2)"]["computed_output_tokens"] >= workload.num_output_tokens
     assert "cadenza_over_peer_output" in runs["hf-continuous"]
+    # The paged cache's waste at its peak: at most one partly filled block per request, of 16 slots.
+    cadenza = runs["cadenza"]
+    assert 0 < cadenza["kv_slots_allocated_peak"] <= 4 * (24 + 6 + 15) and 0 <= cadenza["kv_unused_at_peak"] < 1
+    assert "allocated-but-unused slots were" in printed
 
 
 def test_throughput_llamacpp_needs_a_gguf(tiny_model_dir, capsys):

@@ -90,6 +90,18 @@ def test_admit_grow_and_free():
     assert manager.num_free == 8
 
 
+def test_slot_usage_counts_the_unfilled_tail_of_each_table():
+    manager = make_manager(num_blocks=8, block_size=16)
+    assert manager.slot_usage() == (0, 0)
+    admit(manager, "a", tokens_of(1, 20))  # 2 blocks for 20 tokens
+    admit(manager, "b", tokens_of(2, 100), num_new=32)  # a first chunk of 32: exactly 2 blocks
+    assert manager.slot_usage() == (64, 52)
+    manager.allocate_step((), (BlockRequest("a", 33),))  # a third block for one token
+    assert manager.slot_usage() == (80, 65)
+    manager.free("a")
+    assert manager.slot_usage() == (32, 32)
+
+
 def test_admit_covers_only_the_tokens_asked_for():
     manager = make_manager(num_blocks=8, block_size=16)
     grant = admit(manager, "a", tokens_of(1, 100), num_new=32)
