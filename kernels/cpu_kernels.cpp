@@ -125,13 +125,22 @@ void linear_rows(const float* x, int64_t x_stride, const uint16_t* w, int64_t K,
   }
 }
 
+// 16 ymm registers hold R x M accumulators, R weight vectors and one x vector.
+template <int M>
+constexpr int rows_per_pass() { return M >= 3 ? 3 : 4; }
+
 template <int M>
 void linear_range(const float* x, int64_t x_stride, const uint16_t* w, int64_t K, const float* bias, float* out,
                   int64_t out_stride, bool accumulate, int64_t n0, int64_t n1) {
+  constexpr int R = rows_per_pass<M>();
   int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) linear_rows<M, 4>(x, x_stride, w, K, bias, out, out_stride, accumulate, n);
+  for (; n + R <= n1; n += R) linear_rows<M, R>(x, x_stride, w, K, bias, out, out_stride, accumulate, n);
   for (; n < n1; ++n) linear_rows<M, 1>(x, x_stride, w, K, bias, out, out_stride, accumulate, n);
 }
+
+// Output features per tile: the tile's weights (at most 32 x K bf16) stay in L2 while every group
+// of 4 activation rows passes over them, so DRAM sees each weight once whatever M is.
+constexpr int64_t kTileRows = 32;
 
 void linear_impl(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
                  torch::Tensor& out, bool accumulate) {
@@ -141,18 +150,20 @@ void linear_impl(const torch::Tensor& x, const torch::Tensor& w, const c10::opti
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   const int64_t xs = x.stride(0), os = out.stride(0);
-  // Blocks of 4 output features; each thread takes a contiguous run of rows of W (one stream).
-  const int64_t blocks = (N + 3) / 4;
-  at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
-    const int64_t n0 = b0 * 4, n1 = std::min(N, b1 * 4);
-    for (int64_t m = 0; m < M; m += 4) {  // more than 4 rows: weights are re-read per 4 rows
-      const float* xm = xp + m * xs;
-      float* om = op + m * os;
-      switch (std::min<int64_t>(4, M - m)) {
-        case 1: linear_range<1>(xm, xs, wp, K, bp, om, os, accumulate, n0, n1); break;
-        case 2: linear_range<2>(xm, xs, wp, K, bp, om, os, accumulate, n0, n1); break;
-        case 3: linear_range<3>(xm, xs, wp, K, bp, om, os, accumulate, n0, n1); break;
-        default: linear_range<4>(xm, xs, wp, K, bp, om, os, accumulate, n0, n1); break;
+  // Each thread takes a contiguous run of tiles: one forward stream through W.
+  const int64_t tiles = (N + kTileRows - 1) / kTileRows;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * kTileRows, n1 = std::min(N, n0 + kTileRows);
+      for (int64_t m = 0; m < M; m += 4) {
+        const float* xm = xp + m * xs;
+        float* om = op + m * os;
+        switch (std::min<int64_t>(4, M - m)) {
+          case 1: linear_range<1>(xm, xs, wp, K, bp, om, os, accumulate, n0, n1); break;
+          case 2: linear_range<2>(xm, xs, wp, K, bp, om, os, accumulate, n0, n1); break;
+          case 3: linear_range<3>(xm, xs, wp, K, bp, om, os, accumulate, n0, n1); break;
+          default: linear_range<4>(xm, xs, wp, K, bp, om, os, accumulate, n0, n1); break;
+        }
       }
     }
   });

@@ -21,8 +21,9 @@ from torch import nn
 
 # Rows at or above which the float32 copy wins (measured on AVX2: bf16 is already ~2.5x slower at 8).
 FP32_MIN_ROWS = 4
-# The same with the CPU kernel, which re-reads the bf16 weights once per 4 rows (see benchmarks/NOTES.md).
-KERNEL_FP32_MIN_ROWS = 8
+# The same with the CPU kernel, which reads each bf16 weight once from memory whatever the rows and
+# beats PyTorch's float32 GEMM up to ~100 rows on AVX2 (benchmarks/NOTES.md, "bf16 kernel").
+KERNEL_FP32_MIN_ROWS = 128
 
 
 class DualPrecisionLinear(nn.Module):
