@@ -58,6 +58,7 @@ class AsyncEngine:
         self.max_pending_tokens = max_pending_tokens  # per stream, before a slow reader is cut off
         self.metrics = EngineMetrics()
         self._streams: dict[str, RequestStream] = {}
+        self._streams_closed: anyio.Event | None = None  # set when a stream leaves, while drain waits
         self._accepting = False
         self._unhealthy_reason: str | None = None
         self._ids = itertools.count()
@@ -167,13 +168,16 @@ class AsyncEngine:
         if self._streams:
             log.info("Waiting for requests to finish", requests=len(self._streams), grace_seconds=grace)
         with anyio.move_on_after(grace):
-            while self._streams:
-                await anyio.sleep(0.01)
+            await self._all_streams_closed()
         for request_id in list(self._streams):
             await self.abort(request_id)
         with anyio.move_on_after(1.0):
-            while self._streams:
-                await anyio.sleep(0.01)
+            await self._all_streams_closed()
+
+    async def _all_streams_closed(self) -> None:
+        while self._streams:
+            self._streams_closed = anyio.Event()  # set by `generate` as its stream leaves
+            await self._streams_closed.wait()
 
     @property
     def healthy(self) -> bool:
@@ -220,6 +224,8 @@ class AsyncEngine:
                 with anyio.CancelScope(shield=True):
                     await self.abort(request_id)
             self._streams.pop(request_id, None)
+            if self._streams_closed is not None:
+                self._streams_closed.set()
 
     async def settle(self) -> StepAllocation:
         """Wait until the cache manager has handled everything sent to it before this call.

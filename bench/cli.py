@@ -1,4 +1,4 @@
-"""`cadenza bench throughput|latency`: the argument parser and its runner.
+"""`cadenza bench throughput|latency|serve`: the argument parser and its runner.
 
 Wired into `cadenza` by `add_bench_parser(commands)` and `run_bench(args)`; runnable alone as
 `python -m cadenza.bench.cli throughput ...`. Importing this module imports nothing heavy.
@@ -7,22 +7,26 @@ Wired into `cadenza` by `add_bench_parser(commands)` and `run_bench(args)`; runn
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Sequence
 
 PEERS = ("hf", "llamacpp")
+SERVE_PROTOCOLS = ("ws", "http")
 
 
-def _add_common(parser: argparse.ArgumentParser) -> None:
+def _add_common(parser: argparse.ArgumentParser, peers: bool = True) -> None:
+    """The options every bench shares; `peers=False` leaves out those for peer engines."""
     parser.add_argument("--model", help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--config", help="deployment YAML file for cadenza's engine settings")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--num-threads", type=int, help="torch (and llama.cpp) threads; default: torch's")
     parser.add_argument("--seed", type=int, default=0, help="workload and engine seed")
     parser.add_argument("--temperature", type=float, default=0.6)
-    parser.add_argument("--compare", nargs="+", default=[], choices=PEERS, metavar="PEER",
-                        help=f"peers to run the same work through, in this process: {', '.join(PEERS)}")
+    if peers:
+        parser.add_argument("--compare", nargs="+", default=[], choices=PEERS, metavar="PEER",
+                            help=f"peers to run the same work through, in this process: {', '.join(PEERS)}")
     parser.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT")
     parser.add_argument("--quiet-threshold", type=float, default=5.0,
                         help="other processes' CPU share, in percent, above which a run is repeated (default 5)")
@@ -30,7 +34,8 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-wait", type=float, default=30.0,
                         help="seconds to wait for a busy machine to calm down before each run (default 30)")
     parser.add_argument("--no-quiet-check", action="store_true", help="measure other processes' CPU but never wait or repeat")
-    parser.add_argument("--gguf-cache", type=Path, help="where the bf16 GGUF for llama.cpp is written (default ~/.cache/cadenza/bench)")
+    if peers:
+        parser.add_argument("--gguf-cache", type=Path, help="where the bf16 GGUF for llama.cpp is written (default ~/.cache/cadenza/bench)")
     parser.add_argument("--verbose", action="store_true", help="show the engine's logs")
 
 
@@ -55,6 +60,26 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     lat.add_argument("--read-mib", type=int, default=512, help="size of the tensor the memory read rate is measured on")
     lat.add_argument("--no-model-step", action="store_true", help="skip timing cadenza's model step without the engine")
     _add_common(lat)
+
+    srv = commands.add_parser("serve", help="a cadenza server under Poisson load over WebSocket and OpenAI HTTP, "
+                                            "next to the same work offline")
+    srv.add_argument("--url", help="an already running server on this machine, e.g. http://127.0.0.1:8000 "
+                                   "(default: launch `cadenza serve` on a free loopback port)")
+    srv.add_argument("--api-key", help="the --url server's API key")
+    srv.add_argument("--protocols", nargs="+", default=list(SERVE_PROTOCOLS), choices=SERVE_PROTOCOLS,
+                     help="ws: WebSocket sessions at /v1/sessions; http: streaming /v1/completions (default: both)")
+    srv.add_argument("--request-rates", type=float, nargs="+", default=[1.0, 4.0, math.inf], metavar="RATE",
+                     help="Poisson arrival rates in requests/s, one run each; inf sends all at once (default: 1 4 inf)")
+    srv.add_argument("--num-requests", type=int, default=32)
+    srv.add_argument("--prompt-len", type=int, nargs=2, default=(32, 256), metavar=("A", "B"), help="prompt lengths uniform in [A, B]")
+    srv.add_argument("--output-len", type=int, nargs=2, default=(32, 128), metavar=("C", "D"), help="output lengths uniform in [C, D]")
+    srv.add_argument("--max-duration", type=float, default=300.0,
+                     help="seconds per run; requests unfinished by then are cancelled and counted (default 300)")
+    srv.add_argument("--vocab-size", type=int, help="draw prompt token ids below this (default: the model's vocabulary, "
+                                                    "read from --model; with --url and no --model, 10000)")
+    srv.add_argument("--no-offline", action="store_true", help="skip the offline run of the same workload")
+    srv.add_argument("--server-start-timeout", type=float, default=600.0, help="seconds the launched server may take to listen")
+    _add_common(srv, peers=False)
     return bench
 
 
@@ -66,30 +91,40 @@ def run_bench(args: argparse.Namespace) -> int:
     try:
         if args.bench_command == "throughput":
             return _throughput(args)
+        if args.bench_command == "serve":
+            return _serve(args)
         return _latency(args)
     except (ConfigError, ModelLoadError, PluginError, ValueError) as exc:
         print(f"cadenza bench: error: {exc}", file=sys.stderr)
         return 2
 
 
-def _setup(args: argparse.Namespace):
-    """Logging, the quiet-machine policy and cadenza's engine, loaded."""
+def _setup_process(args: argparse.Namespace):
+    """Logging and line-buffered output; returns the quiet-machine policy."""
     import os
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)  # progress shows as it happens, even in a file
-    from cadenza.bench.engines import CadenzaEngine
     from cadenza.bench.quiet import QuietPolicy
     from cadenza.logging_setup import configure_logging
 
     configure_logging("info" if args.verbose else "warning", "console")
-    policy = QuietPolicy(threshold=args.quiet_threshold / 100, max_repeats=args.max_repeats,
-                         max_wait_seconds=args.max_wait, enabled=not args.no_quiet_check)
-    overrides = {"model.seed": args.seed}
-    engine = CadenzaEngine(args.model, dtype=args.dtype, num_threads=args.num_threads, overrides=overrides,
-                           config_path=args.config)
-    return engine, policy
+    return QuietPolicy(threshold=args.quiet_threshold / 100, max_repeats=args.max_repeats,
+                       max_wait_seconds=args.max_wait, enabled=not args.no_quiet_check)
+
+
+def _load_engine(args: argparse.Namespace):
+    from cadenza.bench.engines import CadenzaEngine
+
+    return CadenzaEngine(args.model, dtype=args.dtype, num_threads=args.num_threads, overrides={"model.seed": args.seed},
+                         config_path=args.config)
+
+
+def _setup(args: argparse.Namespace):
+    """Logging, the quiet-machine policy and cadenza's engine, loaded."""
+    policy = _setup_process(args)
+    return _load_engine(args), policy
 
 
 def _throughput(args: argparse.Namespace) -> int:
@@ -168,6 +203,92 @@ def _latency(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    """Launch or find the server, load it per protocol and rate, stop it, then the offline run."""
+    import contextlib
+    import shlex
+
+    from cadenza.bench.serve_process import check_loopback
+
+    url = check_loopback(args.url) if args.url else None  # refused before anything starts
+    if any(not rate > 0 for rate in args.request_rates):
+        raise ValueError(f"--request-rates must be positive (or inf), got {args.request_rates}")
+    if args.max_duration <= 0:
+        raise ValueError(f"--max-duration must be positive, got {args.max_duration}")
+    if args.api_key and url is None:
+        raise ValueError("--api-key is for a --url server; the launched server needs none")
+    policy = _setup_process(args)
+
+    from cadenza.bench.report import environment, write_json
+    from cadenza.bench.serve import ServePlan, ServeTarget, run_serve
+    from cadenza.bench.serve_process import (LaunchedServer, get_json, listening_pid, model_vocab_size,
+                                              run_quietly_here, sigterm_raises, wait_healthy)
+    from cadenza.bench.workload import make_workload
+
+    knows_model = url is None or args.model is not None
+    vocab = args.vocab_size or (model_vocab_size(args.model, args.config) if knows_model else 10_000)
+    workload = make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), seed=args.seed,
+                             vocab_size=vocab, temperature=args.temperature)
+    plan = ServePlan(tuple(dict.fromkeys(args.protocols)), tuple(args.request_rates), args.max_duration, args.seed)
+    env = environment(args.num_threads)
+    argv = getattr(args, "argv", None) or ["cadenza", *sys.argv[1:]]
+    command = shlex.join(argv)
+    print(f"cadenza bench serve: {url or 'a launched cadenza serve'} ({args.dtype if url is None else 'its own config'}), "
+          f"{env['machine']}, cadenza {env['cadenza_revision']}")
+    print(f"command: {command}")
+    print(f"workload: {workload.describe()}")
+
+    try:
+        with contextlib.ExitStack() as stack:
+            if url is None:
+                stack.enter_context(sigterm_raises())
+                print("starting cadenza serve ...")
+                server = stack.enter_context(LaunchedServer(
+                    model=args.model, dtype=args.dtype, config=args.config, num_threads=args.num_threads,
+                    seed=args.seed, verbose=args.verbose, start_timeout=args.server_start_timeout))
+                base, pid = server.url, server.pid
+                print(f"  listening on {base} (pid {pid})")
+            else:
+                wait_healthy(url, timeout=10)
+                base, pid = url, listening_pid(url)
+            model_name = get_json(base + "/v1/models", args.api_key)["data"][0]["id"]
+            target = ServeTarget(base, model_name, args.api_key, pid, launched=url is None)
+            result = run_serve(target, workload, plan, policy)
+    except (RuntimeError, OSError) as exc:
+        print(f"cadenza bench serve: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("cadenza bench serve: interrupted" + (" (the server was stopped)" if url is None else ""), file=sys.stderr)
+        return 130
+    if not knows_model and args.vocab_size is None:
+        result.notes.append("prompt token ids were drawn below 10000: give --vocab-size or --model for a smaller vocabulary")
+
+    if args.no_offline:
+        result.offline_note = "skipped (--no-offline)"
+    elif not knows_model:
+        result.offline_note = "skipped: give --model (and --config) to compare with the same work offline"
+    else:
+        if url is not None:
+            result.notes.append("offline: this process with --model/--config/--dtype; the server may run another config")
+        print("running the saturation workload offline (after the server stopped) ...")
+        try:
+            engine = _load_engine(args)
+            result.offline, quiet = run_quietly_here(lambda: engine.run(workload), policy)
+        except Exception as exc:  # the serving results stand on their own: report them all the same
+            result.offline_note = f"the offline run failed: {exc!r}"
+            print(f"  offline: failed: {exc!r}", file=sys.stderr)
+        else:
+            result.offline.quiet = quiet
+            print(f"  offline: {result.offline.output_tokens_per_second:.1f} output tok/s in "
+                  f"{result.offline.seconds:.1f}s ({quiet.describe()})")
+    print()
+    print(result.render())
+    if args.json:
+        write_json(args.json, {"bench": "serve", "command": command, "model": args.model, "dtype": args.dtype,
+                               "config": args.config, "environment": env, **result.as_dict()})
+    return 1 if any(run.of_status("failed") for run in result.runs) else 0
+
+
 def _latency_peers(args, engine, plan, probes) -> dict[str, str]:
     skipped: dict[str, str] = {}
     if "hf" in args.compare:
@@ -201,7 +322,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cadenza", description="cadenza benchmarks")
     add_bench_parser(parser.add_subparsers(dest="command", required=True))
     args = list(sys.argv[1:] if argv is None else argv)
-    return run_bench(parser.parse_args(["bench", *args]))
+    parsed = parser.parse_args(["bench", *args])
+    parsed.argv = ["cadenza", "bench", *args]  # the command a report shows
+    return run_bench(parsed)
 
 
 if __name__ == "__main__":
