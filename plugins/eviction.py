@@ -63,17 +63,24 @@ class EvictionPolicy(ABC):
         """Number of evictable blocks."""
 
 
-class _OrderedPolicy(EvictionPolicy):
-    """Evicts evictable blocks in ascending order of a per-block key (ties: first released)."""
+class KeyedEvictionPolicy(EvictionPolicy):
+    """A base for policies that evict in ascending order of a per-block key (ties: first released).
 
-    def __init__(self) -> None:
-        super().__init__()
+    Subclasses implement `on_cached` and `key(block_id)`, a tuple computed when the block is
+    released (so it may use counts gathered in `on_acquire`), and may override `forget(block_id)`
+    to drop their own per-block state when the block leaves the cache. The heap, the lazy removal
+    of re-acquired blocks and `pop_victim` / `__len__` are done here.
+    """
+
+    def __init__(self, options: BaseModel | None = None) -> None:
+        super().__init__(options)
         self._evictable: dict[int, tuple] = {}
         self._heap: list[tuple] = []
         self._counter = itertools.count()
 
+    @abstractmethod
     def key(self, block_id: int) -> tuple:
-        raise NotImplementedError
+        """The block's eviction key, smallest evicted first; asked once per release."""
 
     def on_release(self, block_id: int) -> None:
         entry = (*self.key(block_id), next(self._counter), block_id)
@@ -109,7 +116,7 @@ class _OrderedPolicy(EvictionPolicy):
         return len(self._evictable)
 
 
-class LRUPolicy(_OrderedPolicy):
+class LRUPolicy(KeyedEvictionPolicy):
     """Least recently used: the block released longest ago goes first."""
 
     name = "lru"
@@ -121,7 +128,7 @@ class LRUPolicy(_OrderedPolicy):
         return ()
 
 
-class FIFOPolicy(_OrderedPolicy):
+class FIFOPolicy(KeyedEvictionPolicy):
     """First in, first out: the block cached earliest goes first, however often it was reused."""
 
     name = "fifo"
@@ -141,7 +148,7 @@ class FIFOPolicy(_OrderedPolicy):
         self._cached_at.pop(block_id, None)
 
 
-class LFUPolicy(_OrderedPolicy):
+class LFUPolicy(KeyedEvictionPolicy):
     """Least frequently used: the block reused fewest times goes first (ties: least recent)."""
 
     name = "lfu"

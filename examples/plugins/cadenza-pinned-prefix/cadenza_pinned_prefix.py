@@ -19,12 +19,9 @@ Deployment: `cache: {eviction_policy: pinned_prefix}` and
 
 from __future__ import annotations
 
-import heapq
-import itertools
-
 from pydantic import BaseModel, ConfigDict, Field
 
-from cadenza.plugins.eviction import EvictionPolicy
+from cadenza.plugins.eviction import KeyedEvictionPolicy
 from cadenza.plugins.hookspecs import hookimpl
 
 __version__ = "0.1.0"
@@ -38,7 +35,7 @@ class PinnedPrefixOptions(BaseModel):
     pinned_blocks: int = Field(4, ge=0, description="Leading blocks of every sequence that are evicted last.")
 
 
-class PinnedPrefixPolicy(EvictionPolicy):
+class PinnedPrefixPolicy(KeyedEvictionPolicy):
     """LRU for most blocks; a sequence's first `pinned_blocks` blocks go last, least reused first."""
 
     name = "pinned_prefix"
@@ -48,9 +45,6 @@ class PinnedPrefixPolicy(EvictionPolicy):
         super().__init__(options)
         self._pinned: set[int] = set()
         self._uses: dict[int, int] = {}  # pinned blocks only: how many requests used them
-        self._evictable: dict[int, tuple] = {}  # block -> its live heap entry
-        self._heap: list[tuple] = []  # (tier, uses, release order, block); stale entries skipped
-        self._clock = itertools.count()
 
     @property
     def pinned(self) -> frozenset[int]:
@@ -62,40 +56,18 @@ class PinnedPrefixPolicy(EvictionPolicy):
             self._uses[block_id] = 1
 
     def on_acquire(self, block_id: int) -> None:
-        self._evictable.pop(block_id, None)  # its heap entry goes stale
+        super().on_acquire(block_id)
         if block_id in self._pinned:
             self._uses[block_id] += 1
 
-    def on_release(self, block_id: int) -> None:
+    def key(self, block_id: int) -> tuple:
+        # Unpinned (0) before pinned (1); pinned ones least reused first; ties: released first.
         pinned = block_id in self._pinned
-        entry = (int(pinned), self._uses[block_id] if pinned else 0, next(self._clock), block_id)
-        self._evictable[block_id] = entry
-        heapq.heappush(self._heap, entry)
-        if len(self._heap) > 2 * len(self._evictable) + 64:
-            # Prefix hits leave stale entries behind; rebuild from the live ones, order unchanged.
-            self._heap = list(self._evictable.values())
-            heapq.heapify(self._heap)
+        return (int(pinned), self._uses[block_id] if pinned else 0)
 
-    def pop_victim(self) -> int:
-        while self._heap:
-            entry = heapq.heappop(self._heap)
-            block_id = entry[-1]
-            if self._evictable.get(block_id) == entry:
-                del self._evictable[block_id]
-                self._forget(block_id)
-                return block_id
-        raise LookupError("no evictable block")
-
-    def on_evict(self, block_id: int) -> None:
-        self._evictable.pop(block_id, None)
-        self._forget(block_id)
-
-    def _forget(self, block_id: int) -> None:
+    def forget(self, block_id: int) -> None:
         self._pinned.discard(block_id)
         self._uses.pop(block_id, None)
-
-    def __len__(self) -> int:
-        return len(self._evictable)
 
 
 @hookimpl
