@@ -229,7 +229,8 @@ def _serve(args: argparse.Namespace) -> int:
     vocab = args.vocab_size or (model_vocab_size(args.model, args.config) if knows_model else 10_000)
     workload = make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), seed=args.seed,
                              vocab_size=vocab, temperature=args.temperature)
-    plan = ServePlan(tuple(dict.fromkeys(args.protocols)), tuple(args.request_rates), args.max_duration, args.seed)
+    plan = ServePlan(tuple(dict.fromkeys(args.protocols)), tuple(args.request_rates), args.max_duration, args.seed,
+                     vocab)
     env = environment(args.num_threads)
     argv = getattr(args, "argv", None) or ["cadenza", *sys.argv[1:]]
     command = shlex.join(argv)

@@ -1,0 +1,150 @@
+"""`cadenza bench serve` against real servers on a tiny random model. Timings are never asserted."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+
+from cadenza.bench.cli import main
+from cadenza.bench.serve import arrival_offsets, with_fresh_prompts
+from cadenza.bench.serve_clients import RequestRecord
+from cadenza.bench.serve_process import check_loopback
+from cadenza.bench.stats import Summary, percentile
+from cadenza.bench.workload import make_workload
+
+from server_process import running_server
+
+VOCAB = 320  # tests/tiny_models.py
+SHAPE = ["--prompt-len", "4", "16", "--output-len", "2", "8"]
+WORKLOAD = dict(prompt_len=(4, 16), output_len=(2, 8), seed=0, vocab_size=VOCAB)
+
+
+def check_runs(result: dict, num_requests: int, rates: list, protocols=("ws", "http")) -> None:
+    """Every request completed with exactly the tokens it asked for; counts and percentiles agree."""
+    workload = make_workload(num_requests, **WORKLOAD)
+    runs = result["runs"]
+    assert [(r["protocol"], r["request_rate"]) for r in runs] == [(p, rate) for p in protocols for rate in rates]
+    for run in runs:
+        assert run["completed"] == run["num_requests"] == num_requests, run["failures"]
+        assert run["failed"] == run["cancelled"] == 0 and run["failures"] == []
+        assert run["completed"] + run["failed"] + run["cancelled"] == run["num_requests"]
+        assert run["output_tokens"] == workload.num_output_tokens
+        assert run["prompt_tokens"] == workload.num_prompt_tokens
+        for request, asked in zip(run["requests"], workload.requests):
+            assert request["status"] == "completed" and request["finish_reason"] == "length"
+            assert request["max_tokens"] == asked.max_tokens == request["output_tokens"]
+            assert request["prompt_tokens"] == len(asked.prompt_token_ids)
+            if run["protocol"] == "ws":  # the stream's own token ids agree with the usage
+                assert request["streamed_tokens"] == asked.max_tokens
+            assert request["ttft_ms"] <= request["e2e_ms"]
+        for measure in ("ttft_ms", "tpot_ms", "e2e_ms"):
+            s = run[measure]
+            assert s["p50"] <= s["p90"] <= s["p99"], (measure, s)
+        assert run["ttft_ms"]["count"] == num_requests
+        assert run["output_tokens_per_s"] > 0 and run["total_tokens_per_s"] > run["output_tokens_per_s"]
+        assert run["quiet"]["summary"].startswith(("quiet", "disturbed"))
+
+
+def test_serve_bench_against_a_running_server(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "serve.json"
+    with running_server(tiny_model_dir("llama3")) as server:
+        code = main(["serve", "--url", server.url, "--vocab-size", str(VOCAB), "--num-requests", "6", *SHAPE,
+                     "--request-rates", "20", "inf", "--no-quiet-check", "--json", str(out)])
+        printed = capsys.readouterr().out
+        assert code == 0, printed
+        assert server.proc.poll() is None  # the bench leaves a server it did not start running
+    result = json.loads(out.read_text())
+    check_runs(result, 6, [20.0, "inf"])
+    assert result["server"]["launched"] is False
+    assert result["server"]["pid"] == server.proc.pid  # found from its listening socket
+    assert result["offline"] is None and "give --model" in result["offline_note"]
+    assert result["command"].startswith("cadenza bench serve --url ")
+    for column in ("protocol", "rate", "completed", "cancelled", "output tok/s", "TTFT ms p50", "TPOT ms p99", "E2E ms p90"):
+        assert column in printed
+    assert "workload: 6 requests" in printed
+
+
+def test_serve_bench_launches_and_stops_its_server(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "serve.json"
+    code = main(["serve", "--model", str(tiny_model_dir("llama3")), "--dtype", "float32", "--num-requests", "4", *SHAPE,
+                 "--request-rates", "inf", "--no-quiet-check", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    result = json.loads(out.read_text())
+    check_runs(result, 4, ["inf"])
+    pid = result["server"]["pid"]
+    assert result["server"]["launched"] is True and pid != os.getpid()
+    with pytest.raises(ProcessLookupError):  # stopped and reaped
+        os.kill(pid, 0)
+    # The same workload offline, and serving over offline per protocol.
+    offline = result["offline"]
+    assert offline["output_tokens"] == make_workload(4, **WORKLOAD).num_output_tokens and not offline["note"]
+    assert {o["protocol"] for o in result["overhead"]} == {"ws", "http"}
+    for row in result["overhead"]:
+        assert row["serving_over_offline"] > 0 and row["overhead_percent"] is not None, row
+    assert "overhead" in printed and "offline output tok/s" in printed
+
+
+@pytest.mark.parametrize("url", ["http://10.1.2.3:8000", "http://example.com:8000", "ws://127.0.0.1:8000", "127.0.0.1:8000"])
+def test_a_non_loopback_url_is_refused(url, capsys):
+    assert main(["serve", "--url", url, "--no-quiet-check"]) == 2
+    err = capsys.readouterr().err
+    assert "--url" in err and ("loopback" in err or "look like" in err)
+
+
+# --- pieces -------------------------------------------------------------------------------------
+
+
+def test_loopback_addresses_are_accepted():
+    for url in ("http://127.0.0.1:8000/", "http://localhost:1", "http://[::1]:8000", "http://127.1.2.3:9"):
+        assert not check_loopback(url).endswith("/")
+
+
+def test_arrivals_are_seeded_poisson_or_all_at_once():
+    assert arrival_offsets(5, math.inf, seed=1) == [0.0] * 5
+    a, b = arrival_offsets(200, 4.0, seed=1), arrival_offsets(200, 4.0, seed=1)
+    assert a == b != arrival_offsets(200, 4.0, seed=2)
+    assert a[0] == 0.0 and all(x < y for x, y in zip(a, a[1:]))
+    assert 30 < a[-1] < 70  # 199 exponential gaps of mean 1/4 s: about 50 s
+    with pytest.raises(ValueError):
+        arrival_offsets(3, 0.0, seed=1)
+
+
+def test_each_run_gets_fresh_prompts_of_the_same_shape():
+    # The server's prefix cache must not serve one run's prompts from another's.
+    base = make_workload(6, **WORKLOAD)
+    a, b = with_fresh_prompts(base, "ws-inf-0", VOCAB), with_fresh_prompts(base, "http-inf-0", VOCAB)
+    assert a == with_fresh_prompts(base, "ws-inf-0", VOCAB)
+    for x, y, z in zip(base.requests, a.requests, b.requests):
+        assert len(x.prompt_token_ids) == len(y.prompt_token_ids) == len(z.prompt_token_ids)
+        assert x.max_tokens == y.max_tokens == z.max_tokens
+        assert x.prompt_token_ids != y.prompt_token_ids != z.prompt_token_ids
+        assert all(0 <= t < VOCAB for t in y.prompt_token_ids)
+
+
+def test_percentiles_interpolate_and_stay_ordered():
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile([1.0, 2.0], 90) == pytest.approx(1.9)
+    assert percentile([5.0], 99) == 5.0
+    s = Summary.of([float(v) for v in range(1, 101)])
+    assert s.p50 == pytest.approx(50.5) and s.p50 <= s.p90 <= s.p99 <= 100
+    assert Summary.of([]) is None
+
+
+def test_a_request_is_complete_only_with_its_exact_token_count():
+    def record(streamed: int) -> RequestRecord:
+        r = RequestRecord(0, num_prompt_tokens=4, max_tokens=5, sent_at=1.0)
+        r.on_tokens(1.5, streamed)
+        return r
+
+    ok = record(5)
+    ok.complete(3.5, "length", 5, streamed=True)
+    assert ok.status == "completed" and ok.ttft == 0.5 and ok.tpot == pytest.approx(0.5) and ok.e2e == 2.5
+    cases = [(record(5), "length", 4, True, "usage says 4"), (record(3), "length", 5, True, "streamed 3"),
+             (record(5), "stop", 5, True, "finish_reason 'stop'"), (record(0), "length", None, False, "no usage")]
+    for r, finish, usage, streamed, reason in cases:
+        r.complete(3.0, finish, usage, streamed)
+        assert r.status == "failed" and reason in r.error and r.tpot is None
