@@ -376,10 +376,13 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear_bf16", &linear_bf16, "x float32 @ w bfloat16^T (+ bias) -> float32");
-  m.def("linear_bf16_add_", &linear_bf16_add_, "residual += x @ w^T (+ bias), in place");
-  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, float32");
-  m.def("rotary_", &rotary_, "in-place NeoX rotary embedding from cos/sin tables");
-  m.def("silu_mul", &silu_mul, "SiLU(gate) * up for a fused [rows, 2 * I] gate_up");
-  m.def("paged_decode_attention", &paged_decode_attention, "one-token-per-sequence attention over a paged KV cache");
+  // The kernels touch no Python object: let the event loop's thread run while they compute.
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def("linear_bf16", &linear_bf16, "x float32 @ w bfloat16^T (+ bias) -> float32", release());
+  m.def("linear_bf16_add_", &linear_bf16_add_, "residual += x @ w^T (+ bias), in place", release());
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, float32", release());
+  m.def("rotary_", &rotary_, "in-place NeoX rotary embedding from cos/sin tables", release());
+  m.def("silu_mul", &silu_mul, "SiLU(gate) * up for a fused [rows, 2 * I] gate_up", release());
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "one-token-per-sequence attention over a paged KV cache", release());
 }
