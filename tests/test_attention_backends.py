@@ -71,7 +71,14 @@ def dense_reference(q, meta, full_keys, full_values, window):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("backend_cls", [TorchSDPABackend, EagerBackend])
+def _kernels():
+    from cadenza.kernels import cpu
+    from cadenza.models.cpu_features import cpu_has_avx2_fma
+
+    return cpu.configure("auto") if cpu_has_avx2_fma() else None
+
+
+@pytest.mark.parametrize("backend_cls,with_kernels", [(TorchSDPABackend, False), (TorchSDPABackend, True), (EagerBackend, False)])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize(
     "context_lens,query_lens",
@@ -79,13 +86,19 @@ def dense_reference(q, meta, full_keys, full_values, window):
         ([0, 0, 0], [1, 7, 13]),  # prefills, one shorter than a block, one over three blocks
         ([5, 9, 30, 2], [1, 1, 1, 1]),  # decodes only
         ([0, 11, 6, 0], [9, 1, 5, 1]),  # prefill, decode, chunk after a cached prefix, 1-token prompt
+        ([40, 3, 0, 17, 8], [1, 1, 12, 1, 6]),  # decodes (one long) beside two chunks: two groups
     ],
 )
-def test_backend_matches_dense_attention(backend_cls, window, context_lens, query_lens):
+def test_backend_matches_dense_attention(backend_cls, with_kernels, window, context_lens, query_lens):
     q, k, v, cache, meta, full_keys, full_values = make_step(context_lens, query_lens)
     backend = backend_cls(
         num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM, scale=DIM**-0.5, block_size=BLOCK, sliding_window=window
     )
+    if with_kernels:
+        kernels = _kernels()
+        if kernels is None:
+            pytest.skip("the CPU kernels need x86-64 with AVX2 and FMA")
+        backend.use_cpu_kernels(kernels)
     backend.begin_step(meta)
     out = backend.forward(q, k, v, cache, meta)
     expected = dense_reference(q, meta, full_keys, full_values, window)
