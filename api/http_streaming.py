@@ -8,7 +8,6 @@ task that waits for `http.disconnect` and cancels it, and cancelling leaves the 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from contextlib import aclosing, asynccontextmanager
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, TypeVar
@@ -215,8 +214,5 @@ async def _run_choice(
         except anyio.BrokenResourceError:
             pass  # the reader left; leaving the loop above aborted the request
         finally:
-            if last is not None and last.finished:
-                metrics.observe("openai", last)
-            elif not refused:
-                last = last or GenerationOutput(request_id, "", (), None, None, 0, 0, 0)
-                metrics.observe("openai", dataclasses.replace(last, finish_reason="abort", timings=None))
+            if not refused:
+                metrics.observe_ended("openai", request_id, last)

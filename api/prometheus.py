@@ -3,6 +3,8 @@ the engine's gauges read at scrape time."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -34,6 +36,16 @@ class ServerMetrics:
             "cadenza_request_seconds", "Arrival to finish.", buckets=_LATENCY_BUCKETS, registry=self.registry
         )
         self.registry.register(_EngineCollector(engine_metrics))
+
+    def observe_ended(self, api: str, request_id: str, last) -> None:
+        """Record a request whose stream ended, finished or not: one the client left (or whose
+        connection dropped) before its last output counts as aborted, with no timings."""
+        if last is None or not last.finished:
+            from cadenza.streams import GenerationOutput
+
+            last = last or GenerationOutput(request_id, "", (), None, None, 0, 0, 0)
+            last = dataclasses.replace(last, finish_reason="abort", timings=None)
+        self.observe(api, last)
 
     def observe(self, api: str, last) -> None:
         """Record a finished request from its last `GenerationOutput`."""

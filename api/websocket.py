@@ -169,7 +169,7 @@ class Session:
 
     async def _run(self, running: _Running, prompt: Any, params: SamplingParams) -> None:
         request_id = running.client_id
-        last = None
+        last, refused = None, False
         try:
             async for out in self.engine.generate(prompt, params, request_id=running.engine_id):
                 last = out
@@ -185,13 +185,15 @@ class Session:
                         ]
                     await self.send(delta)
         except EngineClosedError as exc:
+            refused = True
             await self.send(error("unavailable", str(exc), request_id))
             return
         finally:
             self.running.pop(request_id, None)
             if running.is_turn:
                 self._settle_turn(running, last)
-        self.state.metrics.observe("websocket", last)
+            if not refused:  # also when the session closed under the request: counted as aborted
+                self.state.metrics.observe_ended("websocket", running.engine_id, last)
         if last.finish_reason == "error":
             await self.send(error(last.error_code or "internal_error", last.error or "the request failed", request_id))
             return

@@ -241,9 +241,22 @@ async def test_disconnect_returns_kv_blocks(server):
         await client.send(type="generate", request_id=f"r{i}", prompt="y" * 50, sampling={"max_tokens": 400, "ignore_eos": True})
     await client.until(lambda m: m["type"] == "delta")
     assert kv_usage(server) > 0
+    before = websocket_aborts(server)
     client.ws.transport.abort()  # the client vanishes: no close handshake, the TCP connection just drops
     assert await wait_kv_free(server), "the vanished client's requests were aborted and their blocks freed"
     assert server.log_events("Request aborted")
+    # ... and counted, as the OpenAI API counts a client that left.
+    for _ in range(100):
+        if websocket_aborts(server) >= before + 4:
+            break
+        await asyncio.sleep(0.05)
+    assert websocket_aborts(server) == before + 4
+
+
+def websocket_aborts(server) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    found = re.search(r'^cadenza_requests_total\{api="websocket",finish_reason="abort"\} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
 
 
 async def test_slow_reader_is_cut_off_without_stalling_others(tiny_model_dir):
