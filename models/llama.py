@@ -1,8 +1,10 @@
 """A Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
-The math mirrors transformers' reference modelling op for op (fp32 RMSNorm, cos/sin cast to the
-activation dtype), so logits agree to rounding. Tokens arrive flattened: a step is one [T] tensor
-of token ids with their positions, whatever mix of prefills and decodes it holds.
+The math mirrors transformers' reference modelling (fp32 RMSNorm, cos/sin cast to the activation
+dtype), so logits agree to rounding; where cadenza's CPU kernels run (`use_cpu_kernels`), norms,
+rotary, SiLU, bf16 products and residual adds are fused, with the same math in float32.
+Tokens arrive flattened: a step is one [T] tensor of token ids with their positions, whatever mix
+of prefills and decodes it holds.
 """
 
 from __future__ import annotations
