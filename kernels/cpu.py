@@ -87,9 +87,10 @@ def _build() -> tuple[ModuleType | None, str | None]:
 def _compile() -> ModuleType:
     from torch.utils.cpp_extension import load
 
-    # ninja from the virtualenv (the `ninja` wheel) is on PATH only when it is activated.
+    # ninja from the virtualenv (the `ninja` wheel, a dependency) is on PATH only when the
+    # virtualenv is activated: put it first, so the build never depends on a system ninja.
     bin_dir = str(Path(sys.executable).parent)
-    if shutil.which("ninja") is None and (Path(bin_dir) / "ninja").exists():
+    if (Path(bin_dir) / "ninja").exists() and shutil.which("ninja") != str(Path(bin_dir) / "ninja"):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     return load(
         name="cadenza_cpu_kernels",
