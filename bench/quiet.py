@@ -121,27 +121,32 @@ def wait_for_quiet(policy: QuietPolicy) -> tuple[float | None, float]:
     return share, max(0.0, time.monotonic() - started - policy.probe_seconds)
 
 
-def run_quietly(fn: Callable[[], T], policy: QuietPolicy | None = None) -> tuple[T, QuietReport]:
+def run_quietly(
+    fn: Callable[[], T],
+    policy: QuietPolicy | None = None,
+    *,
+    on_compute_thread: bool = True,
+    snapshot: Callable[[], CpuSnapshot | None] = take_snapshot,
+) -> tuple[T, QuietReport]:
     """Run `fn` on a quiet machine; repeat a disturbed run up to `max_repeats` times.
 
     Keeps the least disturbed attempt's result. The report says what happened, so a disturbed
-    number is never passed off as a quiet one.
+    number is never passed off as a quiet one. `fn` runs on the compute thread unless
+    `on_compute_thread` is False; `snapshot` decides which CPU time counts as the run's own (a
+    serving bench counts its server's too). With the policy disabled, `fn` runs once, unwaited.
     """
     policy = policy or QuietPolicy()
-    if not policy.enabled:
-        start = take_snapshot()
-        result = compute_thread.run_sync(fn)
-        share = other_cpu_share(start, take_snapshot())
-        return result, QuietReport(share, None, 1, 0.0, [share], threshold=policy.threshold)
     best: tuple[T, float | None, float | None] | None = None
     shares: list[float | None] = []
     waited = 0.0
-    for attempt in range(policy.max_repeats + 1):
-        before_share, wait = wait_for_quiet(policy)
-        waited += wait
-        start = take_snapshot()
-        result = compute_thread.run_sync(fn)
-        share = other_cpu_share(start, take_snapshot())
+    for _ in range(policy.max_repeats + 1 if policy.enabled else 1):
+        before_share = None
+        if policy.enabled:
+            before_share, wait = wait_for_quiet(policy)
+            waited += wait
+        start = snapshot()
+        result = compute_thread.run_sync(fn) if on_compute_thread else fn()
+        share = other_cpu_share(start, snapshot())
         shares.append(share)
         if best is None or (share is not None and (best[1] is None or share < best[1])):
             best = (result, share, before_share)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable, TypeVar
 from urllib.parse import urlsplit
 
-from cadenza.bench.quiet import CpuSnapshot, QuietPolicy, QuietReport, other_cpu_share, take_snapshot, wait_for_quiet
+from cadenza.bench.quiet import CpuSnapshot, QuietPolicy, QuietReport, run_quietly, take_snapshot
 
 T = TypeVar("T")
 
@@ -256,22 +256,4 @@ def run_quietly_here(fn: Callable[[], T], policy: QuietPolicy, server_pid: int |
     4% slower on 2 cores), which would flatter the serving overhead.
     A disturbed run is repeated up to `max_repeats` times; the least disturbed attempt is kept.
     """
-    best: tuple[T, float | None, float | None] | None = None
-    shares: list[float | None] = []
-    waited = 0.0
-    for _ in range(policy.max_repeats + 1 if policy.enabled else 1):
-        before_share = None
-        if policy.enabled:
-            before_share, wait = wait_for_quiet(policy)
-            waited += wait
-        start = _snapshot(server_pid)
-        value = fn()
-        share = other_cpu_share(start, _snapshot(server_pid))
-        shares.append(share)
-        if best is None or (share is not None and (best[1] is None or share < best[1])):
-            best = (value, share, before_share)
-        if share is None or share < policy.threshold:
-            break
-    assert best is not None
-    value, share, before_share = best
-    return value, QuietReport(share, before_share, len(shares), waited, shares, policy.threshold)
+    return run_quietly(fn, policy, on_compute_thread=False, snapshot=lambda: _snapshot(server_pid))
