@@ -1,9 +1,10 @@
 """The CPU kernels of `cpu_kernels.cpp`: compiled on first use, cached, and optional.
 
-`configure(mode)` decides once per process whether they are used: "auto" builds them where the CPU
-has AVX2 and FMA and a C++ compiler is at hand, and falls back to PyTorch's ops (with a warning
-naming why) otherwise; "on" raises `KernelUnavailableError` instead of falling back; "off" never
-builds them. `active()` returns the compiled module, or None where the PyTorch path runs.
+`configure(mode)` says whether a model uses them (the build happens once per process): "auto"
+builds them where the CPU has AVX2 and FMA and a C++ compiler is at hand, and falls back to
+PyTorch's ops (with a warning naming why) otherwise; "on" raises `KernelUnavailableError` instead
+of falling back; "off" never builds them. It returns the compiled module, or None where the PyTorch
+path runs; each model keeps the module it was given.
 
 The build (about 30 s) goes to PyTorch's extension cache (`TORCH_EXTENSIONS_DIR`, by default
 ~/.cache/torch_extensions) and is reused until the source changes; concurrent processes wait on
@@ -38,29 +39,17 @@ class KernelUnavailableError(ModelLoadError):
 _lock = threading.Lock()
 _built: ModuleType | None = None
 _build_error: str | None = None
-_active: ModuleType | None = None
-
-
-def active() -> ModuleType | None:
-    """The compiled kernels if `configure` switched them on, else None."""
-    return _active
 
 
 def configure(mode: str) -> ModuleType | None:
-    """Switch the kernels on or off for this process (see the module docstring); returns `active()`."""
-    global _active
+    """The compiled kernels for `mode` (see the module docstring), or None: PyTorch's ops."""
     if mode not in MODES:
         raise ValueError(f"cpu_kernels must be one of {', '.join(MODES)}, not {mode!r}")
     if mode == "off":
-        _active = None
         return None
     module, why = _build()
-    if module is None:
-        if mode == "on":
-            raise KernelUnavailableError(f"cpu_kernels is 'on' but the CPU kernels are unavailable: {why}")
-        _active = None
-        return None
-    _active = module
+    if module is None and mode == "on":
+        raise KernelUnavailableError(f"cpu_kernels is 'on' but the CPU kernels are unavailable: {why}")
     return module
 
 

@@ -35,17 +35,18 @@ class DualPrecisionLinear(nn.Module):
         self.register_buffer(
             "bias_f32", None if linear.bias is None else linear.bias.detach().float(), persistent=False
         )
+        self.base_min_rows = min_rows  # without the kernel
         self.min_rows = min_rows
         self.kernels = None  # cadenza.kernels.cpu's module, when switched on (see `use_cpu_kernels`)
 
     def use_cpu_kernels(self, kernels) -> None:
-        self.kernels = kernels
-        if kernels is not None and self.weight.dtype == torch.bfloat16 and self.min_rows == FP32_MIN_ROWS:
-            self.min_rows = KERNEL_FP32_MIN_ROWS
+        """Multiply bf16 weights by the kernel (None: by PyTorch); the float32 copy then serves
+        only from `KERNEL_FP32_MIN_ROWS` rows on."""
+        self.kernels = kernels if self.weight.dtype == torch.bfloat16 else None
+        self.min_rows = KERNEL_FP32_MIN_ROWS if self.kernels is not None else self.base_min_rows
 
     def _kernel_applies(self, x: torch.Tensor) -> bool:
-        return (self.kernels is not None and self.weight.dtype == torch.bfloat16 and x.dtype == torch.float32
-                and x.dim() == 2 and x.stride(-1) == 1)
+        return self.kernels is not None and x.dtype == torch.float32 and x.dim() == 2 and x.stride(-1) == 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] >= self.min_rows:

@@ -82,6 +82,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.kernels = None
 
+    def use_cpu_kernels(self, kernels) -> None:
+        self.kernels = kernels
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """`residual` + mlp(x), the sum written into `residual`."""
         gate_up = self.gate_up_proj(x)
@@ -133,8 +136,6 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if module is not self and hasattr(module, "use_cpu_kernels"):
                 module.use_cpu_kernels(kernels)
-            elif isinstance(module, MLP):
-                module.kernels = kernels
 
     @torch.inference_mode()
     def forward(

@@ -69,9 +69,7 @@ class StepRotary:
         self._embedding, self._positions, self._dtype = embedding, positions, dtype
         usable = kernels is not None and dtype == torch.float32 and positions.device.type == "cpu"
         self._kernels = kernels if usable else None
-        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
-        if self._kernels is None:
-            self._cos_sin = embedding.cos_sin(positions, dtype)
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None  # looked up on first use
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, heads, head_dim] rotated; in place (and returned) where the kernel runs."""

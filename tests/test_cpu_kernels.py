@@ -23,9 +23,7 @@ pytestmark = pytest.mark.skipif(not cpu_has_avx2_fma(), reason="the CPU kernels 
 
 @pytest.fixture(scope="module")
 def kernels():
-    module = cpu.configure("on")
-    yield module
-    cpu.configure("off")
+    return cpu.configure("on")
 
 
 def _bf16(shape, gen):
@@ -171,9 +169,9 @@ def test_kernels_share_pytorchs_thread_team(kernels):
     assert _thread_count() == before
 
 
-def test_configure_modes(kernels, monkeypatch):
-    assert cpu.configure("off") is None and cpu.active() is None
-    assert cpu.configure("auto") is kernels and cpu.active() is kernels
+def test_configure_modes(kernels):
+    assert cpu.configure("off") is None
+    assert cpu.configure("auto") is kernels
     with pytest.raises(ValueError, match="auto, on, off"):
         cpu.configure("sometimes")
 
@@ -182,13 +180,9 @@ def test_configure_falls_back_where_unavailable(monkeypatch):
     monkeypatch.setattr(cpu, "_built", None)
     monkeypatch.setattr(cpu, "_build_error", None)
     monkeypatch.setattr(cpu, "cpu_has_avx2_fma", lambda: False)
-    try:
-        assert cpu.configure("auto") is None
-        with pytest.raises(cpu.KernelUnavailableError, match="AVX2"):
-            cpu.configure("on")
-    finally:
-        monkeypatch.undo()
-        cpu.configure("off")
+    assert cpu.configure("auto") is None
+    with pytest.raises(cpu.KernelUnavailableError, match="AVX2"):
+        cpu.configure("on")
 
 
 def test_kernel_source_ships_with_the_package():
