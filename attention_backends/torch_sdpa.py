@@ -41,6 +41,11 @@ class _Group:
         return self.max_q == 1
 
 
+def _packed_f32(x: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether the kernels' cache write takes `x` [T, heads, D] as it is."""
+    return x.dtype == kv_cache.dtype == torch.float32 and x.stride(-1) == 1 and x.stride(1) == x.shape[2]
+
+
 class TorchSDPABackend(AttentionBackend):
     """Pads each group to [n, max_query_len] queries against [n, max_seq_len] gathered keys.
 
@@ -104,7 +109,10 @@ class TorchSDPABackend(AttentionBackend):
         return _Group(rows, block_tables, seq_lens, num_seqs, max_q, max_k, padded_rows, mask_bool, is_causal)
 
     def forward(self, q, k, v, kv_cache, meta):
-        write_kv(k, v, kv_cache, meta.slot_mapping)
+        if self._kernels is not None and _packed_f32(k, kv_cache) and _packed_f32(v, kv_cache):
+            self._kernels.write_kv_(kv_cache, k, v, meta.slot_mapping)
+        else:
+            write_kv(k, v, kv_cache, meta.slot_mapping)
         if len(self._groups) == 1:
             return self._attend(self._groups[0], q, kv_cache)
         out = torch.empty_like(q)

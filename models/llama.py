@@ -17,7 +17,7 @@ from torch import nn
 
 from cadenza.attention_backends.base import AttentionBackend, AttentionMetadata
 from cadenza.models.config import ModelArchConfig
-from cadenza.models.dual_linear import linear_add_
+from cadenza.models.dual_linear import DualPrecisionLinear, linear_add_
 from cadenza.models.errors import ModelLoadError
 from cadenza.models.rotary import RotaryEmbedding, StepRotary
 
@@ -99,13 +99,39 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelArchConfig) -> None:
         super().__init__()
+        self.cfg = cfg
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        # The kernels' whole-layer path (kernels/decode_layer.h) for steps of few tokens, or None.
+        self.fused = None
+        self.fused_max_rows = 0
+
+    def fuse(self, kernels, rotary: RotaryEmbedding) -> None:
+        """Run steps under the kernels' row threshold through `DecoderLayerKernel`: two calls a
+        layer around the attention backend. Needs bf16 projections (`DualPrecisionLinear`) and no
+        q/k norms; otherwise (or with `kernels` None) the modules run one by one."""
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if kernels is None or self.cfg.qk_norm or not all(isinstance(m, DualPrecisionLinear) and m.kernels is not None for m in linears):
+            self.fused, self.fused_max_rows = None, 0
+            return
+        self.fused = kernels.DecoderLayerKernel(
+            self.input_layernorm.weight_f32, attn.qkv_proj.weight, attn.qkv_proj.bias_f32,
+            attn.o_proj.weight, attn.o_proj.bias_f32, self.post_attention_layernorm.weight_f32,
+            mlp.gate_up_proj.weight, mlp.gate_up_proj.bias_f32, mlp.down_proj.weight, mlp.down_proj.bias_f32,
+            rotary.cos_table, rotary.sin_table,
+            self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim, self.cfg.rms_norm_eps,
+        )  # fmt: skip
+        self.fused_max_rows = min(m.min_rows for m in linears) - 1
 
     def forward(self, h, rotary: StepRotary, kv_cache, meta, backend) -> torch.Tensor:
         """The next hidden states; `h` itself is updated in place (the residual stream)."""
+        if self.fused is not None and h.shape[0] <= self.fused_max_rows and rotary.on_kernels and h.is_contiguous():
+            q, k, v = self.fused.attention_input(h, rotary.positions)
+            self.fused.finish_(h, backend.forward(q, k, v, kv_cache, meta))
+            return h
         h = self.self_attn(self.input_layernorm(h), h, rotary, kv_cache, meta, backend)
         return self.mlp(self.post_attention_layernorm(h), h)
 
@@ -136,6 +162,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if module is not self and hasattr(module, "use_cpu_kernels"):
                 module.use_cpu_kernels(kernels)
+        for layer in self.layers:
+            layer.fuse(kernels, self.rotary)
 
     @torch.inference_mode()
     def forward(

@@ -71,6 +71,15 @@ class StepRotary:
         self._kernels = kernels if usable else None
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None  # looked up on first use
 
+    @property
+    def positions(self) -> torch.Tensor:
+        return self._positions
+
+    @property
+    def on_kernels(self) -> bool:
+        """Whether the CPU kernels rotate this step (float32 activations, positions on the CPU)."""
+        return self._kernels is not None
+
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, heads, head_dim] rotated; in place (and returned) where the kernel runs."""
         if self._kernels is not None and x.dtype == torch.float32 and x.stride(-1) == 1 and x.stride(1) == x.shape[2]:

@@ -152,6 +152,21 @@ def test_paged_decode_attention_rejects_a_table_that_points_outside_the_cache(ke
         kernels.paged_decode_attention(q, cache, tables, torch.tensor([100]), 1.0, 0)
 
 
+def test_write_kv_stores_strided_keys_and_values_at_their_slots(kernels):
+    gen = torch.Generator().manual_seed(4)
+    cache = torch.randn(2, 6, 4, 3, 8, generator=gen)
+    qkv = torch.randn(5, (4 + 2 * 3) * 8, generator=gen)  # k and v: views into a fused projection
+    k, v = qkv[:, 32:56].view(5, 3, 8), qkv[:, 56:].view(5, 3, 8)
+    slots = torch.tensor([0, 5, 23, 9, 10])
+    expected = cache.clone()
+    expected.view(2, 24, 3, 8)[0].index_copy_(0, slots, k)
+    expected.view(2, 24, 3, 8)[1].index_copy_(0, slots, v)
+    kernels.write_kv_(cache, k, v, slots)
+    assert torch.equal(cache, expected)
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.write_kv_(cache, k, v, torch.tensor([0, 1, 2, 3, 24]))
+
+
 def _thread_count() -> int:
     return len(os.listdir("/proc/self/task"))
 
