@@ -161,4 +161,8 @@ def _group(op: str) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    from cadenza import compute_thread
+
+    # The model loads on the compute thread; stepping it from another thread would bring a second
+    # OpenMP team that fights the first for the cores (compute_thread.py), and time that instead.
+    compute_thread.run_sync(main)

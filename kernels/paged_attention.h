@@ -13,6 +13,14 @@
 
 namespace cadenza {
 
+// Keys (and values) fetched ahead of the one being read; runs no shorter than this many keys.
+constexpr int64_t kPrefetchKeys = 8;
+constexpr int64_t kMinRunKeys = 32;
+
+inline void prefetch_row(const float* p, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
+}
+
 // Decode attention straight from the paged cache: one query token per sequence.
 // q [B, H, D]; kv_cache [2, num_blocks, block_size, KVH, D]; block_tables [B, max_blocks];
 // seq_lens [B] (keys in the cache, the new token's included). Keys at positions
@@ -40,24 +48,41 @@ inline torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch:
       TORCH_CHECK(tables[b * bts + j] >= 0 && tables[b * bts + j] < NB, "block id out of range");
   }
   auto out = torch::empty({B, H, D}, q.options());
+  // Work items are (sequence, kv head, run of key positions). A few sequences with one kv head
+  // each would leave threads idle (batch 1 of a 3-kv-head model: 3 items on 2 threads), so each
+  // (sequence, kv head) splits its keys into runs until there are a few items per thread; runs of
+  // one pair are merged after (flash-decoding's rescaled sums).
+  const int64_t threads = at::get_num_threads(), pairs = B * KVH;
+  const int64_t splits = std::max<int64_t>(1, std::min<int64_t>((4 * threads + pairs - 1) / pairs, 16));
+  const int64_t longest = *std::max_element(lens, lens + B);
+  const int64_t run = std::max<int64_t>(kMinRunKeys, (std::min(longest, window > 0 ? window : longest) + splits - 1) / splits);
+  // Per item and query head of the group: running max, sum of exponentials, unnormalized output.
+  std::vector<float> partial(splits > 1 ? static_cast<size_t>(pairs * splits * G * (D + 2)) : 0);
   const float* qp = q.data_ptr<float>();
   const float* keys = kv_cache.data_ptr<float>();
   const float* values = keys + NB * BS * KVH * D;
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, B * KVH, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores;
+  auto slot = [&](const int64_t* table, int64_t t) { return table[t / BS] * BS + t % BS; };
+  at::parallel_for(0, pairs * splits, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores, acc(static_cast<size_t>(G * D));
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / KVH, kvh = i % KVH, len = lens[b];
-      const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0, n = len - start;
+      const int64_t pair = i / splits, split = i % splits, b = pair / KVH, kvh = pair % KVH, len = lens[b];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t t0 = std::min(len, first + split * run), t1 = std::min(len, t0 + run), n = t1 - t0;
       const int64_t* table = tables + b * bts;
-      scores.resize(static_cast<size_t>(G * n));
-      // Scores for the group's G query heads, reading each key once.
-      for (int64_t t = start; t < len; ++t) {
-        const float* key = keys + ((table[t / BS] * BS + t % BS) * KVH + kvh) * D;
-        for (int64_t g = 0; g < G; ++g) scores[g * n + (t - start)] = dot(qp + b * qs + (kvh * G + g) * D, key, D) * fscale;
+      const float* qh = qp + b * qs + kvh * G * D;
+      scores.resize(static_cast<size_t>(G * std::max<int64_t>(n, 1)));
+      // Keys sit 768 bytes apart (all kv heads of a slot) and blocks anywhere: the hardware
+      // prefetcher loses the stream at each block, so fetch a few keys ahead by hand.
+      for (int64_t t = t0; t < t1; ++t) {
+        if (t + kPrefetchKeys < t1)
+          prefetch_row(keys + (slot(table, t + kPrefetchKeys) * KVH + kvh) * D, D);
+        const float* key = keys + (slot(table, t) * KVH + kvh) * D;
+        for (int64_t g = 0; g < G; ++g) scores[g * n + (t - t0)] = dot(qh + g * D, key, D) * fscale;
       }
-      for (int64_t g = 0; g < G; ++g) {
+      std::vector<float> maxes(G, -INFINITY), sums(G, 0.0f);
+      for (int64_t g = 0; g < G && n > 0; ++g) {
         float* s = scores.data() + g * n;
         __m256 mv = _mm256_set1_ps(-INFINITY);
         int64_t j = 0;
@@ -76,17 +101,56 @@ inline torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch:
           s[j] = exp1(s[j] - mx);
           sum += s[j];
         }
-        const float inv = 1.0f / sum;
-        for (j = 0; j < n; ++j) s[j] *= inv;
-        float* o = op + (b * H + kvh * G + g) * D;
-        std::fill(o, o + D, 0.0f);
+        maxes[g] = mx;
+        sums[g] = sum;
       }
-      for (int64_t t = start; t < len; ++t) {
-        const float* value = values + ((table[t / BS] * BS + t % BS) * KVH + kvh) * D;
-        for (int64_t g = 0; g < G; ++g) axpy(scores[g * n + (t - start)], value, op + (b * H + kvh * G + g) * D, D);
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t t = t0; t < t1; ++t) {
+        if (t + kPrefetchKeys < t1)
+          prefetch_row(values + (slot(table, t + kPrefetchKeys) * KVH + kvh) * D, D);
+        const float* value = values + (slot(table, t) * KVH + kvh) * D;
+        for (int64_t g = 0; g < G; ++g) axpy(scores[g * n + (t - t0)], value, acc.data() + g * D, D);
+      }
+      if (splits == 1) {  // the whole sequence: normalize straight into the output
+        for (int64_t g = 0; g < G; ++g) {
+          float* o = op + (b * H + kvh * G + g) * D;
+          const float inv = 1.0f / sums[g];
+          for (int64_t d = 0; d < D; ++d) o[d] = acc[g * D + d] * inv;
+        }
+      } else {
+        float* p = partial.data() + i * G * (D + 2);
+        for (int64_t g = 0; g < G; ++g, p += D + 2) {
+          p[0] = maxes[g];
+          p[1] = sums[g];
+          std::copy(acc.begin() + g * D, acc.begin() + (g + 1) * D, p + 2);
+        }
       }
     }
   });
+  if (splits > 1) {
+    // out = sum_r e^(m_r - M) acc_r / sum_r e^(m_r - M) l_r over a pair's runs (empty runs: m = -inf).
+    at::parallel_for(0, pairs * G, 16, [&](int64_t j0, int64_t j1) {
+      for (int64_t j = j0; j < j1; ++j) {
+        const int64_t pair = j / G, g = j % G, b = pair / KVH, kvh = pair % KVH;
+        const float* first = partial.data() + (pair * splits * G + g) * (D + 2);
+        const int64_t step = G * (D + 2);
+        float mx = -INFINITY;
+        for (int64_t r = 0; r < splits; ++r) mx = std::max(mx, first[r * step]);
+        float* o = op + (b * H + kvh * G + g) * D;
+        std::fill(o, o + D, 0.0f);
+        float total = 0.0f;
+        for (int64_t r = 0; r < splits; ++r) {
+          const float* p = first + r * step;
+          if (p[0] == -INFINITY) continue;
+          const float w = exp1(p[0] - mx);
+          total += w * p[1];
+          axpy(w, p + 2, o, D);
+        }
+        const float inv = 1.0f / total;
+        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+      }
+    });
+  }
   return out;
 }
 
