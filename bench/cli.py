@@ -36,6 +36,8 @@ def _add_common(parser: argparse.ArgumentParser, peers: bool = True) -> None:
     parser.add_argument("--no-quiet-check", action="store_true", help="measure other processes' CPU but never wait or repeat")
     if peers:
         parser.add_argument("--gguf-cache", type=Path, help="where the bf16 GGUF for llama.cpp is written (default ~/.cache/cadenza/bench)")
+        parser.add_argument("--llamacpp-parallel", type=int, default=32,
+                            help="sequences llama.cpp runs at once in the throughput workload (default 32)")
     parser.add_argument("--verbose", action="store_true", help="show the engine's logs")
 
 
@@ -141,7 +143,7 @@ def _throughput(args: argparse.Namespace) -> int:
     print(f"workload: {workload.describe()}")
     result = run_throughput(engine, workload, compare=args.compare, dtype=args.dtype, policy=policy,
                             hf_batch_size=args.hf_batch_size, num_threads=args.num_threads,
-                            gguf_cache=args.gguf_cache, seed=args.seed)
+                            gguf_cache=args.gguf_cache, seed=args.seed, llamacpp_parallel=args.llamacpp_parallel)
     print()
     print(result.render())
     if args.json:
@@ -303,6 +305,7 @@ def _latency_peers(args, engine, plan, probes) -> dict[str, str]:
     if "llamacpp" in args.compare:
         from cadenza.bench.latency import LlamaCppProbe
         from cadenza.bench.llamacpp import LlamaCppEngine, bf16_gguf_for, llama_cpp_available
+        from cadenza.bench.llamacpp_batched import LlamaCppBatchedEngine
         from cadenza.bench.throughput import default_gguf_cache
 
         source = Path(engine.source)
@@ -314,7 +317,9 @@ def _latency_peers(args, engine, plan, probes) -> dict[str, str]:
             path = bf16_gguf_for(source, args.gguf_cache or default_gguf_cache())
             max_len = max(*plan.prefill_lens, plan.decode_prompt_len + plan.decode_tokens) + 16
             llama = LlamaCppEngine(path, num_threads=args.num_threads, max_len=max_len, seed=args.seed)
-            probes.append(LlamaCppProbe(llama, args.temperature, engine.arch.vocab_size))
+            batched = LlamaCppBatchedEngine(path, num_threads=args.num_threads, parallel=plan.batch,
+                                            max_len=plan.decode_prompt_len + plan.decode_tokens + 16, seed=args.seed)
+            probes.append(LlamaCppProbe(llama, args.temperature, engine.arch.vocab_size, batched))
     return skipped
 
 

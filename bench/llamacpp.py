@@ -2,7 +2,8 @@
 
 The embedded model is Q4_1; llama.cpp would run it quantized, so `write_bf16_gguf` writes the same
 de-quantized weights as a BF16 GGUF (the gguf package's writer), norms kept in F32 as llama.cpp
-does. llama-cpp-python's `Llama` runs one sequence at a time: the workload runs request by request.
+does. `LlamaCppEngine` runs one sequence through llama-cpp-python's `Llama` (the latency probes);
+`llamacpp_batched.LlamaCppBatchedEngine` runs many at once (the throughput workload).
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ from pathlib import Path
 
 import numpy as np
 
-from cadenza.bench.engines import EngineRun
-from cadenza.bench.workload import Workload
 
 _BF16_FILE_TYPE = 32  # LlamaFileType.MOSTLY_BF16
 
@@ -85,30 +84,6 @@ class LlamaCppEngine:
             model_path=str(gguf_path), n_ctx=max_len, n_batch=512, n_threads=threads,
             n_threads_batch=threads, seed=seed, verbose=False,
         )
-
-    def run(self, workload: Workload) -> EngineRun:
-        self._generate(list(range(100, 116)), 4, workload.temperature)  # warm up
-        started = time.perf_counter()
-        produced = sum(self._generate(r.prompt_token_ids, r.max_tokens, workload.temperature) for r in workload.requests)
-        seconds = time.perf_counter() - started
-        return EngineRun(
-            engine=f"{self.name} (bf16, sequential)",
-            seconds=seconds,
-            num_prompt_tokens=workload.num_prompt_tokens,
-            num_output_tokens=produced,
-            num_computed_tokens=produced,
-            note=f"one request at a time, {self.path.name}",
-        )
-
-    def _generate(self, prompt: list[int], max_tokens: int, temperature: float) -> int:
-        """`Llama.generate` yields tokens until its caller stops, EOS included: EOS is ignored."""
-        produced = 0
-        self.llm.reset()
-        for _ in self.llm.generate(prompt, temp=temperature, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
-            produced += 1
-            if produced == max_tokens:
-                break
-        return produced
 
     def time_prefill(self, prompt: list[int]) -> float:
         """Seconds to evaluate `prompt` from an empty context (no sampling)."""

@@ -73,6 +73,7 @@ def run_throughput(
     num_threads: int | None = None,
     gguf_cache: Path | None = None,
     seed: int = 0,
+    llamacpp_parallel: int = 32,
     log: Callable[[str], None] = print,
 ) -> ThroughputResult:
     """`cadenza` is a built `CadenzaEngine`; peers are loaded here, one after another."""
@@ -89,7 +90,7 @@ def run_throughput(
     if "hf" in compare:
         _run_hf(cadenza.source, dtype, hf_batch_size, result, timed, log)
     if "llamacpp" in compare:
-        _run_llamacpp(cadenza, num_threads, gguf_cache, seed, workload, result, timed, log)
+        _run_llamacpp(cadenza, num_threads, gguf_cache, seed, llamacpp_parallel, workload, result, timed, log)
     return result
 
 
@@ -114,8 +115,9 @@ def _run_hf(source: str, dtype: str, batch_size: int, result: ThroughputResult, 
         result.skipped["hf-continuous"] = "this transformers has no generate_batch"
 
 
-def _run_llamacpp(cadenza, num_threads, gguf_cache, seed, workload, result: ThroughputResult, timed, log) -> None:
-    from cadenza.bench.llamacpp import LlamaCppEngine, bf16_gguf_for, llama_cpp_available
+def _run_llamacpp(cadenza, num_threads, gguf_cache, seed, parallel, workload, result: ThroughputResult, timed, log) -> None:
+    from cadenza.bench.llamacpp import bf16_gguf_for, llama_cpp_available
+    from cadenza.bench.llamacpp_batched import LlamaCppBatchedEngine
 
     source = Path(cadenza.source)
     if not llama_cpp_available():
@@ -128,9 +130,12 @@ def _run_llamacpp(cadenza, num_threads, gguf_cache, seed, workload, result: Thro
     started = time.perf_counter()
     path = bf16_gguf_for(source, gguf_cache or default_gguf_cache())
     max_len = max(len(r.prompt_token_ids) + r.max_tokens for r in workload.requests) + 16
-    engine = LlamaCppEngine(path, num_threads=num_threads, max_len=max_len, seed=seed)
+    engine = LlamaCppBatchedEngine(path, num_threads=num_threads, max_len=max_len, parallel=parallel, seed=seed)
     result.load_seconds["llama.cpp"] = time.perf_counter() - started
-    timed(engine)
+    try:
+        timed(engine)
+    finally:
+        engine.close()
 
 
 def default_gguf_cache() -> Path:

@@ -56,7 +56,7 @@ constexpr int rows_per_pass() { return M >= 3 ? 3 : 4; }
 
 template <int M>
 inline void linear_range(const float* x, int64_t x_stride, const uint16_t* w, int64_t K, const float* bias, float* out,
-                  int64_t out_stride, bool accumulate, int64_t n0, int64_t n1) {
+                         int64_t out_stride, bool accumulate, int64_t n0, int64_t n1) {
   constexpr int R = rows_per_pass<M>();
   int64_t n = n0;
   for (; n + R <= n1; n += R) linear_rows<M, R>(x, x_stride, w, K, bias, out, out_stride, accumulate, n);
@@ -68,7 +68,7 @@ inline void linear_range(const float* x, int64_t x_stride, const uint16_t* w, in
 constexpr int64_t kTileRows = 32;
 
 inline void linear_impl(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
-                 torch::Tensor& out, bool accumulate) {
+                        torch::Tensor& out, bool accumulate) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   const float* xp = x.data_ptr<float>();
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
@@ -116,7 +116,8 @@ inline void check_linear(const torch::Tensor& x, const torch::Tensor& w, const c
 
 
 // x [M, K] float32 @ w [N, K] bfloat16 ^T (+ bias) -> [M, N] float32.
-inline torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias) {
+inline torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w,
+                                 const c10::optional<torch::Tensor>& bias) {
   check_linear(x, w, bias);
   auto out = torch::empty({x.size(0), w.size(0)}, x.options());
   linear_impl(x, w, bias, out, false);
@@ -125,7 +126,7 @@ inline torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w,
 
 // residual [M, N] += x @ w^T (+ bias), in place; returns residual.
 inline torch::Tensor linear_bf16_add_(torch::Tensor residual, const torch::Tensor& x, const torch::Tensor& w,
-                               const c10::optional<torch::Tensor>& bias) {
+                                      const c10::optional<torch::Tensor>& bias) {
   check_linear(x, w, bias);
   check_f32_rows(residual, "residual");
   TORCH_CHECK(residual.dim() == 2 && residual.size(0) == x.size(0) && residual.size(1) == w.size(0),

@@ -26,8 +26,8 @@ inline void prefetch_row(const float* p, int64_t n) {
 // seq_lens [B] (keys in the cache, the new token's included). Keys at positions
 // [max(0, seq_len - window), seq_len) are attended (window <= 0: all). Returns [B, H, D].
 inline torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& kv_cache,
-                                     const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
-                                     int64_t window) {
+                                            const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                                            double scale, int64_t window) {
   check_f32_rows(q, "q");
   TORCH_CHECK(q.dim() == 3 && q.stride(1) == q.size(2), "q must be [seqs, heads, head_dim] with packed heads");
   TORCH_CHECK(kv_cache.scalar_type() == torch::kFloat32 && kv_cache.is_contiguous() && kv_cache.dim() == 5,
@@ -38,7 +38,8 @@ inline torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch:
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t NB = kv_cache.size(1), BS = kv_cache.size(2), KVH = kv_cache.size(3);
   TORCH_CHECK(kv_cache.size(4) == D && H % KVH == 0, "q and kv_cache disagree on heads or head_dim");
-  TORCH_CHECK(block_tables.size(0) == B && seq_lens.numel() == B, "block_tables and seq_lens need one row per sequence");
+  TORCH_CHECK(block_tables.size(0) == B && seq_lens.numel() == B,
+              "block_tables and seq_lens need one row per sequence");
   const int64_t G = H / KVH, max_blocks = block_tables.size(1), bts = block_tables.stride(0), qs = q.stride(0);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
@@ -55,7 +56,8 @@ inline torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch:
   const int64_t threads = at::get_num_threads(), pairs = B * KVH;
   const int64_t splits = std::max<int64_t>(1, std::min<int64_t>((4 * threads + pairs - 1) / pairs, 16));
   const int64_t longest = *std::max_element(lens, lens + B);
-  const int64_t run = std::max<int64_t>(kMinRunKeys, (std::min(longest, window > 0 ? window : longest) + splits - 1) / splits);
+  const int64_t attended = window > 0 ? std::min(longest, window) : longest;
+  const int64_t run = std::max<int64_t>(kMinRunKeys, (attended + splits - 1) / splits);
   // Per item and query head of the group: running max, sum of exponentials, unnormalized output.
   std::vector<float> partial(splits > 1 ? static_cast<size_t>(pairs * splits * G * (D + 2)) : 0);
   const float* qp = q.data_ptr<float>();

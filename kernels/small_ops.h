@@ -38,7 +38,7 @@ inline torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weigh
 // In-place rotary embedding in the half-split (NeoX) layout on x [T, heads, D] (head stride D),
 // with cos/sin looked up from [max_positions, D] tables at `positions` [T].
 inline void rotary_(torch::Tensor x, const torch::Tensor& positions, const torch::Tensor& cos_table,
-             const torch::Tensor& sin_table) {
+                    const torch::Tensor& sin_table) {
   check_f32_rows(x, "x");
   TORCH_CHECK(x.dim() == 3 && x.stride(1) == x.size(2), "x must be [tokens, heads, head_dim] with packed heads");
   TORCH_CHECK(cos_table.is_contiguous() && sin_table.is_contiguous() && cos_table.scalar_type() == torch::kFloat32 &&

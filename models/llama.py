@@ -114,7 +114,8 @@ class DecoderLayer(nn.Module):
         q/k norms; otherwise (or with `kernels` None) the modules run one by one."""
         attn, mlp = self.self_attn, self.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if kernels is None or self.cfg.qk_norm or not all(isinstance(m, DualPrecisionLinear) and m.kernels is not None for m in linears):
+        on_kernels = all(isinstance(m, DualPrecisionLinear) and m.kernels is not None for m in linears)
+        if kernels is None or self.cfg.qk_norm or not on_kernels:
             self.fused, self.fused_max_rows = None, 0
             return
         self.fused = kernels.DecoderLayerKernel(
@@ -128,6 +129,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h, rotary: StepRotary, kv_cache, meta, backend) -> torch.Tensor:
         """The next hidden states; `h` itself is updated in place (the residual stream)."""
+        # rotary.on_kernels: float32 activations on the CPU, as the fused kernels need.
         if self.fused is not None and h.shape[0] <= self.fused_max_rows and rotary.on_kernels and h.is_contiguous():
             q, k, v = self.fused.attention_input(h, rotary.positions)
             self.fused.finish_(h, backend.forward(q, k, v, kv_cache, meta))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import gguf
@@ -178,3 +179,26 @@ def test_bf16_gguf_keeps_metadata_and_values(tmp_path):
     want = torch.from_numpy(gguf.quants.dequantize(original.data, original.tensor_type)).bfloat16().float()
     got = gguf.quants.dequantize(tensors["blk.0.ffn_up.weight"].data, gguf.GGMLQuantizationType.BF16)
     assert torch.equal(torch.from_numpy(np.asarray(got, dtype=np.float32)).reshape(want.shape), want)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is an optional peer")
+def test_llamacpp_batched_matches_one_sequence_at_a_time(tmp_path):
+    # Slots, positions and freed KV must not leak between sequences: greedy tokens of prompts run
+    # 2 at a time (the third reuses a freed slot) equal those of each prompt alone.
+    from cadenza.bench.llamacpp import bf16_gguf_for
+    from cadenza.bench.llamacpp_batched import LlamaCppBatchedEngine
+    from cadenza.models.default_model import default_model_path
+
+    path = bf16_gguf_for(default_model_path(), tmp_path)
+    prompts = [list(range(200, 230)), list(range(500, 510)), list(range(1000, 1050))]
+    lengths = [6, 9, 5]
+    batched = LlamaCppBatchedEngine(path, num_threads=None, max_len=80, parallel=2)
+    single = LlamaCppBatchedEngine(path, num_threads=None, max_len=80, parallel=1)
+    try:
+        together = batched.generate(prompts, lengths, temperature=0.0)
+        alone = [single.generate([p], [n], temperature=0.0)[0] for p, n in zip(prompts, lengths)]
+    finally:
+        batched.close()
+        single.close()
+    assert [len(t) for t in together] == lengths
+    assert together == alone

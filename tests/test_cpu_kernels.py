@@ -1,4 +1,4 @@
-"""cadenza's CPU kernels (kernels/cpu_kernels.cpp) against PyTorch's reference ops, and their switch.
+"""cadenza's CPU kernels (kernels/*.h, built through kernels/cpu_kernels.cpp) against PyTorch's reference ops, and their switch.
 
 The kernels build on x86-64 with AVX2/FMA (CI's machines); elsewhere these tests skip, and the
 engine falls back to PyTorch ops (checked by `test_configure_falls_back_where_unavailable`).
@@ -7,6 +7,7 @@ engine falls back to PyTorch ops (checked by `test_configure_falls_back_where_un
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -203,3 +204,5 @@ def test_configure_falls_back_where_unavailable(monkeypatch):
 def test_kernel_source_ships_with_the_package():
     assert cpu.SOURCE.exists() and cpu.SOURCE.suffix == ".cpp"
     assert Path(cpu.__file__).parent == cpu.SOURCE.parent
+    included = set(re.findall(r'#include "([^"]+)"', "".join(h.read_text() for h in [cpu.SOURCE, *cpu.HEADERS])))
+    assert included and included <= {h.name for h in cpu.HEADERS}  # every header the build needs is listed
