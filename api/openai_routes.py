@@ -317,12 +317,13 @@ def _finite(value: float) -> float:
 
 
 class _TokenTexts:
-    """token id -> (its text, its UTF-8 bytes); a token that is part of a character keeps its
-    exact bytes even though its text alone is a replacement character."""
+    """token id -> (its text, its UTF-8 bytes): the bytes the token adds to the output text, so a
+    SentencePiece token keeps its leading space (decoding it alone would strip it) and a token that
+    is part of a character keeps its exact bytes (its text alone is a replacement character)."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self._bytes_of = None  # built on first need: most tokens are whole characters
+        self._bytes_of = None  # built on first need
         self._cache: dict[int, tuple[str, list[int]]] = {}
 
     def __call__(self, token_id: int) -> tuple[str, list[int]]:
@@ -332,9 +333,7 @@ class _TokenTexts:
         return found
 
     def _lookup(self, token_id: int) -> tuple[str, list[int]]:
-        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
-        if "\ufffd" not in text:
-            return text, list(text.encode())
         if self._bytes_of is None:
             self._bytes_of = token_bytes_lookup(self.tokenizer, keep_special=True)
-        return text, list(self._bytes_of(token_id))  # part of a character: its exact bytes
+        raw = self._bytes_of(token_id)
+        return raw.decode("utf-8", errors="replace"), list(raw)

@@ -351,3 +351,20 @@ async def test_refusals_get_their_status(stream):
                 assert f'"code": "{code}"' in response.text and response.text.endswith("data: [DONE]\n\n")
             else:
                 assert response.status_code == status and response.json()["error"]["code"] == code
+
+
+def test_logprob_token_text_keeps_a_sentencepiece_space():
+    # A SentencePiece decoder strips the text's first space, so decoding one token alone loses the
+    # space it carries; a logprob's token text is what the token adds to the output instead.
+    from tokenizers import Tokenizer, decoders, models
+
+    from cadenza.api.openai_routes import _TokenTexts
+
+    vocab = {"<unk>": 0, "▁hello": 1, "▁wor": 2, "ld": 3, "<0xC3>": 4}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace()])
+    assert tok.decode([1]) == "hello"
+    texts = _TokenTexts(tok)
+    assert [texts(i)[0] for i in (1, 2, 3)] == [" hello", " wor", "ld"]
+    assert texts(1)[1] == list(b" hello")
+    assert texts(4) == ("\ufffd", [0xC3])  # half of a character: its exact byte
