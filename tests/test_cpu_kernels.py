@@ -143,6 +143,22 @@ def test_paged_decode_attention_matches_the_eager_backend(kernels, window, heads
     assert torch.allclose(got, expected, rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("window", [None, 50])
+def test_paged_decode_attention_splits_one_long_sequence_over_runs(kernels, window):
+    # One sequence with one kv head is a single work item: the kernel splits its keys into runs
+    # (several per thread) and merges their rescaled sums; the result must not depend on that.
+    gen = torch.Generator().manual_seed(7)
+    seq_lens = [200]
+    q, cache, tables = _paged_case(gen, seq_lens, 4, 1, 32, 16, num_blocks=32)
+    got = kernels.paged_decode_attention(q, cache, tables, torch.tensor(seq_lens), 32**-0.5, window or 0)
+    keys = torch.cat([cache[0, int(b)] for b in tables[0, :13]])[:200, 0]  # [200, D]
+    values = torch.cat([cache[1, int(b)] for b in tables[0, :13]])[:200, 0]
+    if window:
+        keys, values = keys[-window:], values[-window:]
+    weights = torch.softmax(q[0].double() @ keys.double().T * 32**-0.5, dim=-1)
+    assert torch.allclose(got[0].double(), weights @ values.double(), atol=2e-6)
+
+
 def test_paged_decode_attention_rejects_a_table_that_points_outside_the_cache(kernels):
     gen = torch.Generator().manual_seed(0)
     q, cache, tables = _paged_case(gen, [5], 2, 2, 8, 4, num_blocks=8)
