@@ -66,13 +66,16 @@ class LlamaCppBatchedEngine:
         self.sampler = None
 
     def close(self) -> None:
+        """Free llama.cpp's sampler, batch, context and model (once; later calls do nothing)."""
         lc = self.lc
         if self.sampler is not None:
             lc.llama_sampler_free(self.sampler)
             self.sampler = None
-        lc.llama_batch_free(self.batch)
-        lc.llama_free(self.ctx)
-        lc.llama_model_free(self.model)
+        if self.ctx is not None:
+            lc.llama_batch_free(self.batch)
+            lc.llama_free(self.ctx)
+            lc.llama_model_free(self.model)
+            self.ctx = None
 
     def run(self, workload: Workload) -> EngineRun:
         self.generate([list(range(100, 116))], [4], workload.temperature)  # warm up
