@@ -56,7 +56,7 @@ class DecoderLayerKernel {
                                                                           const torch::Tensor& positions) const {
     check_hidden(h);
     const int64_t T = h.size(0);
-    const torch::Tensor qkv = linear_bf16(rms_norm(h, input_norm_, eps_), qkv_weight_, qkv_bias_);
+    const torch::Tensor qkv = linear_unchecked(rms_norm(h, input_norm_, eps_), qkv_weight_, qkv_bias_);
     torch::Tensor qk = qkv.narrow(1, 0, (num_heads_ + num_kv_heads_) * head_dim_)
                            .view({T, num_heads_ + num_kv_heads_, head_dim_});
     rotary_(qk, positions, cos_table_, sin_table_);  // q and k side by side: one pass
@@ -71,7 +71,8 @@ class DecoderLayerKernel {
     const torch::Tensor attn_rows = attn.reshape({h.size(0), num_heads_ * head_dim_});
     check_f32_rows(attn_rows, "attn");
     linear_impl(attn_rows, o_weight_, o_bias_, h, true);
-    const torch::Tensor hidden = silu_mul(linear_bf16(rms_norm(h, post_norm_, eps_), gate_up_weight_, gate_up_bias_));
+    const torch::Tensor gate_up = linear_unchecked(rms_norm(h, post_norm_, eps_), gate_up_weight_, gate_up_bias_);
+    const torch::Tensor hidden = silu_mul(gate_up);
     linear_impl(hidden, down_weight_, down_bias_, h, true);
   }
 

@@ -114,14 +114,20 @@ inline void check_linear(const torch::Tensor& x, const torch::Tensor& w, const c
   }
 }
 
+// `linear_bf16` without the input checks, for callers that validated the weights once and build
+// the inputs themselves (decode_layer.h).
+inline torch::Tensor linear_unchecked(const torch::Tensor& x, const torch::Tensor& w,
+                                      const c10::optional<torch::Tensor>& bias) {
+  auto out = torch::empty({x.size(0), w.size(0)}, x.options());
+  linear_impl(x, w, bias, out, false);
+  return out;
+}
 
 // x [M, K] float32 @ w [N, K] bfloat16 ^T (+ bias) -> [M, N] float32.
 inline torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w,
                                  const c10::optional<torch::Tensor>& bias) {
   check_linear(x, w, bias);
-  auto out = torch::empty({x.size(0), w.size(0)}, x.options());
-  linear_impl(x, w, bias, out, false);
-  return out;
+  return linear_unchecked(x, w, bias);
 }
 
 // residual [M, N] += x @ w^T (+ bias), in place; returns residual.
