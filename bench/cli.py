@@ -304,21 +304,21 @@ def _latency_peers(args, engine, plan, probes) -> dict[str, str]:
             skipped["hf"] = f"transformers could not load {engine.source}: {exc}"
     if "llamacpp" in args.compare:
         from cadenza.bench.latency import LlamaCppProbe
-        from cadenza.bench.llamacpp import LlamaCppEngine, bf16_gguf_for, llama_cpp_available
+        from cadenza.bench.llamacpp import LlamaCppEngine, bf16_gguf_for, why_llamacpp_cannot_run
         from cadenza.bench.llamacpp_batched import LlamaCppBatchedEngine
         from cadenza.bench.throughput import default_gguf_cache
 
         source = Path(engine.source)
-        if not llama_cpp_available():
-            skipped["llama.cpp"] = "llama-cpp-python is not installed (pip install llama-cpp-python)"
-        elif source.suffix != ".gguf":
-            skipped["llama.cpp"] = "needs a .gguf model"
+        why = why_llamacpp_cannot_run(source)
+        if why is not None:
+            skipped["llama.cpp"] = why
         else:
             path = bf16_gguf_for(source, args.gguf_cache or default_gguf_cache())
-            max_len = max(*plan.prefill_lens, plan.decode_prompt_len + plan.decode_tokens) + 16
+            decode_len = plan.decode_prompt_len + plan.decode_tokens + 16
+            max_len = max(max(plan.prefill_lens) + 16, decode_len)
             llama = LlamaCppEngine(path, num_threads=args.num_threads, max_len=max_len, seed=args.seed)
             batched = LlamaCppBatchedEngine(path, num_threads=args.num_threads, parallel=plan.batch,
-                                            max_len=plan.decode_prompt_len + plan.decode_tokens + 16, seed=args.seed)
+                                            max_len=decode_len, seed=args.seed)
             probes.append(LlamaCppProbe(llama, args.temperature, engine.arch.vocab_size, batched))
     return skipped
 

@@ -23,6 +23,15 @@ def llama_cpp_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
+def why_llamacpp_cannot_run(source: Path) -> str | None:
+    """Why llama.cpp cannot be a peer for the model at `source` here (a skip reason), or None."""
+    if not llama_cpp_available():
+        return "llama-cpp-python is not installed (pip install llama-cpp-python)"
+    if source.suffix != ".gguf":
+        return "needs a .gguf model"
+    return None
+
+
 def write_bf16_gguf(source: Path, target: Path) -> Path:
     """Copy `source` (any supported quantization) to `target` with every matrix in BF16."""
     import gguf

@@ -116,15 +116,13 @@ def _run_hf(source: str, dtype: str, batch_size: int, result: ThroughputResult, 
 
 
 def _run_llamacpp(cadenza, num_threads, gguf_cache, seed, parallel, workload, result: ThroughputResult, timed, log) -> None:
-    from cadenza.bench.llamacpp import bf16_gguf_for, llama_cpp_available
+    from cadenza.bench.llamacpp import bf16_gguf_for, why_llamacpp_cannot_run
     from cadenza.bench.llamacpp_batched import LlamaCppBatchedEngine
 
     source = Path(cadenza.source)
-    if not llama_cpp_available():
-        result.skipped["llama.cpp"] = "llama-cpp-python is not installed (pip install llama-cpp-python)"
-        return
-    if source.suffix != ".gguf":
-        result.skipped["llama.cpp"] = "needs a .gguf model"
+    why = why_llamacpp_cannot_run(source)
+    if why is not None:
+        result.skipped["llama.cpp"] = why
         return
     log("preparing the bf16 GGUF for llama.cpp ...")
     started = time.perf_counter()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import gguf
@@ -13,7 +12,7 @@ import torch
 from cadenza.bench import quiet
 from cadenza.bench.ceilings import Ceilings, ModelCost
 from cadenza.bench.cli import main
-from cadenza.bench.llamacpp import write_bf16_gguf
+from cadenza.bench.llamacpp import llama_cpp_available, write_bf16_gguf
 from cadenza.bench.report import table
 from cadenza.bench.workload import make_workload
 from cadenza.models.config import ModelArchConfig, RopeConfig
@@ -181,7 +180,7 @@ def test_bf16_gguf_keeps_metadata_and_values(tmp_path):
     assert torch.equal(torch.from_numpy(np.asarray(got, dtype=np.float32)).reshape(want.shape), want)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is an optional peer")
+@pytest.mark.skipif(not llama_cpp_available(), reason="llama-cpp-python is an optional peer")
 def test_llamacpp_batched_matches_one_sequence_at_a_time(tmp_path):
     # Slots, positions and freed KV must not leak between sequences: greedy tokens of prompts run
     # 2 at a time (the third reuses a freed slot) equal those of each prompt alone.
