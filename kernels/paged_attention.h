@@ -67,7 +67,7 @@ inline torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch:
   const float fscale = static_cast<float>(scale);
   auto slot = [&](const int64_t* table, int64_t t) { return table[t / BS] * BS + t % BS; };
   at::parallel_for(0, pairs * splits, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores, acc(static_cast<size_t>(G * D));
+    std::vector<float> scores, acc(static_cast<size_t>(G * D)), maxes(G), sums(G);  // per thread, reused
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t pair = i / splits, split = i % splits, b = pair / KVH, kvh = pair % KVH, len = lens[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
@@ -75,7 +75,7 @@ inline torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch:
       const int64_t* table = tables + b * bts;
       const float* qh = qp + b * qs + kvh * G * D;
       scores.resize(static_cast<size_t>(G * std::max<int64_t>(n, 1)));
-      // Keys sit 768 bytes apart (all kv heads of a slot) and blocks anywhere: the hardware
+      // A head's keys sit KVH * D floats apart (all kv heads of a slot) in blocks anywhere: the hardware
       // prefetcher loses the stream at each block, so fetch a few keys ahead by hand.
       for (int64_t t = t0; t < t1; ++t) {
         if (t + kPrefetchKeys < t1)
@@ -83,7 +83,8 @@ inline torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch:
         const float* key = keys + (slot(table, t) * KVH + kvh) * D;
         for (int64_t g = 0; g < G; ++g) scores[g * n + (t - t0)] = dot(qh + g * D, key, D) * fscale;
       }
-      std::vector<float> maxes(G, -INFINITY), sums(G, 0.0f);
+      std::fill(maxes.begin(), maxes.end(), -INFINITY);
+      std::fill(sums.begin(), sums.end(), 0.0f);
       for (int64_t g = 0; g < G && n > 0; ++g) {
         float* s = scores.data() + g * n;
         __m256 mv = _mm256_set1_ps(-INFINITY);
