@@ -1,15 +1,108 @@
-"""Per-request sampling parameters, validated where they are made."""
+"""Per-request sampling parameters: the one definition of every sampling field and its bounds.
+
+Each field's type below (`Temperature`, `TopP`, ...) carries its bounds, its finiteness and its
+description. `SamplingParams` (the Python API) declares its fields with them; `SamplingOverrides`,
+the same fields all optional, is what the WebSocket and OpenAI protocols accept; the YAML defaults
+(`config.schema.SamplingDefaults`) declare theirs with the same types. So a bound is written once
+and no API can accept what another refuses. `describe_errors` turns pydantic's errors into a
+message that names each field and its allowed range.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic.fields import FieldInfo
 
 _GREEDY_EPSILON = 1e-5
+MAX_N = 64  # choices one request may ask for; each is an engine request of its own
+MAX_LOGPROBS = 20
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 
 
-@dataclass(slots=True)
-class SamplingParams:
+@dataclass(frozen=True)
+class Bound:
+    """An allowed interval of a numeric field: pydantic constraints, and the text errors show."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False  # (low, ... rather than [low, ...
+    integer: bool = False
+
+    def constraints(self) -> dict[str, float]:
+        found: dict[str, float] = {}
+        if self.low is not None:
+            found["gt" if self.low_open else "ge"] = self.low
+        if self.high is not None:
+            found["le"] = self.high
+        return found
+
+    def text(self) -> str:
+        low = "-inf" if self.low is None else _number(self.low)
+        high = "inf" if self.high is None else _number(self.high)
+        return f"{'(' if self.low is None or self.low_open else '['}{low}, {high}{')' if self.high is None else ']'}"
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+BOUNDS: dict[str, Bound] = {
+    "n": Bound(1, MAX_N, integer=True),
+    "max_tokens": Bound(1, integer=True),
+    "min_tokens": Bound(0, integer=True),
+    "temperature": Bound(0),
+    "top_p": Bound(0, 1, low_open=True),
+    "top_k": Bound(-1, integer=True),
+    "min_p": Bound(0, 1),
+    "repetition_penalty": Bound(0, low_open=True),
+    "presence_penalty": Bound(-2, 2),
+    "frequency_penalty": Bound(-2, 2),
+    "logit_bias": Bound(-100, 100),  # each value; keys are token ids
+    "seed": Bound(SEED_MIN, SEED_MAX, integer=True),
+    "stop_token_ids": Bound(0, integer=True),  # each id; the vocabulary's size is checked at the ingress
+    "logprobs": Bound(0, MAX_LOGPROBS, integer=True),
+}
+
+
+def _int(name: str, description: str) -> Any:
+    return Annotated[int, Field(description=description, **BOUNDS[name].constraints())]
+
+
+def _float(name: str, description: str) -> Any:
+    # Finite only: JSON parsers here accept NaN and Infinity, and neither means anything as a
+    # temperature or a bias.
+    return Annotated[float, Field(description=description, allow_inf_nan=False, **BOUNDS[name].constraints())]
+
+
+N = _int("n", "Independent completions to generate for the prompt.")
+MaxTokens = _int("max_tokens", "Most tokens to generate.")
+MinTokens = _int("min_tokens", "Tokens to generate before EOS and stop token ids may end the output.")
+Temperature = _float("temperature", "Softmax temperature; 0 is greedy.")
+TopP = _float("top_p", "Nucleus sampling mass; 1 is off.")
+TopK = _int("top_k", "Keep the k most likely tokens; 0 or -1 is off.")
+MinP = _float("min_p", "Drop tokens below min_p times the top probability.")
+RepetitionPenalty = _float("repetition_penalty", "Multiplicative penalty on seen tokens (HF style); 1 is off.")
+PresencePenalty = _float("presence_penalty", "Additive penalty on tokens already generated.")
+FrequencyPenalty = _float("frequency_penalty", "Additive penalty per occurrence of a generated token.")
+TokenId = Annotated[int, Field(ge=0)]
+LogitBias = Annotated[
+    dict[TokenId, _float("logit_bias", "Added to the token's logit.")],
+    Field(description="Token id -> bias in [-100, 100] added to its logit."),
+]
+Seed = _int("seed", "Seeds this request's own generator: the same seed gives the same tokens whatever else runs.")
+StopTokenIds = Annotated[list[_int("stop_token_ids", "A token id.")], Field(description="Token ids that end the output.")]
+StopStrings = Annotated[
+    list[Annotated[str, Field(min_length=1)]],
+    BeforeValidator(lambda value: [value] if isinstance(value, str) else value),  # one string is a list of one
+    Field(description="Strings that end the output (not included unless include_stop_str_in_output)."),
+]
+Logprobs = _int("logprobs", "Return the chosen token's log-probability and this many most likely tokens.")
+
+
+class SamplingParams(BaseModel):
     """How one request picks its tokens and when it stops.
 
     `temperature == 0` means greedy. `top_k <= 0` and `top_p == 1` switch those filters off.
@@ -17,69 +110,42 @@ class SamplingParams:
     applied to prompt and output tokens). `logprobs=N` returns the chosen token's log-probability
     and the N most likely tokens of the model's raw distribution at each step.
     `extra` carries parameters for sampler plugins, keyed by plugin name.
+    Invalid values raise `SamplingParamsError` (a `ValueError`) naming each field and its range.
     """
 
-    n: int = 1
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[int, float] | None = None
-    seed: int | None = None
-    ignore_eos: bool = False
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    include_stop_str_in_output: bool = False
-    logprobs: int | None = None
-    skip_special_tokens: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
+    model_config = ConfigDict(extra="forbid")
 
-    def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop)
-        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
-        if self.logit_bias is not None:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
-        self._check()
+    n: N = 1
+    max_tokens: MaxTokens | None = 16
+    min_tokens: MinTokens = 0
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = 0
+    min_p: MinP = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    presence_penalty: PresencePenalty = 0.0
+    frequency_penalty: FrequencyPenalty = 0.0
+    logit_bias: LogitBias | None = None
+    seed: Seed | None = None
+    ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
+    stop: StopStrings = Field(default_factory=list)
+    stop_token_ids: StopTokenIds = Field(default_factory=list)
+    include_stop_str_in_output: bool = Field(False, description="Keep the stop string that ended the output.")
+    logprobs: Logprobs | None = None
+    skip_special_tokens: bool = Field(True, description="Leave special tokens out of the text.")
+    extra: dict[str, Any] = Field(default_factory=dict, description="Parameters for sampler plugins, by plugin name.")
 
-    def _check(self) -> None:
-        def fail(name: str, why: str) -> None:
-            raise ValueError(f"SamplingParams.{name}: {why} (got {getattr(self, name)!r})")
-
-        if self.n < 1:
-            fail("n", "must be at least 1")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            fail("max_tokens", "must be at least 1")
-        if self.min_tokens < 0:
-            fail("min_tokens", "must be non-negative")
+    @model_validator(mode="after")
+    def _min_within_max(self) -> "SamplingParams":
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            fail("min_tokens", f"must not exceed max_tokens={self.max_tokens}")
-        if not self.temperature >= 0.0:
-            fail("temperature", "must be non-negative")
-        if not 0.0 < self.top_p <= 1.0:
-            fail("top_p", "must be in (0, 1]")
-        if self.top_k < -1:
-            fail("top_k", "must be -1 or 0 (off) or a positive count")
-        if not 0.0 <= self.min_p <= 1.0:
-            fail("min_p", "must be in [0, 1]")
-        if not self.repetition_penalty > 0.0:
-            fail("repetition_penalty", "must be positive")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            fail("presence_penalty", "must be in [-2, 2]")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            fail("frequency_penalty", "must be in [-2, 2]")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            fail("logprobs", "must be in [0, 20]")
-        if any(not s for s in self.stop):
-            fail("stop", "stop strings must be non-empty")
-        if any(t < 0 for t in self.stop_token_ids):
-            fail("stop_token_ids", "token ids must be non-negative")
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        return self
+
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise SamplingParamsError(exc.errors(include_url=False)) from None
 
     @property
     def is_greedy(self) -> bool:
@@ -92,3 +158,88 @@ class SamplingParams:
             or self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
         )
+
+
+class SamplingParamsError(ValueError):
+    """Sampling parameters out of their bounds; the message names each field and its range.
+
+    `errors` are pydantic's, so a protocol can name its fields its own way (`describe(rename)`).
+    """
+
+    def __init__(self, errors: list[dict[str, Any]]) -> None:
+        self.errors = errors
+        super().__init__(describe_errors(errors))
+
+    def describe(self, rename: dict[str, str] | None = None) -> str:
+        return describe_errors(self.errors, rename)
+
+    def field(self, rename: dict[str, str] | None = None) -> str | None:
+        """The first field at fault, as `rename` names it; None for a rule across fields."""
+        loc = self.errors[0].get("loc", ()) if self.errors else ()
+        return (rename or {}).get(str(loc[0]), str(loc[0])) if loc else None
+
+
+def _optional(info: FieldInfo) -> tuple[Any, Any]:
+    """Field `info`, optional with default None (not set), its bounds and description kept."""
+    inner = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
+    return inner | None, Field(None, description=info.description)
+
+
+# SamplingParams' per-token fields, each optional: a client sets what it wants and the rest comes
+# from defaults. (`n`, how many outputs, is a request's shape; each protocol decides on it.)
+SamplingOverrides: type[BaseModel] = create_model(
+    "SamplingOverrides",
+    __config__=ConfigDict(extra="forbid"),
+    __doc__="SamplingParams' fields but n, each optional: None means 'not set here'.",
+    **{name: _optional(info) for name, info in SamplingParams.model_fields.items() if name != "n"},
+)
+
+
+def merge_sampling(defaults: BaseModel, *overrides: BaseModel | None, **fixed: Any) -> SamplingParams:
+    """SamplingParams from a deployment's `defaults` (every value counts, None included), then
+    `overrides` (later ones win; their None values are 'not set'), then `fixed` values."""
+    merged = {k: v for k, v in defaults.model_dump().items() if k in SamplingParams.model_fields}
+    for layer in overrides:
+        if layer is not None:
+            merged.update(layer.model_dump(exclude_none=True, include=set(SamplingParams.model_fields)))
+    merged.update(fixed)
+    return SamplingParams(**merged)
+
+
+# Protocol fields that carry a sampling field's bounds under another name (OpenAI's chat API).
+SYNONYMS = {"max_completion_tokens": "max_tokens", "top_logprobs": "logprobs"}
+
+
+def describe_errors(errors: list[dict[str, Any]], rename: dict[str, str] | None = None) -> str:
+    """'temperature: must be a finite number in [0, inf) (got inf)'; one clause per problem.
+
+    `rename` maps SamplingParams' field names to the names a protocol uses for them.
+    """
+    return "; ".join(describe_error(error, rename) for error in errors)
+
+
+def describe_error(error: dict[str, Any], rename: dict[str, str] | None = None) -> str:
+    raw_loc = error.get("loc", ())
+    loc = [str(part) for part in raw_loc if part != "[key]"]
+    if not loc:  # a rule across fields: its message names them
+        return error.get("msg", "invalid").removeprefix("Value error, ")
+    name = loc[0]
+    shown = ".".join([(rename or {}).get(name, name), *loc[1:]])
+    bound, kind = BOUNDS.get(SYNONYMS.get(name, name)), error.get("type", "")
+    if kind == "extra_forbidden":
+        message = "unknown field"
+    elif "[key]" in raw_loc and name == "logit_bias":
+        message = "keys must be token ids (non-negative integers)"
+    elif bound is not None and (kind in _RANGE_ERRORS or kind.startswith(("int_", "float_"))):
+        message = f"must be {'an integer' if bound.integer else 'a finite number'} in {bound.text()}"
+    else:
+        message = error.get("msg", "invalid").removeprefix("Value error, ")
+    return f"{shown}: {message} (got {_shown_input(error.get('input'))})"
+
+
+_RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number"}
+
+
+def _shown_input(value: Any) -> str:
+    text = str(value) if isinstance(value, float) else repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -70,6 +70,13 @@ class PromptValidator:
         except ExtraParamsError as exc:
             raise RequestRejected("invalid_extra", str(exc)) from exc
 
+    def check_token_ids(self, params: SamplingParams) -> None:
+        """Token ids in the sampling params must name tokens of this model's vocabulary."""
+        for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RequestRejected("invalid_value", f"{name}: token ids must be in [0, {self.vocab_size}) (got {bad[:5]})")
+
     def tokenize(self, prompt) -> tuple[int, ...]:
         try:
             _, ids = tokenize_prompt(prompt, self.tokenizer, self.vocab_size)
@@ -117,6 +124,7 @@ class IngressActor(Actor[IngressMessage]):
         request_id = message.request_id
         try:
             self.validator.check_extra(message.params)
+            self.validator.check_token_ids(message.params)
             if isinstance(message.prompt, str) and len(message.prompt) > OFF_LOOP_PROMPT_CHARS:
                 prompt_ids = await anyio.to_thread.run_sync(self.validator.tokenize, message.prompt)
             else:

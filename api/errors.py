@@ -7,11 +7,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cadenza.sampling_params import describe_error
+
 # Engine error codes (RequestFailed / NewTokens.error_code) and the HTTP status each deserves.
 ENGINE_CODE_STATUS = {
     "invalid_prompt": 400,
     "invalid_messages": 400,
     "invalid_extra": 400,
+    "invalid_value": 400,
     "prompt_too_long": 400,
     "queue_full": 429,
     "engine_failed": 503,
@@ -51,12 +54,11 @@ def engine_error(code: str | None, message: str | None) -> APIError:
 
 
 def validation_error(exc: RequestValidationError) -> APIError:
-    first = exc.errors()[0] if exc.errors() else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
-    problems = "; ".join(
-        f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}" for e in exc.errors()
-    )
+    """A 400 naming every field at fault (sampling fields with their allowed range)."""
+    errors = [{**e, "loc": tuple(p for p in e.get("loc", ()) if p != "body")} for e in exc.errors()]
+    first = errors[0] if errors else {}
+    param = ".".join(str(p) for p in first.get("loc", ()) if p != "[key]") or None
+    problems = "; ".join(describe_error(e) for e in errors)
     code = "unknown_field" if first.get("type") == "extra_forbidden" else "invalid_request"
     if first.get("type") == "json_invalid":
         code = "invalid_json"

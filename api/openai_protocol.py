@@ -9,19 +9,26 @@ service_tier) are accepted and ignored. `to_sampling_params` fills what a reques
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from cadenza.api.errors import APIError
 from cadenza.config.schema import SamplingDefaults
-from cadenza.sampling_params import SamplingParams
+from cadenza.sampling_params import (
+    SEED_MAX,
+    SEED_MIN,
+    Logprobs,
+    MaxTokens,
+    N,
+    SamplingOverrides,
+    SamplingParams,
+    SamplingParamsError,
+    merge_sampling,
+)
 
-MAX_N = 64  # choices one request may ask for; each is an engine request of its own
 
-
-def _invalid(param: str, message: str, code: str = "invalid_request") -> APIError:
+def _invalid(param: str | None, message: str, code: str = "invalid_request") -> APIError:
     return APIError(400, code, message, param)
 
 
@@ -38,30 +45,14 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False  # vLLM's; accepted, ignored
 
 
-class _SamplingFields(_Strict):
-    """What both endpoints share."""
+class _SamplingFields(SamplingOverrides):
+    """What both endpoints share. The sampling fields and their bounds are `SamplingParams`' own
+    (through `SamplingOverrides`): a value one API refuses, every API refuses."""
 
     model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
-    logit_bias: dict[int, float] | None = None
-    min_tokens: int = 0
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    n: N = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    extra: dict[str, Any] | None = Field(None, description="Parameters for sampler plugins, by plugin name.")
     # Accepted and ignored: they change nothing about how a local server generates.
     user: str | None = None
     metadata: dict[str, Any] | None = None
@@ -74,15 +65,10 @@ class _SamplingFields(_Strict):
         """Rejections that need more than one field, or name a feature cadenza lacks."""
         if self.stream_options is not None and not self.stream:
             raise _invalid("stream_options", "stream_options is only allowed when stream is true")
-        if self.logit_bias:
-            bad = {k: v for k, v in self.logit_bias.items() if not -100.0 <= v <= 100.0}
-            if bad:
-                raise _invalid("logit_bias", f"logit_bias values must be in [-100, 100] (got {bad})")
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -162,9 +148,9 @@ class ResponseFormat(_Strict):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    max_completion_tokens: MaxTokens | None = None
+    logprobs: bool = False  # type: ignore[assignment]  # chat's logprobs is a switch; top_logprobs the count
+    top_logprobs: Logprobs | None = None
     # Declared so that asking for them is a clear 400 rather than an unknown field.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -196,8 +182,6 @@ class ChatCompletionRequest(_SamplingFields):
 
 # --- sampling parameters ------------------------------------------------------------------------
 
-_PARAM_ERROR = re.compile(r"SamplingParams\.(\w+): (.*)", re.S)
-
 
 def to_sampling_params(
     req: CompletionRequest | ChatCompletionRequest,
@@ -210,40 +194,11 @@ def to_sampling_params(
 ) -> SamplingParams:
     """The engine's parameters for one choice: what the request set, else the config's defaults.
 
-    Choice `i` of a seeded request samples with `seed + i`, so choices differ yet repeat.
-    `rename` maps SamplingParams names to the request's own, for error messages.
+    Choice `i` of a seeded request samples with `seed + i` (wrapping within the seed's range), so
+    choices differ yet repeat. `rename` maps SamplingParams names to the request's own, for errors.
     """
-
-    def pick(name: str):
-        value = getattr(req, name)
-        return getattr(defaults, name) if value is None else value
-
+    seed = None if req.seed is None else SEED_MIN + (req.seed + choice - SEED_MIN) % (SEED_MAX - SEED_MIN + 1)
     try:
-        return SamplingParams(
-            n=1,
-            max_tokens=max_tokens,
-            min_tokens=req.min_tokens,
-            temperature=pick("temperature"),
-            top_p=pick("top_p"),
-            top_k=pick("top_k"),
-            min_p=pick("min_p"),
-            repetition_penalty=pick("repetition_penalty"),
-            presence_penalty=pick("presence_penalty"),
-            frequency_penalty=pick("frequency_penalty"),
-            logit_bias=req.logit_bias or None,
-            seed=None if req.seed is None else req.seed + choice,
-            ignore_eos=req.ignore_eos,
-            stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or ()),
-            stop_token_ids=list(req.stop_token_ids or ()),
-            include_stop_str_in_output=req.include_stop_str_in_output,
-            logprobs=logprobs,
-            skip_special_tokens=req.skip_special_tokens,
-            extra=dict(req.extra or {}),
-        )
-    except ValueError as exc:
-        match = _PARAM_ERROR.match(str(exc))
-        if match is None:
-            raise APIError(400, "invalid_request", str(exc)) from exc
-        param = rename.get(match.group(1), match.group(1))
-        raise _invalid(param, f"{param}: {match.group(2)}", "invalid_value") from exc
-
+        return merge_sampling(defaults, req, n=1, max_tokens=max_tokens, logprobs=logprobs, seed=seed)
+    except SamplingParamsError as exc:
+        raise _invalid(exc.field(rename), exc.describe(rename), "invalid_value") from exc

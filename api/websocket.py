@@ -33,7 +33,7 @@ from cadenza.api.ws_protocol import (
     parse_client_message,
 )
 from cadenza.engine import EngineClosedError
-from cadenza.sampling_params import SamplingParams
+from cadenza.sampling_params import SamplingParams, SamplingParamsError, merge_sampling
 
 log = structlog.get_logger("cadenza.api.websocket")
 router = APIRouter()
@@ -145,14 +145,9 @@ class Session:
         return system + self.history
 
     def _params(self, sampling: SamplingOptions | None, request_id: str) -> SamplingParams:
-        defaults = self.state.config.sampling.defaults.model_dump()
-        merged = {**defaults, **self.sampling.model_dump(exclude_none=True)}
-        if sampling is not None:
-            merged.update(sampling.model_dump(exclude_none=True))
-        merged["extra"] = merged.get("extra") or {}
         try:
-            return SamplingParams(**merged)
-        except ValueError as exc:
+            return merge_sampling(self.state.config.sampling.defaults, self.sampling, sampling)
+        except SamplingParamsError as exc:  # a rule across fields (min_tokens over max_tokens)
             raise ProtocolError("invalid_params", str(exc), request_id) from None
 
     async def _stop(self, request_id: str, interrupt: bool) -> None:

@@ -10,30 +10,16 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
+from cadenza.sampling_params import SamplingOverrides, describe_error
+
 
 class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class SamplingOptions(_Message):
-    """Per-request sampling; anything left out comes from the session's, then the server's, defaults."""
-
-    max_tokens: int | None = Field(None, ge=1)
-    min_tokens: int | None = Field(None, ge=0)
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    seed: int | None = None
-    stop: list[str] | str | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
-    logprobs: int | None = Field(None, ge=0, le=20)
-    logit_bias: dict[int, float] | None = None
-    extra: dict[str, Any] | None = None
+class SamplingOptions(SamplingOverrides):
+    """Per-request sampling; anything left out comes from the session's, then the server's, defaults.
+    Every field and bound is `SamplingParams`' own."""
 
 
 class ChatMessage(_Message):
@@ -113,10 +99,16 @@ def parse_client_message(frame: str) -> ClientMessage:
     try:
         return _CLIENT.validate_python(raw)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'][1:]) or kind}: {e['msg']}" for e in exc.errors()
-        )
+        problems = "; ".join(_describe(error, kind) for error in exc.errors(include_url=False))
         raise ProtocolError("invalid_params", problems, request_id) from None
+
+
+def _describe(error: dict[str, Any], kind: str) -> str:
+    """One problem, located within the message (its first loc entry is the message type)."""
+    loc = error["loc"][1:]
+    if loc[:1] == ("sampling",):  # a sampling field: named with its allowed range
+        return "sampling." + describe_error({**error, "loc": loc[1:]}) if loc[1:] else f"sampling: {error['msg']}"
+    return describe_error({**error, "loc": loc}) if loc else f"{kind}: {error['msg'].removeprefix('Value error, ')}"
 
 
 def error(code: str, message: str, request_id: str | None = None) -> dict[str, Any]:

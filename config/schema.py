@@ -12,6 +12,17 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from cadenza.sampling_params import (
+    FrequencyPenalty,
+    MaxTokens,
+    MinP,
+    PresencePenalty,
+    RepetitionPenalty,
+    Temperature,
+    TopK,
+    TopP,
+)
+
 _UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -161,26 +172,19 @@ class SchedulerConfig(_Section):
 
 
 class SamplingDefaults(_Section):
-    """Sampling parameters a request gets when it does not set them (OpenAI's ranges)."""
+    """Sampling parameters a request gets when it does not set them. The bounds are
+    `cadenza.sampling_params`' own, the same ones every API checks."""
 
-    max_tokens: int | None = Field(
-        256, gt=0, description="Most tokens to generate. null: until EOS or max_model_len."
+    max_tokens: MaxTokens | None = Field(
+        256, description="Most tokens to generate. null: until EOS or max_model_len."
     )
-    temperature: float = Field(1.0, ge=0.0, description="Softmax temperature; 0 is greedy.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; 1 is off.")
-    top_k: int = Field(0, ge=-1, description="Keep the k most likely tokens; 0 or -1 is off.")
-    min_p: float = Field(
-        0.0, ge=0.0, le=1.0, description="Drop tokens below min_p times the top probability."
-    )
-    repetition_penalty: float = Field(
-        1.0, gt=0.0, description="Multiplicative penalty on seen tokens (HF style); 1 is off."
-    )
-    presence_penalty: float = Field(
-        0.0, ge=-2.0, le=2.0, description="Additive penalty on tokens already generated."
-    )
-    frequency_penalty: float = Field(
-        0.0, ge=-2.0, le=2.0, description="Additive penalty per occurrence of a generated token."
-    )
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = 0
+    min_p: MinP = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    presence_penalty: PresencePenalty = 0.0
+    frequency_penalty: FrequencyPenalty = 0.0
 
 
 DEFAULT_LOGITS_PROCESSORS = (
