@@ -156,6 +156,8 @@ class AsyncEngine:
             self._mark_unhealthy(f"actor {actor.name} failed: {exc!r}")
 
     def _mark_unhealthy(self, reason: str) -> None:
+        if self._unhealthy_reason is not None:
+            reason = self._unhealthy_reason  # the first failure is the cause; later ones follow from it
         self._unhealthy_reason = reason
         self._accepting = False
         log.error("Engine unhealthy", reason=reason)

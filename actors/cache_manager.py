@@ -251,9 +251,10 @@ class CacheManagerActor(Actor[CacheMessage]):
     async def handle(self, message: CacheMessage) -> None:
         match message:
             case AllocateStep(step_id=step_id, release=release, requests=requests, reply=reply):
-                grants, available = self.core.allocate_step(release, requests)
-                self._report()
-                await reply.send(StepAllocation(step_id, tuple(grants), available))
+                async with reply:  # closed even if allocating raises, so the asker never hangs
+                    grants, available = self.core.allocate_step(release, requests)
+                    self._report()
+                    await reply.send(StepAllocation(step_id, tuple(grants), available))
             case CommitTokens(entries=entries):
                 for request_id, token_ids in entries:
                     self.core.commit(request_id, token_ids)
@@ -262,6 +263,9 @@ class CacheManagerActor(Actor[CacheMessage]):
                 self._report()
             case _:
                 raise UnexpectedMessageError(self.name, message)
+
+    def requests_concerned(self, message: CacheMessage) -> tuple[str, ...]:
+        return ()  # the block pool is shared: a failure here is never one request's alone
 
     def _report(self) -> None:
         core = self.core

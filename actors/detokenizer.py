@@ -199,11 +199,9 @@ class DetokenizerActor(Actor[DetokenizerMessage]):
             )
         )
 
-    async def on_error(self, message: DetokenizerMessage, exc: Exception) -> None:
-        # One request's text went wrong: finish that request with an error, keep serving the rest.
-        request_id = getattr(message, "request_id", None)
-        if request_id is None:
-            raise exc
-        self.core.finish(request_id)
-        self.deliver(TextDelta(request_id, "", (), None, "error", error=f"detokenizer failed: {exc!r}", error_code="internal_error"))
-        await self.scheduler.send(AbortRequest(request_id, "abort"))
+    async def fail_requests(self, request_ids: tuple[str, ...], message: str) -> None:
+        # One request's text went wrong: finish it with an error, and stop generating for it.
+        for request_id in request_ids:
+            self.core.finish(request_id)
+            self.deliver(TextDelta(request_id, "", (), None, "error", error=message, error_code="internal_error"))
+            await self.scheduler.send(AbortRequest(request_id, "abort"))

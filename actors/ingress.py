@@ -142,5 +142,6 @@ class IngressActor(Actor[IngressMessage]):
             AdmitRequest(request_id, prompt_ids, message.params, max_tokens, message.arrival_time, message.priority)
         )
 
-    async def on_error(self, message: IngressMessage, exc: Exception) -> None:
-        await self.detokenizer.send(RequestFailed(message.request_id, f"ingress failed: {exc!r}"))
+    async def fail_requests(self, request_ids: tuple[str, ...], message: str) -> None:
+        for request_id in request_ids:
+            await self.detokenizer.send(RequestFailed(request_id, message, "internal_error"))

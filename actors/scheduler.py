@@ -76,20 +76,6 @@ class SchedulerActor(Actor[SchedulerMessage]):
         self._gone: list[str] = []  # requests ended since the runner last heard, for its plugins
 
     async def handle(self, message: SchedulerMessage) -> None:
-        await self._dispatch(message)
-        # Take everything already queued before planning, so a burst of arrivals shares one step.
-        while True:
-            try:
-                queued = self.inbox.receive_nowait()
-            except (anyio.WouldBlock, anyio.EndOfStream):
-                break
-            await self._dispatch(queued)
-        await self._maybe_step()
-        if self._gone and not self._in_flight:
-            # No step will carry the news soon (one in flight would: its output wakes us up).
-            await self.runner.send(RequestsFinished(self._take_gone()))
-
-    async def _dispatch(self, message: SchedulerMessage) -> None:
         match message:
             case AdmitRequest() if len(self.core.waiting) >= self.max_waiting:
                 # Checked here, where the queue's length is exact, not at the ingress.
@@ -116,6 +102,13 @@ class SchedulerActor(Actor[SchedulerMessage]):
             case _:
                 raise UnexpectedMessageError(self.name, message)
         self._report()
+
+    async def after_messages(self) -> None:
+        # Every message queued so far is in: plan, so a burst of arrivals shares one step.
+        await self._maybe_step()
+        if self._gone and not self._in_flight:
+            # No step will carry the news soon (one in flight would: its output wakes us up).
+            await self.runner.send(RequestsFinished(self._take_gone()))
 
     def _admit(self, message: AdmitRequest) -> None:
         params = message.params
@@ -263,11 +256,11 @@ class SchedulerActor(Actor[SchedulerMessage]):
         self.metrics.num_running = len(self.core.running)
         self.metrics.num_waiting = len(self.core.waiting)
 
-    async def on_error(self, message: SchedulerMessage, exc: Exception) -> None:
-        # Whatever went wrong, no request may be left waiting for a step that will never come:
-        # fail the ones held, and carry on with an empty, consistent core.
-        self._in_flight.clear()
-        for request in self.core.fail(list(self.core.requests)):
-            await self._fail(request, f"scheduler error: {exc!r}", "scheduler_error")
-        if self._gone:
-            await self.runner.send(RequestsFinished(self._take_gone()))
+    async def fail_requests(self, request_ids: tuple[str, ...], message: str) -> None:
+        for request_id in request_ids:
+            request = self.core.abort(request_id)
+            if request is not None:
+                await self._fail(request, message)
+            else:  # it never got in (admission raised): only the detokenizer knows it
+                self.metrics.requests_failed += 1
+                await self.detokenizer.send(NewTokens(request_id, (), finish_reason="error", error=message, error_code="internal_error"))
