@@ -33,7 +33,7 @@ def _serve(args: argparse.Namespace) -> int:
     from cadenza.logging_setup import configure_logging
 
     config = load_config(args.config, overrides=_overrides(args))
-    configure_logging(config.logging.level, config.logging.format)
+    configure_logging(config.logging.level, config.logging.format, secrets=(config.server.api_key,))
     run_server(config, ask=args.ask)
     return 0
 
