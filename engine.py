@@ -48,6 +48,10 @@ log = structlog.get_logger(__name__)
 INBOX_CAPACITY = 4096
 
 
+# The error code of requests still running when the engine (or the server) shuts down.
+SERVER_SHUTDOWN = "server_shutdown"
+
+
 class EngineClosedError(RuntimeError):
     """The engine is shutting down or unhealthy and takes no new requests."""
 
@@ -58,7 +62,7 @@ class AsyncEngine:
         self.max_pending_tokens = max_pending_tokens  # per stream, before a slow reader is cut off
         self.metrics = EngineMetrics()
         self._streams: dict[str, RequestStream] = {}
-        self._streams_closed: anyio.Event | None = None  # set when a stream leaves, while drain waits
+        self._streams_closed: anyio.Event | None = None  # set when a stream leaves or ends, while shutdown waits
         self._accepting = False
         self._unhealthy_reason: str | None = None
         self._ids = itertools.count()
@@ -132,7 +136,7 @@ class AsyncEngine:
     async def serve(
         cls, runtime: Runtime, *, shutdown_grace: float = 5.0, max_pending_tokens: int = 1 << 16
     ) -> AsyncIterator["AsyncEngine"]:
-        """Start the actors, yield the running engine, drain and stop on exit."""
+        """Start the actors, yield the running engine; on exit, `shutdown(shutdown_grace)` and stop."""
         engine = cls(runtime, max_pending_tokens=max_pending_tokens)
         async with anyio.create_task_group() as tg:
             for actor in engine.actors:
@@ -143,7 +147,7 @@ class AsyncEngine:
                 yield engine
             finally:
                 with anyio.CancelScope(shield=True):
-                    await engine.drain(shutdown_grace)
+                    await engine.shutdown(shutdown_grace)
                 tg.cancel_scope.cancel()
         log.info("Engine stopped")
 
@@ -161,25 +165,56 @@ class AsyncEngine:
         self._unhealthy_reason = reason
         self._accepting = False
         log.error("Engine unhealthy", reason=reason)
-        for stream in list(self._streams.values()):
-            stream.put(TextDelta(stream.request_id, "", (), None, "error", error=reason, error_code="engine_failed"))
+        self._end_streams("engine_failed", reason)
 
-    async def drain(self, grace: float) -> None:
-        """Stop accepting; let running requests finish within `grace` seconds; abort the rest."""
+    async def shutdown(self, grace: float) -> None:
+        """Stop accepting; let running requests finish within `grace` seconds; end the rest with
+        error_code "server_shutdown". Returns at once when nothing is running (a server that has
+        already ended its requests does not wait a second grace)."""
+        await self.wait_for_requests(grace)
+        ended = await self.end_requests(SERVER_SHUTDOWN, "the server is shutting down")
+        if ended:
+            log.info("Ended requests still running", requests=ended, error_code=SERVER_SHUTDOWN)
+
+    async def wait_for_requests(self, timeout: float) -> int:
+        """Stop accepting; wait up to `timeout` seconds for the running requests to finish.
+
+        Returns how many still run. A request counts as running until its stream has its last
+        output, whether or not its reader has taken it yet.
+        """
         self._accepting = False
-        if self._streams:
-            log.info("Waiting for requests to finish", requests=len(self._streams), grace_seconds=grace)
-        with anyio.move_on_after(grace):
-            await self._all_streams_closed()
-        for request_id in list(self._streams):
-            await self.abort(request_id)
-        with anyio.move_on_after(1.0):
-            await self._all_streams_closed()
+        if self._num_running():
+            log.info("Waiting for requests to finish", requests=self._num_running(), grace_seconds=timeout)
+            with anyio.move_on_after(timeout):
+                while self._num_running():
+                    self._streams_closed = anyio.Event()  # set as a stream leaves, or by end_requests
+                    await self._streams_closed.wait()
+        return self._num_running()
 
-    async def _all_streams_closed(self) -> None:
-        while self._streams:
-            self._streams_closed = anyio.Event()  # set by `generate` as its stream leaves
-            await self._streams_closed.wait()
+    async def end_requests(self, code: str, message: str) -> int:
+        """End every running request now and free its KV blocks; returns how many.
+
+        Each stream's last output has finish_reason "error" with `code` and `message`; the stream
+        is then finished, so the abort's own "abort" delivery (and any token still on its way) is
+        dropped and each request finishes exactly once.
+        """
+        ended = self._end_streams(code, message)
+        for stream in ended:
+            await self._scheduler_inbox.send(AbortRequest(stream.request_id, "abort"))
+        return len(ended)
+
+    def _end_streams(self, code: str, message: str) -> list[RequestStream]:
+        """Give every unfinished stream its last output, an error with `code`; returns them."""
+        ended = [stream for stream in self._streams.values() if not stream.finished]
+        for stream in ended:
+            stream.cancelled = True  # the ingress drops it if it has not admitted it yet
+            stream.put(TextDelta(stream.request_id, "", (), None, "error", error=message, error_code=code))
+        if self._streams_closed is not None:
+            self._streams_closed.set()
+        return ended
+
+    def _num_running(self) -> int:
+        return sum(not stream.finished for stream in self._streams.values())
 
     @property
     def healthy(self) -> bool:
@@ -212,6 +247,7 @@ class AsyncEngine:
         arrival = time.monotonic()
         stream = RequestStream(request_id, arrival, self.max_pending_tokens)
         self._streams[request_id] = stream
+        self.metrics.requests_started += 1
         finished = False
         try:
             await self._ingress.send(SubmitRequest(request_id, prompt, params or SamplingParams(), arrival, priority))
@@ -226,6 +262,7 @@ class AsyncEngine:
                 with anyio.CancelScope(shield=True):
                     await self.abort(request_id)
             self._streams.pop(request_id, None)
+            self.metrics.requests_ended += 1
             if self._streams_closed is not None:
                 self._streams_closed.set()
 

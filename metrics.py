@@ -9,6 +9,9 @@ from dataclasses import asdict, dataclass
 class EngineMetrics:
     """Written by the actors (each owns its fields), read by anyone; plain numbers, no locking needed."""
 
+    # engine: requests whose stream opened, and closed (their caller has left, finished or not)
+    requests_started: int = 0
+    requests_ended: int = 0
     # scheduler
     num_running: int = 0
     num_waiting: int = 0
@@ -33,6 +36,10 @@ class EngineMetrics:
     steps_ready_on_finish: int = 0  # the next step was already queued when one finished (overlap)
 
     @property
+    def requests_active(self) -> int:
+        return self.requests_started - self.requests_ended
+
+    @property
     def kv_usage(self) -> float:
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
@@ -44,6 +51,7 @@ class EngineMetrics:
 
     def snapshot(self) -> dict[str, float]:
         values = asdict(self)
+        values["requests_active"] = self.requests_active
         values["kv_usage"] = self.kv_usage
         values["kv_unused_at_peak"] = self.kv_unused_at_peak
         return values

@@ -35,7 +35,7 @@ def create_app(runtime: Runtime, *, shutdown_grace: float = 10.0) -> FastAPI:
             log.info("Application startup complete", model=app.state.server.model_name)
             yield
             app.state.server.draining = True
-            log.info("Shutting down", requests_in_flight=engine.num_active_requests)
+            log.info("Stopping engine", requests_in_flight=engine.num_active_requests)
 
     app = FastAPI(title="cadenza", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)

@@ -22,6 +22,7 @@ ENGINE_CODE_STATUS = {
     "slow_reader": 408,  # the client did not read its output in time
     "sampler_error": 500,
     "step_failed": 500,
+    "server_shutdown": 503,  # still running when the shutdown grace ran out
 }
 
 

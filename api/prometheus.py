@@ -70,6 +70,8 @@ class _EngineCollector:
         gauges = {
             "cadenza_requests_running": ("Requests being generated.", m.num_running),
             "cadenza_requests_waiting": ("Requests queued.", m.num_waiting),
+            "cadenza_requests_active": ("Requests whose output stream is open (any stage).", m.requests_active),
+            "cadenza_kv_cache_blocks_used": ("KV cache blocks held by requests.", m.kv_blocks_used),
             "cadenza_kv_cache_usage_ratio": ("Share of KV cache blocks in use.", m.kv_usage),
             "cadenza_kv_cache_blocks_cached": ("Blocks held in the prefix cache.", m.kv_blocks_cached),
             "cadenza_prefix_cache_hit_ratio": ("Prompt tokens served from the prefix cache.", m.prefix_hit_rate),
@@ -77,6 +79,8 @@ class _EngineCollector:
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
         counters = {
+            "cadenza_requests_started": ("Requests the engine accepted.", m.requests_started),
+            "cadenza_requests_ended": ("Accepted requests whose stream has closed.", m.requests_ended),
             "cadenza_preemptions": ("Requests preempted for lack of KV blocks.", m.num_preemptions),
             "cadenza_engine_steps": ("Engine steps run.", m.num_steps),
             "cadenza_prefill_tokens_computed": ("Prompt tokens run through the model.", m.prefill_tokens_computed),

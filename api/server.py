@@ -1,9 +1,12 @@
 """Running the app under uvicorn, with graceful shutdown on SIGINT/SIGTERM.
 
 Shutdown phases, each logged: (1) draining: new requests are refused (HTTP 503, WebSocket error
-"unavailable") while running ones may finish for up to `server.shutdown_grace` seconds; (2) uvicorn
-stops accepting connections and closes them; (3) the engine aborts whatever still runs. A second
-signal skips straight to the end.
+"unavailable") while running ones may finish for up to `server.shutdown_grace` seconds; (2) every
+request still running ends with the error `server_shutdown` (an SSE error event then `[DONE]`, a 503,
+a WebSocket `error`) and its KV blocks are freed; WebSocket sessions then close with 1001; (3)
+uvicorn stops listening, closes the idle connections and the app stops the engine. Phases 2 and 3
+take a few seconds at most (`CLOSE_SECONDS` each), so the process exits, with status 0, soon after
+the grace. A second signal cuts the grace short: phase 2 at once.
 """
 
 from __future__ import annotations
@@ -11,14 +14,21 @@ from __future__ import annotations
 import asyncio
 import socket
 
+import anyio
 import structlog
 import uvicorn
 
 from cadenza.api.app import create_app
+from cadenza.api.websocket import Sessions
 from cadenza.config import CadenzaConfig
+from cadenza.engine import SERVER_SHUTDOWN
 from cadenza.runtime import build_runtime
 
 log = structlog.get_logger("cadenza.api")
+
+# Once requests have been ended: how long WebSocket sessions get to send their errors and close,
+# then how long uvicorn waits for connections to close. Both usually take milliseconds.
+CLOSE_SECONDS = 2.0
 
 
 class _Server(uvicorn.Server):
@@ -28,6 +38,9 @@ class _Server(uvicorn.Server):
         self.ask = ask
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
+        self._hurried = False
+        self._waiting: anyio.CancelScope | None = None
+        self._shutdown: asyncio.Future | None = None  # held: the loop keeps only weak references
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
@@ -41,25 +54,58 @@ class _Server(uvicorn.Server):
                 asyncio.ensure_future(_ask_over_websocket(f"ws://{host}:{port}/v1/sessions", self.ask, self.config.app))
 
     def handle_exit(self, sig, frame) -> None:
+        """SIGINT/SIGTERM (run between bytecodes on the main thread, which runs the loop): the first
+        starts the shutdown, the next cuts what it waits for short. Unlike uvicorn's own, it does
+        not record the signal to raise again at exit: the shutdown is the signal's whole answer,
+        and the process exits with status 0."""
         state = getattr(self.config.app.state, "server", None)
-        if self._draining or state is None or self._loop is None:
-            super().handle_exit(sig, frame)
-            return
-        self._draining = True
-        state.draining = True
-        log.info("Draining", requests_in_flight=state.engine.num_active_requests, grace_seconds=self.grace)
-        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain_then_exit(sig, frame, state)))
-
-    async def _drain_then_exit(self, sig, frame, state) -> None:
-        deadline = self._loop.time() + self.grace
-        while state.engine.num_active_requests and self._loop.time() < deadline and not self.should_exit:
-            await asyncio.sleep(0.05)
-        left = state.engine.num_active_requests
-        if left:
-            log.info("Grace period over; aborting the rest", requests_in_flight=left)
+        if self._loop is None or state is None:  # not serving yet: just stop
+            self.should_exit = True
+        elif not self._draining:
+            self._draining = True
+            self._loop.call_soon_threadsafe(self._begin_shutdown, state)
         else:
-            log.info("All requests finished")
-        super().handle_exit(sig, frame)
+            self._loop.call_soon_threadsafe(self._hurry)
+
+    def _begin_shutdown(self, state) -> None:
+        state.draining = True
+        self._shutdown = asyncio.ensure_future(self._shut_down(state))
+
+    def _hurry(self) -> None:
+        if not self._hurried:
+            log.info("Second signal; skipping the rest of the wait")
+        self._hurried = True
+        if self._waiting is not None:
+            self._waiting.cancel()
+
+    async def _shut_down(self, state) -> None:
+        engine = state.engine
+        try:
+            log.info("Draining", requests_in_flight=engine.num_active_requests, grace_seconds=self.grace)
+            with self._wait(self.grace):
+                await engine.wait_for_requests(self.grace)
+            ended = await engine.end_requests(SERVER_SHUTDOWN, "the server is shutting down")
+            if ended:
+                event = "Ending the rest now" if self._hurried else "Grace period over; ending the rest"
+                log.info(event, requests_ended=ended, error_code=SERVER_SHUTDOWN)
+            else:
+                log.info("All requests finished")
+            sessions = Sessions.of(self.config.app)
+            if sessions.open:
+                log.info("Closing WebSocket sessions", sessions=len(sessions.open), close_code=1001)
+            with self._wait(CLOSE_SECONDS):
+                await sessions.close_all()
+        except Exception:
+            log.exception("Shutdown failed; stopping all the same")
+        finally:
+            self.should_exit = True  # uvicorn's own shutdown: stop listening, close connections, lifespan
+
+    def _wait(self, seconds: float) -> anyio.CancelScope:
+        """A bounded wait that a second signal cancels (at once, if one came already)."""
+        self._waiting = anyio.move_on_after(seconds)
+        if self._hurried:
+            self._waiting.cancel()
+        return self._waiting
 
 
 async def _ask_over_websocket(url: str, question: str, app) -> None:
@@ -101,7 +147,7 @@ def run_server(config: CadenzaConfig, ask: str | None = None) -> None:
         log_config=None,
         access_log=False,  # the app logs one structured access line per request itself
         limit_concurrency=server.max_connections,
-        timeout_graceful_shutdown=server.shutdown_grace,
+        timeout_graceful_shutdown=CLOSE_SECONDS,  # requests have ended by then (phase 2)
         ws_ping_interval=20.0,
         ws_ping_timeout=20.0,
         lifespan="on",

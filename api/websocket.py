@@ -4,6 +4,9 @@ conversation with cancel and barge-in, and errors that never end the connection.
 A connection runs a reader (client messages) and a writer (server messages) plus one task per
 request; when the reader or the writer ends, everything else on the connection is cancelled, and
 every request still running is aborted, which returns its KV blocks at once.
+
+On shutdown, once the engine has ended the requests still running (`server_shutdown`), each session
+sends their errors and then closes the connection with 1001 (going away), idle sessions at once.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ router = APIRouter()
 # tokens instead; a client that stays too slow is cut off per request by the engine's bound.
 OUTBOX_MESSAGES = 64
 MAX_FRAME_CHARS = 1 << 20
+GOING_AWAY = 1001  # the close code of a server that is shutting down
+_CLOSE: dict[str, Any] = {}  # queued after a closing session's last message: the writer closes then
 
 
 @dataclass
@@ -52,6 +57,7 @@ class _Running:
     interrupted: bool = False
     cancelled: bool = False
     text: list[str] = field(default_factory=list)
+    ended: anyio.Event = field(default_factory=anyio.Event)  # its last message is in the outbox
 
 
 class Session:
@@ -66,6 +72,7 @@ class Session:
         self.sampling = SamplingOptions()
         self.history: list[dict[str, str]] = []  # the conversation's user and assistant turns
         self.running: dict[str, _Running] = {}
+        self.going_away = anyio.Event()  # the server is shutting down: close once requests ended
         self.log = log.bind(session_id=self.id)
 
     # --- messages in ----------------------------------------------------------------------------
@@ -163,6 +170,12 @@ class Session:
     # --- one request ----------------------------------------------------------------------------
 
     async def _run(self, running: _Running, prompt: Any, params: SamplingParams) -> None:
+        try:
+            await self._stream(running, prompt, params)
+        finally:
+            running.ended.set()
+
+    async def _stream(self, running: _Running, prompt: Any, params: SamplingParams) -> None:
         request_id = running.client_id
         last, refused = None, False
         try:
@@ -228,6 +241,50 @@ class Session:
     async def send(self, message: dict[str, Any]) -> None:
         await self.outbox.send(message)
 
+    async def close_when_ended(self) -> None:
+        """Once every running request has queued its last message (its error, on shutdown), have
+        the writer close the connection with 1001. No request starts meanwhile: the server is draining."""
+        for running in list(self.running.values()):
+            await running.ended.wait()
+        await self.outbox.send(_CLOSE)
+
+
+class Sessions:
+    """An app's open sessions, so that shutdown can close them."""
+
+    def __init__(self) -> None:
+        self.open: set[Session] = set()
+        self.closed = anyio.Event()  # set when the last session leaves after `close_all`
+        self.closing = False
+
+    @staticmethod
+    def of(app) -> "Sessions":
+        sessions = getattr(app.state, "websocket_sessions", None)
+        if sessions is None:
+            sessions = app.state.websocket_sessions = Sessions()
+        return sessions
+
+    def add(self, session: Session) -> None:
+        self.open.add(session)
+        if self.closing:  # accepted as shutdown began
+            session.going_away.set()
+
+    def remove(self, session: Session) -> None:
+        self.open.discard(session)
+        if self.closing and not self.open:
+            self.closed.set()
+
+    async def close_all(self) -> int:
+        """Shutdown: each session closes with 1001 once its requests' last messages are out (the
+        engine has ended them); returns when all are closed. Returns how many were open."""
+        self.closing = True
+        count = len(self.open)
+        for session in self.open:
+            session.going_away.set()
+        if self.open:
+            await self.closed.wait()
+        return count
+
 
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 3)
@@ -246,6 +303,7 @@ async def sessions(websocket: WebSocket) -> None:
         return
     await websocket.accept()
     outbox_tx, outbox_rx = anyio.create_memory_object_stream[dict](OUTBOX_MESSAGES)
+    open_sessions = Sessions.of(websocket.app)
     async with anyio.create_task_group() as tg:
         session = Session(state, websocket, outbox_tx, tg)
         session.log.info("Session opened")
@@ -254,12 +312,21 @@ async def sessions(websocket: WebSocket) -> None:
             try:
                 async with outbox_rx:
                     async for message in outbox_rx:
+                        if message is _CLOSE:
+                            await websocket.close(GOING_AWAY, "the server is shutting down")
+                            break
                         await websocket.send_text(json.dumps(message))
             except Exception:
                 pass  # the client went away; the reader notices too
             tg.cancel_scope.cancel()
 
+        async def go_away() -> None:
+            await session.going_away.wait()
+            await session.close_when_ended()
+
         tg.start_soon(write)
+        tg.start_soon(go_away)
+        open_sessions.add(session)
         await session.send({"type": "session.created", **session.describe()})
         try:
             while True:
@@ -275,3 +342,4 @@ async def sessions(websocket: WebSocket) -> None:
         finally:
             session.log.info("Session closed", requests_aborted=len(session.running))
             tg.cancel_scope.cancel()
+            open_sessions.remove(session)

@@ -309,7 +309,7 @@ async def test_stop_string_finishes_and_frees(model_path):
         await assert_no_block_leaked(engine)
 
 
-async def test_shutdown_drains_then_aborts(model_path):
+async def test_shutdown_waits_then_ends_the_rest(model_path):
     outputs = []
     async with AsyncEngine.serve(make_runtime(model_path), shutdown_grace=0.2) as engine:
 
@@ -320,8 +320,8 @@ async def test_shutdown_drains_then_aborts(model_path):
         async with anyio.create_task_group() as tg:
             tg.start_soon(long_request)
             await anyio.sleep(0)
-            await engine.drain(0.05)
-    assert outputs and outputs[-1].finish_reason in ("abort", "length")
+            await engine.shutdown(0.05)
+    assert outputs and outputs[-1].finish_reason == "error" and outputs[-1].error_code == "server_shutdown"
 
 
 async def test_slow_reader_is_cut_off_and_its_request_stops(model_path):
