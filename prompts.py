@@ -25,12 +25,14 @@ def is_single_prompt(prompts: Any) -> bool:
 def tokenize_prompt(prompt: Prompt, tokenizer: Tokenizer, vocab_size: int) -> tuple[str | None, list[int]]:
     """(prompt text or None, token ids); chat messages go through the model's chat template."""
     if isinstance(prompt, str):
+        _check_encodable(prompt, "the prompt")
         ids = tokenizer.encode(prompt)
         text: str | None = prompt
     elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
         for i, message in enumerate(prompt):
             if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
                 raise PromptError(f"messages[{i}] needs string 'role' and 'content' fields")
+            _check_encodable(message["content"], f"messages[{i}].content")
         text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
         ids = tokenizer.encode(text, add_special_tokens=False)
     elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -43,3 +45,11 @@ def tokenize_prompt(prompt: Prompt, tokenizer: Tokenizer, vocab_size: int) -> tu
     if not ids:
         raise PromptError("the prompt is empty")
     return text, ids
+
+
+def _check_encodable(text: str, what: str) -> None:
+    """Text a tokenizer can take: valid Unicode (a lone surrogate is not, though `json.loads` lets one by)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise PromptError(f"{what} is not valid Unicode: {exc.reason} at position {exc.start}") from None

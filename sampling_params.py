@@ -226,6 +226,8 @@ def describe_error(error: dict[str, Any], rename: dict[str, str] | None = None) 
     name = loc[0]
     shown = ".".join([(rename or {}).get(name, name), *loc[1:]])
     bound, kind = BOUNDS.get(SYNONYMS.get(name, name)), error.get("type", "")
+    if kind == "missing":
+        return f"{shown}: required"
     if kind == "extra_forbidden":
         message = "unknown field"
     elif "[key]" in raw_loc and name == "logit_bias":

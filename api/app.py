@@ -5,13 +5,16 @@ from __future__ import annotations
 import time
 import uuid
 from contextlib import asynccontextmanager
+from typing import Any, Literal
 
 import structlog
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
 
-from cadenza.api.errors import APIError, install_error_handlers
+from cadenza.api.errors import APIError, error_responses, install_error_handlers
+from cadenza.api.openai_protocol import ModelList, openapi_schemas
 from cadenza.api.prometheus import ServerMetrics
 from cadenza.api.state import ServerState, check_api_key, served_model_name, server_state
 from cadenza.engine import AsyncEngine
@@ -21,6 +24,11 @@ log = structlog.get_logger("cadenza.api")
 
 # Paths anyone may call, key or not: liveness probes and scrapers do not carry API keys.
 _OPEN_PATHS = ("/health", "/metrics")
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+    model: str
 
 
 def create_app(runtime: Runtime, *, shutdown_grace: float = 10.0) -> FastAPI:
@@ -39,6 +47,16 @@ def create_app(runtime: Runtime, *, shutdown_grace: float = 10.0) -> FastAPI:
 
     app = FastAPI(title="cadenza", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
+
+    def openapi() -> dict[str, Any]:
+        """FastAPI's document, plus the request models that the OpenAI routes parse themselves."""
+        if app.openapi_schema is None:
+            document = FastAPI.openapi(app)
+            schemas = openapi_schemas(served_model_name(config))
+            document.setdefault("components", {}).setdefault("schemas", {}).update(schemas)
+        return app.openapi_schema
+
+    app.openapi = openapi
 
     @app.middleware("http")
     async def access_log_and_auth(request: Request, call_next):
@@ -62,7 +80,7 @@ def create_app(runtime: Runtime, *, shutdown_grace: float = 10.0) -> FastAPI:
         response.headers["x-request-id"] = request_id
         return response
 
-    @app.get("/health")
+    @app.get("/health", responses={200: {"model": Health}, **error_responses(503)})
     async def health(request: Request):
         state = server_state(request)
         if not state.engine.healthy:
@@ -71,11 +89,11 @@ def create_app(runtime: Runtime, *, shutdown_grace: float = 10.0) -> FastAPI:
             raise APIError(503, "draining", "the server is shutting down")
         return {"status": "ok", "model": state.model_name}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics(request: Request):
         return Response(generate_latest(server_state(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={200: {"model": ModelList}, **error_responses(401, 503)})
     async def models(request: Request):
         state = server_state(request)
         return {

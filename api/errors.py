@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any, Literal
+
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cadenza.sampling_params import describe_error
@@ -47,6 +50,41 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+
+
+ErrorType = Literal[
+    "invalid_request_error", "authentication_error", "not_found_error", "rate_limit_error", "server_error"
+]
+
+
+class ErrorDetail(BaseModel):
+    message: str = Field(description="What went wrong and what to fix.")
+    type: ErrorType = Field(description="The error's class, from the HTTP status.")
+    param: str | None = Field(description="The request field at fault (dotted for nested ones), if one is.")
+    code: str = Field(description="A stable machine-readable code (e.g. invalid_value, model_not_found).")
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape: the body of every HTTP error response (`APIError.body`)."""
+
+    error: ErrorDetail
+
+
+_STATUS_MEANING = {
+    400: "The request is invalid; `error.param` names the field at fault.",
+    401: "A valid API key is required.",
+    404: "No such model (or path).",
+    408: "The client read its output too slowly.",
+    413: "The request body is too large.",
+    429: "The server's queue is full; try again later.",
+    500: "The request failed inside the engine (a sampler plugin or a model step).",
+    503: "The server is starting, shutting down or unhealthy; try again later.",
+}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` for these error statuses, each with the `ErrorResponse` body."""
+    return {status: {"model": ErrorResponse, "description": _STATUS_MEANING[status]} for status in statuses}
 
 
 def engine_error(code: str | None, message: str | None) -> APIError:

@@ -5,13 +5,18 @@ silently ignored). Parameters OpenAI defines but cadenza does not implement are 
 can be rejected with a message naming them; parameters with no effect here (user, metadata, store,
 service_tier) are accepted and ignored. `to_sampling_params` fills what a request leaves out from
 `config.sampling.defaults`.
+
+The routes parse their bodies themselves (bounded, errors in OpenAI's shape), so FastAPI cannot see
+these models; `openapi_request_body` and `openapi_schemas` put them into the OpenAPI document, with
+the response shapes below, which exist for that document only.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic.json_schema import GenerateJsonSchema, models_json_schema
 
 from cadenza.api.errors import APIError
 from cadenza.config.schema import SamplingDefaults
@@ -38,6 +43,25 @@ def _unsupported(param: str, message: str) -> APIError:
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+# What the validators and checks below accept where the types alone say more, for the OpenAPI
+# document (`WithJsonSchema` changes the document only, never validation).
+_TEXT = {"type": "string", "minLength": 1}
+_TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+_PROMPT_SCHEMA = {
+    "anyOf": [_TEXT, {"type": "array", "minItems": 1, "items": _TEXT}, _TOKEN_IDS,
+              {"type": "array", "minItems": 1, "items": _TOKEN_IDS}],
+    "description": "Text, token ids, or a batch of either; token ids must be below the vocabulary's size.",
+}  # fmt: skip
+_TEXT_PART = {
+    "type": "object",
+    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+    "required": ["type", "text"],
+    "additionalProperties": False,
+}
+_CONTENT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}, {"type": "null"}]}
+_NO_TOOLS = "Only an empty value: tool calling is not supported."
 
 
 class StreamOptions(_Strict):
@@ -68,7 +92,7 @@ class _SamplingFields(SamplingOverrides):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Annotated[str | list[str] | list[int] | list[list[int]], WithJsonSchema(_PROMPT_SCHEMA)]
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -95,13 +119,19 @@ _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant"
 
 
 class ChatMessage(_Strict):
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+    role: str = Field(json_schema_extra={"enum": list(_ROLES)})
+    content: Annotated[str | list[dict[str, Any]] | None, WithJsonSchema(_CONTENT_SCHEMA)] = None
     name: str | None = None
     # Fields an assistant message round-tripped from a response may carry; they must be empty.
     refusal: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    function_call: dict[str, Any] | None = None
+    tool_calls: Annotated[
+        list[dict[str, Any]] | None,
+        WithJsonSchema({"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}], "description": _NO_TOOLS}),
+    ] = None
+    function_call: Annotated[
+        dict[str, Any] | None,
+        WithJsonSchema({"anyOf": [{"type": "object", "maxProperties": 0}, {"type": "null"}], "description": _NO_TOOLS}),
+    ] = None
 
     @field_validator("role")
     @classmethod
@@ -202,3 +232,128 @@ def to_sampling_params(
         return merge_sampling(defaults, req, n=1, max_tokens=max_tokens, logprobs=logprobs, seed=seed)
     except SamplingParamsError as exc:
         raise _invalid(exc.field(rename), exc.describe(rename), "invalid_value") from exc
+
+
+# --- the OpenAPI document -----------------------------------------------------------------------
+
+_REF = "#/components/schemas/{model}"
+REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest)
+
+
+def openapi_request_body(model: type[BaseModel]) -> dict[str, Any]:
+    """A route's `requestBody` (through `openapi_extra`): `model` as JSON, required."""
+    return {"required": True, "content": {"application/json": {"schema": {"$ref": _REF.format(model=model.__name__)}}}}
+
+
+class _OpenAPIJsonSchema(GenerateJsonSchema):
+    """Pydantic's JSON Schema, saying also that an int-keyed object's keys are decimal integers
+    (logit_bias' token ids)."""
+
+    def dict_schema(self, schema):
+        json_schema = super().dict_schema(schema)
+        keys = schema.get("keys_schema", {})
+        if keys.get("type") == "int" and "propertyNames" not in json_schema:
+            json_schema["propertyNames"] = {"pattern": "^[0-9]+$" if keys.get("ge") == 0 else "^-?[0-9]+$"}
+        return json_schema
+
+
+def openapi_schemas(model_name: str) -> dict[str, dict[str, Any]]:
+    """The request models and every model they use, as OpenAPI components (what `$ref`s point to);
+    `model` is the one model this server serves (any other is a 404)."""
+    pairs = [(m, "validation") for m in REQUEST_MODELS]
+    _, document = models_json_schema(pairs, ref_template=_REF, schema_generator=_OpenAPIJsonSchema)
+    schemas = document["$defs"]
+    for model in REQUEST_MODELS:
+        schemas[model.__name__]["properties"]["model"]["enum"] = [model_name]
+    return schemas
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="Prompt tokens served from the prefix cache.")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+_FinishReason = Literal["stop", "length"]
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: _FinishReason
+
+
+class CompletionResponse(BaseModel):
+    """A whole /v1/completions answer (a streamed one is `text_completion` chunks, then `[DONE]`)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+    refusal: None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+    refusal: None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: _FinishReason
+
+
+class ChatCompletionResponse(BaseModel):
+    """A whole /v1/chat/completions answer (a streamed one is `chat.completion.chunk`s, then `[DONE]`)."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]

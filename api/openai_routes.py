@@ -19,11 +19,19 @@ import structlog
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from cadenza.api.errors import APIError, engine_error
+from cadenza.api.errors import APIError, engine_error, error_responses
 from cadenza.api.http_streaming import Emit, EventStreamResponse, parse_body, run_choices, sse, until_disconnected
-from cadenza.api.openai_protocol import ChatCompletionRequest, CompletionRequest, to_sampling_params
+from cadenza.api.openai_protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    openapi_request_body,
+    to_sampling_params,
+)
 from cadenza.api.state import ServerState, server_state
 from cadenza.outputs import TokenLogprob
+from cadenza.sampling_params import SamplingParams
 from cadenza.samplers.vocab import token_bytes_lookup
 from cadenza.streams import GenerationOutput
 
@@ -33,7 +41,23 @@ router = APIRouter()
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
-@router.post("/v1/completions")
+def _documented(request_model, response_model) -> dict[str, Any]:
+    """The OpenAPI description of a generation route: its body (parsed by hand, so FastAPI cannot
+    see it), the whole or streamed answer, and every error status in OpenAI's error shape."""
+    # itemSchema describes each event of a stream (OpenAPI 3.2).
+    data = "A chunk as JSON, or an error in OpenAI's shape if the request fails mid-stream; `[DONE]` last."
+    event = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string", "description": data}}}
+    streamed = {"itemSchema": event}
+    return {
+        "openapi_extra": {"requestBody": openapi_request_body(request_model)},
+        "responses": {
+            200: {"model": response_model, "content": {"text/event-stream": streamed}},
+            **error_responses(400, 401, 404, 408, 413, 429, 500, 503),
+        },
+    }
+
+
+@router.post("/v1/completions", **_documented(CompletionRequest, CompletionResponse))
 async def completions(request: Request) -> Response:
     state = server_state(request)
     req = await parse_body(request, CompletionRequest)
@@ -52,7 +76,7 @@ async def completions(request: Request) -> Response:
     return await _respond(request, state, shape, jobs, req)
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", **_documented(ChatCompletionRequest, ChatCompletionResponse))
 async def chat_completions(request: Request) -> Response:
     state = server_state(request)
     req = await parse_body(request, ChatCompletionRequest)
@@ -106,6 +130,18 @@ class _Choice:
 
 
 _PROMPT_ERRORS = ("invalid_prompt", "invalid_messages", "prompt_too_long")
+# The engine's refusals of sampling params begin with the field: "logit_bias: token ids must be ...".
+_PARAM_ERRORS = ("invalid_value", "invalid_extra")
+
+
+def _engine_param(error: APIError, prompt_param: str) -> str | None:
+    """The request field an engine refusal concerns, for `error.param`."""
+    if error.code in _PROMPT_ERRORS:
+        return prompt_param
+    field = error.message.partition(":")[0]
+    if error.code in _PARAM_ERRORS and field.partition(".")[0] in SamplingParams.model_fields:
+        return field
+    return None
 
 
 def _check_finish(out: GenerationOutput | APIError, prompt_param: str) -> GenerationOutput:
@@ -114,7 +150,7 @@ def _check_finish(out: GenerationOutput | APIError, prompt_param: str) -> Genera
         raise out
     if out.finish_reason == "error":
         error = engine_error(out.error_code, out.error)
-        error.param = prompt_param if error.code in _PROMPT_ERRORS else None
+        error.param = _engine_param(error, prompt_param)
         raise error
     if out.finish_reason == "abort":
         raise APIError(503, "aborted", "the request was aborted (the server may be shutting down)")

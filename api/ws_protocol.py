@@ -6,6 +6,7 @@ Every message is a JSON text frame with a `type`. docs/websocket.md describes th
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
@@ -15,6 +16,9 @@ from cadenza.sampling_params import SamplingOverrides, describe_error
 
 class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+RequestId = Annotated[str, Field(min_length=1, max_length=128, description="The client's name for a request.")]
 
 
 class SamplingOptions(SamplingOverrides):
@@ -38,7 +42,7 @@ class Generate(_Message):
     user turn to the session's conversation and answer it)."""
 
     type: Literal["generate"]
-    request_id: str = Field(min_length=1, max_length=128)
+    request_id: RequestId
     prompt: str | None = None
     token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
@@ -55,14 +59,14 @@ class Generate(_Message):
 
 class Cancel(_Message):
     type: Literal["cancel"]
-    request_id: str
+    request_id: RequestId
 
 
 class Interrupt(_Message):
     """Stop the running conversation turn and keep its partial answer in the history (barge-in)."""
 
     type: Literal["interrupt"]
-    request_id: str | None = None
+    request_id: RequestId | None = None
 
 
 class SessionGet(_Message):
@@ -84,15 +88,25 @@ class ProtocolError(Exception):
         self.code, self.message, self.request_id = code, message, request_id
 
 
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
 def parse_client_message(frame: str) -> ClientMessage:
     """A validated client message, or a `ProtocolError` that names the problem."""
     try:
         raw = json.loads(frame)
     except json.JSONDecodeError as exc:
         raise ProtocolError("invalid_json", f"not valid JSON: {exc.msg} at position {exc.pos}") from None
+    except (ValueError, RecursionError) as exc:  # an integer of over 4300 digits; nesting too deep
+        raise ProtocolError("invalid_json", f"not valid JSON: {exc}") from None
+    request_id = raw.get("request_id") if isinstance(raw, dict) and isinstance(raw.get("request_id"), str) else None
+    if _SURROGATE_ESCAPE.search(frame) and _has_lone_surrogate(raw):
+        # json.loads lets "\ud800" through; it is no character, and no tokenizer takes it.
+        request_id = None if request_id is None or _has_lone_surrogate(request_id) else request_id
+        message = "not valid JSON: a string holds a lone surrogate escape (\\ud800-\\udfff)"
+        raise ProtocolError("invalid_json", message, request_id)
     if not isinstance(raw, dict):
         raise ProtocolError("invalid_message", "a message must be a JSON object with a 'type'")
-    request_id = raw.get("request_id") if isinstance(raw.get("request_id"), str) else None
     kind = raw.get("type")
     if kind not in CLIENT_TYPES:
         raise ProtocolError("unknown_type", f"unknown message type {kind!r}; known: {', '.join(CLIENT_TYPES)}", request_id)
@@ -101,6 +115,14 @@ def parse_client_message(frame: str) -> ClientMessage:
     except ValidationError as exc:
         problems = "; ".join(_describe(error, kind) for error in exc.errors(include_url=False))
         raise ProtocolError("invalid_params", problems, request_id) from None
+
+
+def _has_lone_surrogate(raw: Any) -> bool:
+    try:
+        json.dumps(raw, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _describe(error: dict[str, Any], kind: str) -> str:

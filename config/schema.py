@@ -87,6 +87,13 @@ class ModelConfig(_Section):
     )
 
 
+    @field_validator("cpu_kernels", mode="before")
+    @classmethod
+    def _yaml_switch(cls, value: object) -> object:
+        # YAML (and so an env var) reads a bare on/off as a boolean.
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+
+
 class CacheConfig(_Section):
     """The paged KV cache: block geometry, how many blocks, and what to evict."""
 

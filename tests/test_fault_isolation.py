@@ -61,13 +61,14 @@ async def run_with_bystanders(engine, bad_prompt, bad_params, n_bystanders=4):
 
 
 async def test_a_request_whose_admission_raises_fails_alone(model_path):
-    # The seed defect: a value no API lets through any more, slipped past validation here, made
-    # the scheduler raise while admitting it, and every running request failed with it.
+    # The seed defect: a value no API lets through any more, slipped past validation here, once
+    # made the scheduler raise while admitting it, and every running request failed with it. The
+    # runner seeds the request's generator now: the request fails there, alone.
     bad_params = SamplingParams.model_construct(**{**greedy(8).model_dump(), "seed": 2**64, "temperature": 0.7})
     async with make_runtime_engine(model_path) as engine:
         last = await run_with_bystanders(engine, [5, 6, 7], bad_params)
-        assert last.finish_reason == "error" and last.error_code == "internal_error"
-        assert "scheduler" in last.error
+        assert last.finish_reason == "error" and last.error_code == "sampler_error"
+        assert "runner" in last.error
         assert engine.healthy
         await assert_no_block_leaked(engine)
         # and the engine still serves
@@ -139,3 +140,12 @@ def make_runtime_engine(model_path):
     from cadenza.engine import AsyncEngine
 
     return AsyncEngine.serve(make_runtime(model_path), shutdown_grace=1.0)
+
+
+async def test_text_a_tokenizer_cannot_take_is_an_invalid_prompt(model_path):
+    async with make_runtime_engine(model_path) as engine:
+        for prompt in ("half a pair: \ud800", [{"role": "user", "content": "\udfff"}]):
+            last = (await collect(engine, prompt, greedy(4)))[2]
+            assert last.finish_reason == "error" and last.error_code == "invalid_prompt", last
+            assert "not valid Unicode" in last.error
+        assert engine.healthy
