@@ -3,7 +3,7 @@ requests, cancel, interrupt, disconnect mid-stream and read slowly, at random, f
 Then the books must balance: every request the server accepted ended exactly once, no KV block is
 held, the server is healthy and answers greedy requests exactly as it did before the run.
 
-`CADENZA_CHAOS_SECONDS` sets the run's length (default 20); `CADENZA_CHAOS_REPORT=path` writes the
+`CHAOS_SECONDS` sets the run's length (default 20); `CHAOS_REPORT=path` writes the
 run's figures as JSON (docs/reliability.md quotes them).
 """
 
@@ -23,7 +23,7 @@ from websockets.asyncio.client import connect
 
 from server_process import running_server
 
-CHAOS_SECONDS = float(os.environ.get("CADENZA_CHAOS_SECONDS", "20"))
+CHAOS_SECONDS = float(os.environ.get("CHAOS_SECONDS", "20"))
 WS_CLIENTS = 8
 HTTP_CLIENTS = 8
 SEED = 20261123
@@ -337,8 +337,8 @@ def test_chaos_then_the_books_balance(tiny_model_dir):
                   "server_requests_ended": metrics["cadenza_requests_ended_total"],
                   "kv_blocks_held_after": metrics["cadenza_kv_cache_blocks_used"]}  # fmt: skip
         print("chaos:", json.dumps(report))
-        if os.environ.get("CADENZA_CHAOS_REPORT"):
-            with open(os.environ["CADENZA_CHAOS_REPORT"], "w") as out:
+        if os.environ.get("CHAOS_REPORT"):
+            with open(os.environ["CHAOS_REPORT"], "w") as out:
                 json.dump(report, out, indent=2)
 
         assert not tally.lost, "\n".join(sorted(set(tally.lost))[:30])
