@@ -29,14 +29,13 @@ from cadenza.actors.scheduler import SchedulerActor
 from cadenza.actors.scheduler_core import SchedulerCore
 from cadenza.messages import (
     AbortRequest,
-    AllocateStep,
-    StepAllocation,
     CacheMessage,
     DetokenizerMessage,
     IngressMessage,
     RunnerMessage,
     SchedulerMessage,
     SubmitRequest,
+    SyncCache,
 )
 from cadenza.metrics import EngineMetrics
 from cadenza.runtime import Runtime
@@ -111,8 +110,6 @@ class AsyncEngine:
                 runner=runner_tx,
                 detokenizer=detok_tx.clone(),
                 metrics=self.metrics,
-                max_waiting=cfg.scheduler.max_waiting,
-                async_scheduling=cfg.scheduler.async_scheduling,
             ),
             CacheManagerActor(cache_rx, self.cache_core, self.metrics),
             RunnerActor(runner_rx, rt.runner, scheduler_tx.clone(), self.metrics),
@@ -266,16 +263,16 @@ class AsyncEngine:
             if self._streams_closed is not None:
                 self._streams_closed.set()
 
-    async def settle(self) -> StepAllocation:
+    async def settle(self) -> None:
         """Wait until the cache manager has handled everything sent to it before this call.
 
         Finished and aborted requests release their blocks before their callers hear of it, so
         after `settle()` the cache reflects every request that has finished.
         """
-        send, receive = anyio.create_memory_object_stream[StepAllocation](1)
+        send, receive = anyio.create_memory_object_stream[None](1)
         async with receive:
-            await self._cache_inbox.send(AllocateStep(0, (), (), send))
-            return await receive.receive()
+            await self._cache_inbox.send(SyncCache(send))
+            await receive.receive()
 
     async def abort(self, request_id: str) -> None:
         """Stop a request now and free its blocks; its stream ends with finish_reason "abort"."""

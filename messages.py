@@ -11,9 +11,9 @@ from typing import Any, Union
 
 from anyio.streams.memory import MemoryObjectSendStream
 
-from cadenza.model_runner import ScheduledChunk
 from cadenza.outputs import TokenLogprob
 from cadenza.sampling_params import SamplingParams
+from cadenza.step import ScheduledChunk
 
 # --- to the ingress -------------------------------------------------------------------------------
 
@@ -86,46 +86,63 @@ SchedulerMessage = Union[AdmitRequest, AbortRequest, StepOutput, StepFailed]
 
 
 @dataclass(frozen=True, slots=True)
-class BlockRequest:
-    """Make `request_id`'s block table cover `num_tokens` tokens.
-
-    `match_prefix` holds the request's tokens when it is (re-)admitted: the cache manager first
-    reuses cached blocks for its longest cached prefix, and then covers `num_tokens` more.
-    """
+class BlockNeed:
+    """A running request whose blocks must cover `num_tokens` tokens once this step has run."""
 
     request_id: str
     num_tokens: int
-    match_prefix: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A queued request the step may admit: the cache manager first reuses cached blocks for the
+    longest cached prefix of `token_ids` (all its tokens), then covers `num_new_tokens` more."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    num_new_tokens: int
 
 
 @dataclass(frozen=True, slots=True)
 class BlockGrant:
+    """A request's block table for this step; `num_cached_tokens`: for an admitted request, the
+    leading tokens the prefix cache already holds (the step computes from there)."""
+
     request_id: str
-    granted: bool
-    block_table: tuple[int, ...] = ()
+    block_table: tuple[int, ...]
     num_cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class StepAllocation:
-    """The cache manager's answer to `AllocateStep`, in the order asked."""
+    """The cache manager's answer to `AllocateStep`.
+
+    `kept`: the longest prefix of the ranked running requests that fits once every request ranked
+    below is released, in order, their tables grown. `preempted`: the rest, in rank order, their
+    blocks released. `admitted`: the longest prefix of the candidates that fits, in order (none
+    when a running request was preempted).
+    """
 
     step_id: int
-    grants: tuple[BlockGrant, ...]
-    num_free_blocks: int
+    kept: tuple[BlockGrant, ...]
+    preempted: tuple[str, ...]
+    admitted: tuple[BlockGrant, ...]
 
 
 @dataclass(frozen=True, slots=True)
 class AllocateStep:
-    """Free the blocks of `release`, then grant `requests` in order (running first, then new).
+    """The step's one exchange with the cache manager, answered exactly on `reply`.
 
-    A new request (one with `match_prefix`) that does not fit is refused, and so is every new
-    request after it, so admission stays first come, first served.
+    `running`: every running request, best-ranked first, with the tokens its blocks must cover
+    after this step. `waiting`: admission candidates in queue order. The cache manager keeps the
+    running requests that fit, preempting from the tail (the top request too, when it does not
+    fit even alone), then, if it preempted none, admits candidates until one does not fit: first
+    come, first refused.
     """
 
     step_id: int
-    release: tuple[str, ...]
-    requests: tuple[BlockRequest, ...]
+    running: tuple[BlockNeed, ...]
+    waiting: tuple[Candidate, ...]
     reply: MemoryObjectSendStream[StepAllocation] = field(compare=False, repr=False)
 
 
@@ -145,7 +162,14 @@ class FreeBlocks:
     request_id: str
 
 
-CacheMessage = Union[AllocateStep, CommitTokens, FreeBlocks]
+@dataclass(frozen=True, slots=True)
+class SyncCache:
+    """A barrier: answered once the cache manager has handled everything sent to it before."""
+
+    reply: MemoryObjectSendStream[None] = field(compare=False, repr=False)
+
+
+CacheMessage = Union[AllocateStep, CommitTokens, FreeBlocks, SyncCache]
 
 # --- to the runner --------------------------------------------------------------------------------
 

@@ -16,32 +16,18 @@ from cadenza.attention_backends.base import AttentionBackend, AttentionMetadata
 from cadenza.models.llama import LlamaForCausalLM
 from cadenza.samplers.base import SamplerOutput, SamplingBatch, SamplingError
 from cadenza.sampling_params import SamplingParams
+from cadenza.step import PENDING_TOKEN, ScheduledChunk
+
+__all__ = ["PENDING_TOKEN", "ModelRunner", "ScheduledChunk", "StepResult"]
 
 
-# A decode scheduled before the step that samples its input token has finished carries this in
-# place of the token; the runner fills in what that step sampled (steps run in order).
-PENDING_TOKEN = -1
+@dataclass(slots=True)
+class _RequestRecord:
+    """What sampling reads of one request, kept here from its first sampled chunk until the
+    scheduler reports it gone: the prompt, the tokens sampled so far, its seeded generator."""
 
-
-@dataclass(frozen=True, slots=True)
-class ScheduledChunk:
-    """New tokens of one sequence to run this step.
-
-    `token_ids` sit at positions `start_position ..`; the tokens before them are already cached in
-    `block_table`, which covers every position this step writes. When `sample` is set (a decode, or
-    the last chunk of a prompt) the step picks the sequence's next token from its last position.
-    A decode's token may be `PENDING_TOKEN`: the token the previous step sampled for this request,
-    which `output_token_ids` (a snapshot) does not hold yet either.
-    """
-
-    request_id: str
-    token_ids: Sequence[int]
-    start_position: int
-    block_table: Sequence[int]
-    sample: bool = True
-    params: SamplingParams | None = None
-    prompt_token_ids: Sequence[int] = ()
-    output_token_ids: Sequence[int] = ()
+    prompt_token_ids: Sequence[int]
+    output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
 
 
@@ -98,6 +84,7 @@ class ModelRunner:
         self.device = device
         self._buffers = _PackingBuffers()
         self._last_sampled: dict[str, int] = {}  # what the previous step sampled, by request
+        self._requests: dict[str, _RequestRecord] = {}  # by request id, until finish_requests
 
     @torch.inference_mode()
     def execute(self, chunks: Sequence[ScheduledChunk], return_logits: bool = False) -> StepResult:
@@ -110,10 +97,11 @@ class ModelRunner:
             return StepResult([], None, failed=failed)
         result = self._run(chunks, return_logits)
         result.failed[:0] = failed
+        self._last_sampled = {}
         if result.sampled is not None:
             self._last_sampled = dict(zip(result.request_ids, result.sampled.token_ids.tolist()))
-        else:
-            self._last_sampled = {}
+            for request_id, token in self._last_sampled.items():
+                self._requests[request_id].output_token_ids.append(token)
         return result
 
     def _resolve_pending(self, chunks: Sequence[ScheduledChunk]) -> tuple[list[ScheduledChunk], list[ScheduledChunk]]:
@@ -127,7 +115,7 @@ class ModelRunner:
                 unresolved.append(chunk)
                 continue
             ids = [token if t == PENDING_TOKEN else t for t in chunk.token_ids]
-            resolved.append(replace(chunk, token_ids=ids, output_token_ids=(*chunk.output_token_ids, token)))
+            resolved.append(replace(chunk, token_ids=ids))
         return resolved, unresolved
 
     def _run(self, chunks: Sequence[ScheduledChunk], return_logits: bool) -> StepResult:
@@ -146,17 +134,41 @@ class ModelRunner:
         return StepResult(request_ids, sampled, logits if return_logits else None)
 
     def finish_requests(self, request_ids: Sequence[str]) -> None:
-        """The scheduler reports these requests gone: the sampling plugins drop their state."""
+        """The scheduler reports these requests gone: their records and the sampling plugins'
+        state go."""
         if request_ids:
+            for request_id in request_ids:
+                self._requests.pop(request_id, None)
             self.sampling_pipeline.finish_requests(request_ids)
 
-    @staticmethod
-    def _batch(chunks: Sequence[ScheduledChunk], rows: list[int]) -> SamplingBatch:
+    def _record(self, chunk: ScheduledChunk) -> _RequestRecord:
+        """The request's record, made the first time it samples (its generator seeded then, as
+        once per request: a preempted request recomputes, and goes on drawing from the same
+        stream); tokens beyond `chunk.num_output_tokens` were sampled before a preemption and
+        dropped by the scheduler, so they go here too."""
+        record = self._requests.get(chunk.request_id)
+        if record is None:
+            seed = chunk.params.seed if chunk.params is not None else None
+            generator = None if seed is None else torch.Generator().manual_seed(seed)
+            record = self._requests[chunk.request_id] = _RequestRecord(chunk.prompt_token_ids, generator=generator)
+        elif chunk.num_output_tokens is not None and len(record.output_token_ids) > chunk.num_output_tokens:
+            del record.output_token_ids[chunk.num_output_tokens :]
+        return record
+
+    def _batch(self, chunks: Sequence[ScheduledChunk], rows: list[int]) -> SamplingBatch:
+        records, failed = [], {}
+        for row, i in enumerate(rows):
+            try:
+                records.append(self._record(chunks[i]))
+            except Exception as exc:  # a seed torch refuses: that request fails, the step goes on
+                failed[row] = f"the runner could not set up sampling for this request: {exc!r}"
+        if failed:
+            raise SamplingError("the runner", sorted(failed), "request setup failed", failed)
         return SamplingBatch(
             params=[chunks[i].params or SamplingParams() for i in rows],
-            prompt_token_ids=[chunks[i].prompt_token_ids for i in rows],
-            output_token_ids=[chunks[i].output_token_ids for i in rows],
-            generators=[chunks[i].generator for i in rows],
+            prompt_token_ids=[r.prompt_token_ids for r in records],
+            output_token_ids=[r.output_token_ids for r in records],
+            generators=[r.generator for r in records],
             request_ids=[chunks[i].request_id for i in rows],
         )
 

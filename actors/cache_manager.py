@@ -12,6 +12,7 @@ import hashlib
 from array import array
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import structlog
 
@@ -19,11 +20,13 @@ from cadenza.actors.base import Actor
 from cadenza.messages import (
     AllocateStep,
     BlockGrant,
-    BlockRequest,
+    BlockNeed,
     CacheMessage,
+    Candidate,
     CommitTokens,
     FreeBlocks,
     StepAllocation,
+    SyncCache,
     UnexpectedMessageError,
 )
 from cadenza.metrics import EngineMetrics
@@ -107,28 +110,50 @@ class KVCacheManager:
 
     # --- the step -------------------------------------------------------------------------------
 
-    def allocate_step(self, release: tuple[str, ...], requests: tuple[BlockRequest, ...]) -> tuple[list[BlockGrant], int]:
-        """Release, then grant running requests all or none, then new ones in order while they fit."""
-        for request_id in release:
+    def allocate_step(
+        self, running: Sequence[BlockNeed], waiting: Sequence[Candidate], step_id: int = 0
+    ) -> StepAllocation:
+        """Keep the longest prefix of `running` (best-ranked first) that fits once every request
+        ranked below it is released, release the rest, grow the kept tables; then, unless one was
+        preempted (it would only preempt again next step), admit the longest prefix of `waiting`
+        that fits, so admission stays first come, first refused."""
+        kept = self._num_fitting(running)
+        preempted = tuple(r.request_id for r in running[kept:])
+        for request_id in reversed(preempted):  # the tail first, as it would be preempted one by one
             self.free(request_id)
-        running = [r for r in requests if r.match_prefix is None]
-        new = [r for r in requests if r.match_prefix is not None]
-        grants: list[BlockGrant] = []
+        grants = []
+        for need in running[:kept]:
+            self._grow(need.request_id, need.num_tokens)
+            grants.append(BlockGrant(need.request_id, self.block_table(need.request_id)))
+        admitted: list[BlockGrant] = []
+        if not preempted:
+            for candidate in waiting:
+                grant = self.admit(candidate.request_id, candidate.token_ids, candidate.num_new_tokens)
+                if grant is None:
+                    break
+                admitted.append(grant)
+        return StepAllocation(step_id, tuple(grants), preempted, tuple(admitted))
+
+    def _num_fitting(self, running: Sequence[BlockNeed]) -> int:
+        """How many of `running` fit when every request ranked below them is released.
+
+        Releasing a request makes available only the blocks no kept request shares, so the count
+        follows the reference counts: a block comes back once every reference to it is released.
+        """
         need = sum(self.blocks_needed(r.request_id, r.num_tokens) for r in running)
-        if need > self.num_available:
-            # All or none, so the scheduler can re-plan from a state it knows exactly.
-            grants += [BlockGrant(r.request_id, False) for r in running]
-            grants += [BlockGrant(r.request_id, False) for r in new]
-            return grants, self.num_available
-        for r in running:
-            self._grow(r.request_id, r.num_tokens)
-            grants.append(BlockGrant(r.request_id, True, self.block_table(r.request_id)))
-        refuse_rest = False
-        for r in new:
-            grant = None if refuse_rest else self.admit(r.request_id, r.match_prefix, r.num_tokens)
-            refuse_rest = grant is None
-            grants.append(grant or BlockGrant(r.request_id, False))
-        return grants, self.num_available
+        room = self.num_available
+        released: dict[int, int] = {}
+        kept = len(running)
+        while need > room and kept:
+            kept -= 1
+            request_id = running[kept].request_id
+            need -= self.blocks_needed(request_id, running[kept].num_tokens)
+            table = self._tables.get(request_id)
+            for block in table.blocks if table else ():
+                released[block] = released.get(block, 0) + 1
+                if released[block] == self._ref[block]:
+                    room += 1
+        return kept
 
     def admit(self, request_id: str, tokens: tuple[int, ...], num_new_tokens: int) -> BlockGrant | None:
         """Reuse the longest cached prefix of `tokens`, then cover `num_new_tokens` more; None if no room."""
@@ -152,7 +177,7 @@ class KVCacheManager:
         self._grow(request_id, target)
         self.prefix_queries += len(tokens)
         self.prefix_hits += cached_tokens
-        return BlockGrant(request_id, True, self.block_table(request_id), cached_tokens)
+        return BlockGrant(request_id, self.block_table(request_id), cached_tokens)
 
     def commit(self, request_id: str, token_ids: tuple[int, ...]) -> None:
         """Record computed tokens; each block they complete enters the prefix cache."""
@@ -250,17 +275,20 @@ class CacheManagerActor(Actor[CacheMessage]):
 
     async def handle(self, message: CacheMessage) -> None:
         match message:
-            case AllocateStep(step_id=step_id, release=release, requests=requests, reply=reply):
+            case AllocateStep(step_id=step_id, running=running, waiting=waiting, reply=reply):
                 async with reply:  # closed even if allocating raises, so the asker never hangs
-                    grants, available = self.core.allocate_step(release, requests)
+                    allocation = self.core.allocate_step(running, waiting, step_id)
                     self._report()
-                    await reply.send(StepAllocation(step_id, tuple(grants), available))
+                    await reply.send(allocation)
             case CommitTokens(entries=entries):
                 for request_id, token_ids in entries:
                     self.core.commit(request_id, token_ids)
             case FreeBlocks(request_id=request_id):
                 self.core.free(request_id)
                 self._report()
+            case SyncCache(reply=reply):
+                async with reply:
+                    await reply.send(None)
             case _:
                 raise UnexpectedMessageError(self.name, message)
 

@@ -1,13 +1,12 @@
-"""The scheduler's record of one request."""
+"""The scheduler's record of one request: its tokens and where it stands, never its blocks (the
+cache manager owns those, and each step's grant carries them to the runner)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
-from cadenza.model_runner import PENDING_TOKEN
 from cadenza.sampling_params import SamplingParams
+from cadenza.step import PENDING_TOKEN
 
 
 @dataclass(slots=True, eq=False)
@@ -20,11 +19,8 @@ class Request:
     priority: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the request's blocks
-    num_blocks: int = 0
-    block_table: tuple[int, ...] = ()
     num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied at first admission
     num_preemptions: int = 0
-    generator: torch.Generator | None = None
     first_scheduled_time: float | None = None
     sequence_number: int = 0  # admission order, breaks ties in the queue
     num_pending: int = 0  # tokens being sampled by steps in flight

@@ -1,41 +1,47 @@
 """Iteration-level scheduling: which requests run how many tokens in the next step.
 
-Each step spends a token budget: running requests first (a decode costs one token, a prompt still
-being prefilled costs up to a chunk), then waiting requests in queue order while sequences, budget
-and KV blocks allow. So a long prompt is split into chunks that ride along with other requests'
-decodes instead of stalling them. When running requests need blocks that are not there, the
-lowest-ranked running request is preempted: its blocks are released and it is recomputed later
-from its prompt and the tokens it already generated.
+Policy is orders, mechanism is prefixes. Each step spends a token budget on the running requests
+in rank order (a decode costs one token, a prompt still being prefilled up to a chunk), then
+offers the queue's head requests as admission candidates while sequences and budget allow. So a
+long prompt is split into chunks that ride along with other requests' decodes instead of stalling
+them. The cache manager answers the ranked lists exactly, in one exchange: it keeps the longest
+prefix of the running requests that fits (the ones below are preempted: their blocks are released
+and they are recomputed later from their prompt and the tokens they already generated) and, if it
+preempted none, admits the longest prefix of the candidates that fits.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections import deque
 from dataclasses import dataclass, field
 
 from cadenza.actors.request_state import Request
 from cadenza.config import SchedulerConfig
-from cadenza.messages import BlockRequest, SampledToken, StepAllocation
-from cadenza.model_runner import ScheduledChunk
+from cadenza.messages import BlockNeed, Candidate, SampledToken, StepAllocation
+from cadenza.step import ScheduledChunk
+
+
+class QueueFullError(Exception):
+    """`max_waiting` requests are queued: a new one is refused (error code `queue_full`)."""
 
 
 @dataclass
 class StepPlan:
     step_id: int
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # running: (request, new tokens)
-    admitted: list[tuple[Request, int]] = field(default_factory=list)  # from the queue
-    preempted: list[Request] = field(default_factory=list)
-    chunks: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, start, count), once granted
+    running: list[tuple[Request, int]] = field(default_factory=list)  # best first: (request, new tokens)
+    candidates: list[tuple[Request, int]] = field(default_factory=list)  # queue order: (request, first chunk)
+    preempted: list[Request] = field(default_factory=list)  # once allocated
+    unschedulable: Request | None = None  # nothing runs and the queue's head did not fit: failed
+    chunks: list[tuple[Request, int, int, tuple[int, ...]]] = field(default_factory=list)  # (request, start, count, blocks)
     epochs: dict[str, int] = field(default_factory=dict)  # each chunk's request epoch when planned
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled and not self.admitted
-
-    def block_requests(self) -> tuple[BlockRequest, ...]:
-        running = [BlockRequest(r.request_id, r.num_computed_tokens + n) for r, n in self.scheduled]
-        new = [BlockRequest(r.request_id, n, r.all_tokens()) for r, n in self.admitted]
-        return tuple(running + new)
+    def allocation_request(self) -> tuple[tuple[BlockNeed, ...], tuple[Candidate, ...]]:
+        """What to ask the cache manager: every running request with the tokens its blocks must
+        cover after this step, then the candidates with their tokens for prefix matching."""
+        running = tuple(BlockNeed(r.request_id, r.num_computed_tokens + n) for r, n in self.running)
+        waiting = tuple(Candidate(r.request_id, r.all_tokens(), n) for r, n in self.candidates)
+        return running, waiting
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,17 +52,23 @@ class TokenEvent:
 
 
 class SchedulerCore:
-    """Synchronous: unit tests drive it directly, the scheduler actor moves its messages."""
+    """Synchronous: unit tests drive it directly, the scheduler actor moves its messages.
+
+    A step: `schedule` plans the budget, the cache manager answers `plan.allocation_request()`,
+    `apply_allocation` turns the answer into chunks (the step is then in flight), and when the
+    runner is done `finish_step`, `computed_tokens` and `update_from_output` take its results.
+    """
 
     def __init__(self, config: SchedulerConfig, *, block_size: int, eos_token_ids: tuple[int, ...], max_model_len: int):
         self.config = config
         self.block_size = block_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
+        self.max_in_flight = 2 if config.async_scheduling else 1
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self.num_free_blocks = 0  # as the cache manager last reported
+        self.in_flight: deque[StepPlan] = deque()  # steps sent to the runner, oldest first
         self.num_preemptions = 0
         self._step_ids = 0
         self._admissions = 0
@@ -65,7 +77,14 @@ class SchedulerCore:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def can_schedule(self) -> bool:
+        return self.has_work and len(self.in_flight) < self.max_in_flight
+
     def add(self, request: Request) -> None:
+        """Queue a new request; `QueueFullError` past `max_waiting` (the queue's length is exact here)."""
+        if len(self.waiting) >= self.config.max_waiting:
+            raise QueueFullError(f"{len(self.waiting)} requests are waiting; try again later")
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self._admissions += 1
@@ -81,112 +100,105 @@ class SchedulerCore:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        # Otherwise a plan not yet applied took it from the queue (the actor's error path fails
-        # every request after a step failed between `schedule` and `apply_allocation`).
         return request
 
     # --- planning -------------------------------------------------------------------------------
 
-    def schedule(self) -> StepPlan:
-        self._step_ids += 1
-        plan = StepPlan(self._step_ids)
+    def schedule(self) -> StepPlan | None:
+        """Plan the next step's budget; None when there is nothing to ask for (every running
+        request waits on a token in flight and nobody is queued)."""
         budget = self.config.max_num_batched_tokens
         chunk = self.config.chunk_size
-        free = self.num_free_blocks
-        running = self.running
         if self.config.policy == "priority":
-            running.sort(key=lambda r: r.queue_key("priority"))
-        i = 0
-        while i < len(running) and budget > 0:
-            request = running[i]
+            self.running.sort(key=lambda r: r.queue_key("priority"))
+        plan = StepPlan(self._step_ids + 1)
+        for request in self.running:
+            n = 0
             remaining = request.num_planned_tokens - request.num_computed_tokens
-            if remaining <= 0 or self._will_be_done(request):
-                i += 1  # waiting on the token a step in flight samples, or done once it lands
-                continue
-            n = min(remaining, chunk, budget)
-            need = self._blocks_needed(request, n)
-            while need > free and running[-1] is not request:
-                free += self._preempt(running.pop(), plan)
-            if need > free:
-                # It does not fit even with every request ranked below it preempted. If nothing is
-                # scheduled before it, it needs more than the whole cache: it goes to the head of
-                # the queue whatever the policy, so the queue's head is the request that cannot
-                # fit (the actor fails the head when nothing runs), not a better-ranked bystander.
-                free += self._preempt(running.pop(), plan, front=not plan.scheduled)
-                break
-            free -= need
-            budget -= n
-            plan.scheduled.append((request, n))
-            i += 1
-        # Admitting while preempting would only preempt again next step.
-        if not plan.preempted:
-            while self.waiting and len(running) + len(plan.admitted) < self.config.max_num_seqs and budget > 0:
-                request = self.waiting[0]
-                n = min(request.num_tokens, chunk, budget)
-                need = -(-n // self.block_size)
-                if need > free:
-                    break
-                self.waiting.pop(0)
-                free -= need
+            # 0 when waiting on the token a step in flight samples, or done once it lands.
+            if budget > 0 and remaining > 0 and not self._will_be_done(request):
+                n = min(remaining, chunk, budget)
                 budget -= n
-                plan.admitted.append((request, n))
+            plan.running.append((request, n))
+        seats = self.config.max_num_seqs - len(self.running)
+        for request in self.waiting:
+            if len(plan.candidates) >= seats or budget <= 0:
+                break
+            n = min(request.num_tokens, chunk, budget)
+            budget -= n
+            plan.candidates.append((request, n))
+        if not plan.candidates and not any(n for _, n in plan.running):
+            return None
+        self._step_ids += 1
         return plan
 
-    def apply_allocation(self, plan: StepPlan, allocation: StepAllocation, now: float) -> list[ScheduledChunk] | None:
-        """Chunks for the runner, or None when running requests got no blocks (plan again)."""
-        self.num_free_blocks = allocation.num_free_blocks
-        grants = {g.request_id: g for g in allocation.grants}
-        if any(not grants[r.request_id].granted for r, _ in plan.scheduled):
-            for request, _ in reversed(plan.admitted):
-                self.waiting.insert(0, request)
-            return None
-        for request, n in plan.scheduled:
-            self._set_blocks(request, grants[request.request_id].block_table)
-            plan.chunks.append((request, request.num_computed_tokens, n))
-        refused = [r for r, _ in plan.admitted if not grants[r.request_id].granted]
-        for request in reversed(refused):
-            self.waiting.insert(0, request)
-        for request, n in plan.admitted:
-            grant = grants[request.request_id]
-            if not grant.granted:
-                continue
-            self._set_blocks(request, grant.block_table)
-            request.num_computed_tokens = grant.num_cached_tokens
+    def apply_allocation(self, plan: StepPlan, allocation: StepAllocation, now: float) -> list[ScheduledChunk]:
+        """The chunks for the runner (the step is then in flight; none: nothing to run now).
+
+        Fills `plan.preempted` and, when nothing runs and the queue's head could not be admitted
+        even so, `plan.unschedulable`: that request needs more blocks than the whole cache and is
+        removed, for the caller to fail.
+        """
+        kept = plan.running[: len(allocation.kept)]
+        for (request, n), grant in zip(kept, allocation.kept):
+            if n:
+                plan.chunks.append((request, request.num_computed_tokens, n, grant.block_table))
+        preempted = plan.running[len(allocation.kept) :]
+        if tuple(r.request_id for r, _ in preempted) != allocation.preempted:
+            raise RuntimeError(f"step {plan.step_id}: the cache manager preempted {allocation.preempted}, not the tail")
+        if preempted:
+            self._preempt(preempted, alone=not any(n for _, n in kept), plan=plan)
+        for (request, n), grant in zip(plan.candidates, allocation.admitted):
+            if self.waiting[0] is not request:
+                raise RuntimeError(f"step {plan.step_id}: admitted {request.request_id} is not the queue's head")
+            self.waiting.pop(0)
+            cached = grant.num_cached_tokens
+            request.num_computed_tokens = cached
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
-                request.num_cached_tokens = grant.num_cached_tokens
+                request.num_cached_tokens = cached
             self.running.append(request)
-            plan.chunks.append((request, grant.num_cached_tokens, min(n, request.num_tokens - grant.num_cached_tokens)))
-        chunks = []
-        for request, start, n in plan.chunks:
-            request.num_computed_tokens = start + n
-            sample = request.num_computed_tokens == request.num_planned_tokens
-            chunks.append(
-                ScheduledChunk(
-                    request_id=request.request_id,
-                    token_ids=request.tokens(start, start + n),
-                    start_position=start,
-                    block_table=request.block_table,
-                    sample=sample,
-                    params=request.params,
-                    prompt_token_ids=request.prompt_token_ids,
-                    # A snapshot: the scheduler appends to the list while the step runs.
-                    output_token_ids=tuple(request.output_token_ids),
-                    generator=request.generator,
-                )
-            )
-            plan.epochs[request.request_id] = request.epoch
-            if sample:
-                request.num_pending += 1
+            plan.chunks.append((request, cached, min(n, request.num_tokens - cached), grant.block_table))
+        chunks = [self._chunk(plan, *entry) for entry in plan.chunks]
+        if chunks:
+            self.in_flight.append(plan)
+        elif not self.running and self.waiting:
+            plan.unschedulable = self.abort(self.waiting[0].request_id)
         return chunks
 
+    def _chunk(self, plan: StepPlan, request: Request, start: int, n: int, table: tuple[int, ...]) -> ScheduledChunk:
+        num_output_tokens = request.num_planned_tokens - request.num_prompt_tokens
+        request.num_computed_tokens = start + n
+        sample = request.num_computed_tokens == request.num_planned_tokens
+        plan.epochs[request.request_id] = request.epoch
+        if sample:
+            request.num_pending += 1
+        return ScheduledChunk(
+            request.request_id,
+            request.tokens(start, start + n),
+            start,
+            table,
+            sample,
+            request.params,
+            request.prompt_token_ids,
+            num_output_tokens,
+        )
+
     # --- results --------------------------------------------------------------------------------
+
+    def finish_step(self, step_id: int) -> StepPlan:
+        """The runner is done with `step_id`. Steps finish in the order they were sent; anything
+        else is a wiring bug."""
+        plan = self.in_flight.popleft() if self.in_flight else None
+        if plan is None or plan.step_id != step_id:
+            raise RuntimeError(f"step {step_id} finished but step {plan and plan.step_id} was next in flight")
+        return plan
 
     def computed_tokens(self, plan: StepPlan) -> list[tuple[str, tuple[int, ...]]]:
         """What each live request of the step now has in its blocks (for the prefix cache)."""
         return [
             (r.request_id, tuple(r.tokens(start, start + n)))
-            for r, start, n in plan.chunks
+            for r, start, n, _ in plan.chunks
             if self.requests.get(r.request_id) is r and self._is_current(r, plan)
         ]
 
@@ -234,25 +246,28 @@ class SchedulerCore:
         produced = len(request.output_token_ids) + request.num_pending
         return produced >= request.max_tokens or request.num_planned_tokens >= self.max_model_len
 
-    def _blocks_needed(self, request: Request, n: int) -> int:
-        return max(0, -(-(request.num_computed_tokens + n) // self.block_size) - request.num_blocks)
+    def _preempt(self, preempted: list[tuple[Request, int]], *, alone: bool, plan: StepPlan) -> None:
+        """Back to the queue, to be recomputed, the worst-ranked first (their blocks are released).
 
-    def _set_blocks(self, request: Request, table: tuple[int, ...]) -> None:
-        request.block_table = table
-        request.num_blocks = len(table)
-
-    def _preempt(self, request: Request, plan: StepPlan, front: bool = False) -> int:
-        """Back to the queue, to be recomputed; returns the blocks it held."""
-        held = request.num_blocks
-        request.num_computed_tokens = 0
-        request.num_pending = 0
-        request.epoch += 1
-        request.num_preemptions += 1
-        self._set_blocks(request, ())
-        self.num_preemptions += 1
-        plan.preempted.append(request)
-        self._enqueue(request, front=front or self.config.policy == "fcfs")
-        return held
+        `alone`: no request kept has tokens this step. Then the best-ranked preempted request, if
+        it had tokens, did not fit even with every request below it released: it needs more than
+        the whole cache, so it goes to the head of the queue whatever the policy, and the queue's
+        head is the request that cannot fit (failed when nothing runs), not a better-ranked
+        bystander.
+        """
+        for request, _ in reversed(preempted):
+            request.num_computed_tokens = 0
+            request.num_pending = 0
+            request.epoch += 1
+            request.num_preemptions += 1
+            self.num_preemptions += 1
+            self.running.remove(request)
+            self._enqueue(request, front=self.config.policy == "fcfs")
+        plan.preempted = [r for r, _ in preempted]
+        first, n = preempted[0]
+        if alone and n and self.waiting[0] is not first:
+            self.waiting.remove(first)
+            self.waiting.insert(0, first)
 
     def _enqueue(self, request: Request, front: bool = False) -> None:
         if front:

@@ -21,10 +21,11 @@ class StepTiming:
     decode_step_seconds: float  # best mean over the decode steps
 
 
-def _chunk(rid: str, tokens: list[int], start: int, table: list[int], params, prompt: list[int], outputs: list[int]):
-    from cadenza.model_runner import ScheduledChunk
+def _chunk(rid: str, tokens: list[int], start: int, table: list[int], params, prompt: list[int]):
+    from cadenza.step import ScheduledChunk
 
-    return ScheduledChunk(rid, tokens, start, table, True, params, prompt, outputs)
+    # The runner keeps each request's sampled tokens itself, as the engine's steps rely on.
+    return ScheduledChunk(rid, tokens, start, table, True, params, prompt)
 
 
 def time_model_steps(runtime, *, batch: int, prompt_len: int, decode_steps: int, temperature: float,
@@ -46,14 +47,14 @@ def time_model_steps(runtime, *, batch: int, prompt_len: int, decode_steps: int,
     outputs: list[list[int]] = [[] for _ in range(batch)]
     started = time.perf_counter()
     for i in range(batch):
-        result = runner.execute([_chunk(f"m{i}", prompts[i], 0, tables[i], params, prompts[i], [])])
+        result = runner.execute([_chunk(f"m{i}", prompts[i], 0, tables[i], params, prompts[i])])
         outputs[i].append(int(result.sampled.token_ids[0]))
     prefill = time.perf_counter() - started
     with around_decode():
         started = time.perf_counter()
         for step in range(decode_steps):
             chunks = [
-                _chunk(f"m{i}", [outputs[i][-1]], prompt_len + step, tables[i], params, prompts[i], tuple(outputs[i]))
+                _chunk(f"m{i}", [outputs[i][-1]], prompt_len + step, tables[i], params, prompts[i])
                 for i in range(batch)
             ]
             result = runner.execute(chunks)

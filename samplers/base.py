@@ -40,6 +40,9 @@ class SamplingContext:
 class SamplingBatch:
     """The rows that sample this step, in the row order of the logits tensor.
 
+    `prompt_token_ids[i]` and `output_token_ids[i]` are row i's prompt and the tokens its request
+    has generated so far: the runner's own record, kept per request and appended to as tokens are
+    sampled (no copy is made per step), so read them during the call and keep no reference.
     `generators[i]` is the request's own generator when it set a seed (so the same seed gives the
     same tokens whatever else is in the batch), else None. `request_ids[i]` names row i's request
     (stable across steps, so plugins can keep per-request state); left out, rows are named

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from cadenza.actors.cache_manager import KVCacheManager
-from cadenza.messages import BlockGrant, BlockRequest
+from cadenza.messages import BlockGrant, BlockNeed, Candidate
 from cadenza.plugins.eviction import FIFOPolicy, LFUPolicy, LRUPolicy
 
 POLICIES = {"lru": LRUPolicy, "lfu": LFUPolicy, "fifo": FIFOPolicy}
@@ -74,14 +74,15 @@ def run_and_free(manager: KVCacheManager, request_id: str, tokens: tuple[int, ..
 def test_admit_grow_and_free():
     manager = make_manager(num_blocks=8, block_size=16)
     grant = admit(manager, "a", tokens_of(1, 20))
-    assert grant.granted and grant.num_cached_tokens == 0
+    assert grant.num_cached_tokens == 0
     assert len(grant.block_table) == 2 and manager.num_available == 6
-    grants, available = manager.allocate_step((), (BlockRequest("a", 40),))
-    assert grants == [BlockGrant("a", True, manager.block_table("a"))]
+    allocation = manager.allocate_step((BlockNeed("a", 40),), (), step_id=3)
+    assert allocation.step_id == 3 and allocation.preempted == () and allocation.admitted == ()
+    assert allocation.kept == (BlockGrant("a", manager.block_table("a")),)
     assert manager.block_table("a")[:2] == grant.block_table and len(manager.block_table("a")) == 3
-    assert available == manager.num_available == 5
+    assert manager.num_available == 5
     # Growing within the blocks already held takes nothing.
-    manager.allocate_step((), (BlockRequest("a", 48),))
+    manager.allocate_step((BlockNeed("a", 48),), ())
     assert len(manager.block_table("a")) == 3
     check(manager)
     manager.free("a")
@@ -96,7 +97,7 @@ def test_slot_usage_counts_the_unfilled_tail_of_each_table():
     admit(manager, "a", tokens_of(1, 20))  # 2 blocks for 20 tokens
     admit(manager, "b", tokens_of(2, 100), num_new=32)  # a first chunk of 32: exactly 2 blocks
     assert manager.slot_usage() == (64, 52)
-    manager.allocate_step((), (BlockRequest("a", 33),))  # a third block for one token
+    manager.allocate_step((BlockNeed("a", 33),), ())  # a third block for one token
     assert manager.slot_usage() == (80, 65)
     manager.free("a")
     assert manager.slot_usage() == (32, 32)
@@ -117,12 +118,17 @@ def test_admit_refuses_when_it_does_not_fit_and_changes_nothing():
         manager.admit("a", tokens_of(1, 40), 40)
 
 
-def test_release_happens_before_the_grants():
+def test_a_preempted_request_s_blocks_go_to_the_requests_kept():
     manager = make_manager(num_blocks=4, block_size=16)
-    admit(manager, "a", tokens_of(1, 64))
-    grants, available = manager.allocate_step(("a",), (BlockRequest("b", 64, tokens_of(2, 64)),))
-    assert grants[0].granted and available == 0
-    assert manager.block_table("a") == ()
+    admit(manager, "x", tokens_of(1, 16))
+    admit(manager, "a", tokens_of(2, 48))
+    allocation = manager.allocate_step(
+        (BlockNeed("x", 32), BlockNeed("a", 48)), (Candidate("b", tokens_of(3, 16), 16),)
+    )
+    assert [g.request_id for g in allocation.kept] == ["x"] and allocation.preempted == ("a",)
+    assert allocation.admitted == ()  # admitting while preempting would only preempt again
+    assert manager.block_table("a") == () and len(manager.block_table("x")) == 2
+    assert manager.block_table("b") == () and manager.num_available == 2
 
 
 # --- reference counts and prefix hits ----------------------------------------------------------------
@@ -307,53 +313,84 @@ def test_lru_evicts_tail_blocks_of_a_prefix_first():
     assert admit(manager, "c", tokens, num_new=1).num_cached_tokens == 8
 
 
-# --- the step: running all or none, new in order -------------------------------------------------------
+# --- the step: the longest prefix of the running that fits, then new ones in order --------------------
 
 
-def test_running_requests_are_granted_all_or_none():
+def test_running_requests_keep_the_longest_prefix_that_fits():
     manager = make_manager(num_blocks=6, block_size=4)
     admit(manager, "a", tokens_of(1, 4))
     admit(manager, "b", tokens_of(2, 4))
-    before = {r: manager.block_table(r) for r in "ab"}
-    # a alone would fit (2 of the 4 available blocks), but a and b together need 2 + 3.
-    requests = (BlockRequest("a", 12), BlockRequest("b", 16), BlockRequest("c", 4, tokens_of(3, 4)))
-    grants, available = manager.allocate_step((), requests)
-    assert grants == [BlockGrant("a", False), BlockGrant("b", False), BlockGrant("c", False)]
-    assert available == 4 == manager.num_available
-    assert {r: manager.block_table(r) for r in "ab"} == before and manager.block_table("c") == ()
-    # Within the room, both grow.
-    grants, available = manager.allocate_step((), (BlockRequest("a", 12), BlockRequest("b", 12)))
-    assert all(g.granted for g in grants) and available == 0
-    assert [len(g.block_table) for g in grants] == [3, 3]
+    a_blocks = manager.block_table("a")
+    # a alone fits (2 of the 4 available blocks); with b (3 more) they do not: b, ranked below,
+    # is released, and c is not admitted in a step that preempts.
+    allocation = manager.allocate_step(
+        (BlockNeed("a", 12), BlockNeed("b", 16)), (Candidate("c", tokens_of(3, 4), 4),)
+    )
+    assert allocation.kept == (BlockGrant("a", manager.block_table("a")),)
+    assert allocation.preempted == ("b",) and allocation.admitted == ()
+    assert manager.block_table("a")[:1] == a_blocks and len(manager.block_table("a")) == 3
+    assert manager.block_table("b") == manager.block_table("c") == ()
+    assert manager.num_available == 3
+    # Within the room, every running request grows and nothing is preempted.
+    allocation = manager.allocate_step((BlockNeed("a", 16),), ())
+    assert [len(g.block_table) for g in allocation.kept] == [4] and allocation.preempted == ()
+
+
+def test_the_top_request_is_preempted_when_it_does_not_fit_even_alone():
+    manager = make_manager(num_blocks=4, block_size=4)
+    admit(manager, "a", tokens_of(1, 8))
+    admit(manager, "b", tokens_of(2, 4))
+    allocation = manager.allocate_step((BlockNeed("a", 20), BlockNeed("b", 5)), ())
+    assert allocation.kept == () and allocation.preempted == ("a", "b")
+    assert manager.num_available == 4
+
+
+def test_releasing_a_shared_prefix_frees_only_blocks_no_kept_request_holds():
+    # a and b share two cached blocks; x and a and b each need one more block, and none is free.
+    # Releasing b frees its own block only (a holds the shared ones): one block, x and a need two.
+    # Releasing a as well frees the shared blocks and a's own: x is kept alone.
+    manager = make_manager(num_blocks=5, block_size=4)
+    shared = tokens_of(1, 8)
+    admit(manager, "x", tokens_of(2, 4))
+    run(manager, "a", shared + (5, 5))
+    admit(manager, "b", shared + (7, 7))
+    assert manager.block_table("a")[:2] == manager.block_table("b")[:2] and manager.num_available == 0
+    needs = (BlockNeed("x", 5), BlockNeed("a", 13), BlockNeed("b", 13))
+    allocation = manager.allocate_step(needs, ())
+    assert [g.request_id for g in allocation.kept] == ["x"] and allocation.preempted == ("a", "b")
+    # The shared blocks are cached: released, they stay available for a later hit.
+    assert len(manager.block_table("x")) == 2
+    assert manager.num_available == 3 and manager.num_cached_blocks == 2
 
 
 def test_new_requests_are_refused_in_order_once_one_does_not_fit():
     manager = make_manager(num_blocks=6, block_size=4)
     admit(manager, "a", tokens_of(1, 4))
-    requests = (
-        BlockRequest("a", 8),
-        BlockRequest("b", 8, tokens_of(2, 8)),  # 2 blocks: fits (4 left after a)
-        BlockRequest("c", 12, tokens_of(3, 12)),  # 3 blocks: only 2 left
-        BlockRequest("d", 4, tokens_of(4, 4)),  # would fit, refused to keep the order
+    waiting = (
+        Candidate("b", tokens_of(2, 8), 8),  # 2 blocks: fits (4 left after a)
+        Candidate("c", tokens_of(3, 12), 12),  # 3 blocks: only 2 left
+        Candidate("d", tokens_of(4, 4), 4),  # would fit, refused to keep the order
     )
-    grants, available = manager.allocate_step((), requests)
-    assert [g.granted for g in grants] == [True, True, False, False]
-    assert available == 2 and manager.block_table("c") == manager.block_table("d") == ()
+    allocation = manager.allocate_step((BlockNeed("a", 8),), waiting)
+    assert [g.request_id for g in allocation.kept] == ["a"]
+    assert [g.request_id for g in allocation.admitted] == ["b"]
+    assert manager.num_available == 2 and manager.block_table("c") == manager.block_table("d") == ()
 
 
-def test_refused_new_requests_still_report_the_room():
+def test_a_refused_candidate_changes_nothing():
     manager = make_manager(num_blocks=2, block_size=4)
-    grants, available = manager.allocate_step((), (BlockRequest("a", 12, tokens_of(1, 12)),))
-    assert grants == [BlockGrant("a", False)] and available == 2
+    allocation = manager.allocate_step((), (Candidate("a", tokens_of(1, 12), 12),))
+    assert allocation.admitted == () and manager.num_available == 2 and manager.prefix_queries == 0
 
 
 def test_step_grant_carries_the_cached_prefix():
     manager = make_manager(num_blocks=8, block_size=4)
     tokens = tokens_of(1, 10)
     run_and_free(manager, "a", tokens)
-    grants, _ = manager.allocate_step((), (BlockRequest("b", 4, tokens),))
+    allocation = manager.allocate_step((), (Candidate("b", tokens, 4),))
     # 8 tokens cached, then 4 more asked for but only 2 remain in the prompt.
-    assert grants[0].num_cached_tokens == 8 and len(grants[0].block_table) == 3
+    [grant] = allocation.admitted
+    assert grant.num_cached_tokens == 8 and len(grant.block_table) == 3
 
 
 def test_prefix_caching_disabled_never_hits():
@@ -422,11 +459,12 @@ def test_random_operations_keep_the_invariants(policy):
                 live[rid][1] = committed + n
             else:  # everything covered is computed: decode one more token
                 tokens.append(rng.randrange(3))
-                grants, _ = manager.allocate_step((), (BlockRequest(rid, len(tokens)),))
-                if grants[0].granted:
+                allocation = manager.allocate_step((BlockNeed(rid, len(tokens)),), ())
+                if allocation.kept:
                     live[rid][2] = len(tokens)
-                else:
-                    tokens.pop()
+                else:  # it does not fit even alone: preempted, its blocks released
+                    assert allocation.preempted == (rid,) and manager.block_table(rid) == ()
+                    del live[rid]
         else:
             rid = rng.choice(sorted(live))
             manager.free(rid)

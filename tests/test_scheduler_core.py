@@ -1,4 +1,4 @@
-"""SchedulerCore driven against a real KVCacheManager, the way the scheduler actor wires them."""
+"""SchedulerCore driven against a real KVCacheManager, with the scheduler actor's own calls."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import pytest
 
 from cadenza.actors.cache_manager import KVCacheManager
 from cadenza.actors.request_state import Request
-from cadenza.actors.scheduler_core import SchedulerCore, StepPlan, TokenEvent
+from cadenza.actors.scheduler_core import QueueFullError, SchedulerCore, StepPlan, TokenEvent
 from cadenza.config import SchedulerConfig
-from cadenza.messages import SampledToken, StepAllocation
-from cadenza.model_runner import ScheduledChunk
+from cadenza.messages import SampledToken
 from cadenza.plugins.eviction import FIFOPolicy, LFUPolicy, LRUPolicy
 from cadenza.sampling_params import SamplingParams
+from cadenza.step import PENDING_TOKEN, ScheduledChunk
 
 EOS = 2
 
@@ -55,8 +55,7 @@ def next_token(request: Request) -> int:
 
 @dataclass
 class Step:
-    plans: list[StepPlan]  # every attempt, the last one granted
-    refused: int  # attempts whose running requests the cache manager refused
+    plan: StepPlan
     chunks: list[ScheduledChunk]
     events: list[TokenEvent] = field(default_factory=list)
 
@@ -65,7 +64,8 @@ class Step:
 
 
 class Harness:
-    """The scheduler actor's loop, synchronously: plan, allocate, run, commit, update, free."""
+    """The scheduler actor's calls, synchronously: `schedule`, the cache manager's `allocate_step`,
+    `apply_allocation`; a pretend model; then `finish_step`, commit, `update_from_output`, free."""
 
     def __init__(self, core: SchedulerCore, manager: KVCacheManager, sample=next_token) -> None:
         self.core = core
@@ -75,7 +75,6 @@ class Harness:
         self.failed: list[str] = []
         self.steps: list[Step] = []
         self.kv: dict[int, dict[int, int]] = {}  # block -> slot -> token, what the model wrote
-        self._stale = True
         self.now = 0.0
 
     def add(self, request: Request) -> Request:
@@ -84,50 +83,39 @@ class Harness:
 
     def abort(self, request_id: str) -> None:
         if self.core.abort(request_id) is not None:
-            self.release(request_id)
+            self.manager.free(request_id)
 
-    def release(self, request_id: str) -> None:
-        self.manager.free(request_id)
-        self._stale = True
-
-    def allocate(self, plan: StepPlan) -> list[ScheduledChunk] | None:
-        released = tuple(r.request_id for r in plan.preempted)
-        grants, available = self.manager.allocate_step(released, plan.block_requests())
-        return self.core.apply_allocation(plan, StepAllocation(plan.step_id, tuple(grants), available), self.now)
-
-    def refresh(self) -> None:
-        if self._stale:
-            self.core.num_free_blocks = self.manager.allocate_step((), ())[1]
-            self._stale = False
-
-    def plan(self, first: StepPlan | None = None) -> Step | None:
-        """Plan until the cache manager grants the running requests; `first` is an attempt made already."""
-        self.refresh()
-        plans, refused = [], 0
-        for _ in range(100):
-            plan, first = first or self.core.schedule(), None
-            plans.append(plan)
-            if plan.is_empty and not plan.preempted:
-                return self.fail_head()
-            chunks = self.allocate(plan)
-            if chunks is None:
-                refused += 1
-                continue
-            if not chunks:
-                return self.fail_head()
-            self._check_step(chunks)
-            return Step(plans, refused, chunks)
-        raise AssertionError("scheduling did not converge")
+    def plan(self) -> Step | None:
+        """Plan, allocate and apply one step; None when there is nothing to run."""
+        plan = self.core.schedule()
+        if plan is None:
+            return None
+        allocation = self.manager.allocate_step(*plan.allocation_request(), plan.step_id)
+        chunks = self.core.apply_allocation(plan, allocation, self.now)
+        self.manager.check_invariants()
+        for request in plan.preempted:
+            assert self.manager.block_table(request.request_id) == ()
+            assert request.num_computed_tokens == 0
+            assert request in self.core.waiting or request is plan.unschedulable
+        if plan.unschedulable is not None:  # the actor fails it
+            assert not self.core.running and not chunks
+            self.manager.free(plan.unschedulable.request_id)
+            self.failed.append(plan.unschedulable.request_id)
+        if not chunks:
+            return None
+        self._check_step(chunks)
+        return Step(plan, chunks)
 
     def finish(self, step: Step, sampled: tuple[SampledToken, ...]) -> None:
-        for request_id, tokens in self.core.computed_tokens(step.plans[-1]):
+        assert self.core.finish_step(step.plan.step_id) is step.plan
+        for request_id, tokens in self.core.computed_tokens(step.plan):
             self.manager.commit(request_id, tokens)
-        step.events = self.core.update_from_output(sampled)
+        step.events = self.core.update_from_output(sampled, step.plan)
         for event in step.events:
             if event.finish_reason is not None:
                 assert event.request.request_id not in self.finished, "finished twice"
                 self.finished[event.request.request_id] = event
-                self.release(event.request.request_id)
+                self.manager.free(event.request.request_id)
         self.manager.check_invariants()
 
     def run_model(self, step: Step) -> tuple[SampledToken, ...]:
@@ -138,9 +126,9 @@ class Harness:
                 sampled.append(SampledToken(chunk.request_id, self.sample(request)))
         return tuple(sampled)
 
-    def step(self, plan: StepPlan | None = None) -> Step | None:
+    def step(self) -> Step | None:
         self.now += 1.0
-        step = self.plan(plan)
+        step = self.plan()
         if step is None:
             return None
         self.steps.append(step)
@@ -153,15 +141,6 @@ class Harness:
                 return
             self.step()
         raise AssertionError("the workload did not finish")
-
-    def fail_head(self) -> None:
-        """Nothing runs and the queue's head cannot fit: the actor fails it."""
-        if not self.core.running and self.core.waiting:
-            request = self.core.waiting[0]
-            self.core.abort(request.request_id)
-            self.release(request.request_id)
-            self.failed.append(request.request_id)
-        return None
 
     def _check_step(self, chunks: list[ScheduledChunk]) -> None:
         """Budgets, and what a model would see: every earlier position is in the blocks, none shared is written."""
@@ -177,6 +156,8 @@ class Harness:
             assert tuple(chunk.block_table) == self.manager.block_table(chunk.request_id)
             assert len(chunk.block_table) * size >= start + n
             assert chunk.sample == (start + n == request.num_tokens)
+            assert chunk.prompt_token_ids is request.prompt_token_ids  # a reference, never a copy
+            assert chunk.num_output_tokens == len(request.output_token_ids)
             tokens = request.all_tokens()
             for position in range(start):
                 assert self.kv[chunk.block_table[position // size]][position % size] == tokens[position]
@@ -289,11 +270,10 @@ def test_last_admitted_request_is_preempted_to_the_front_of_the_queue():
     while not b.num_preemptions:
         step = h.step()
     assert h.core.num_preemptions == 1
-    assert step.plans[-1].preempted == [b] and step.refused == 0
+    assert step.plan.preempted == [b]
     assert [r.request_id for r in h.core.running] == ["a"]
     assert [r.request_id for r in h.core.waiting] == ["b", "c"]
-    assert b.num_computed_tokens == 0 and b.block_table == () and b.num_blocks == 0
-    assert h.manager.block_table("b") == ()
+    assert b.num_computed_tokens == 0 and h.manager.block_table("b") == ()
     generated = list(b.output_token_ids)
     assert len(generated) == 5
     # b comes back once a has finished, ahead of c, recomputes its prompt and the tokens it
@@ -343,11 +323,11 @@ def test_a_tight_cache_finishes_every_request_exactly_once(seed, prefix_caching)
     assert sum(r.num_preemptions for r in requests) == h.core.num_preemptions
 
 
-def test_refused_plan_is_replanned_with_more_preemption():
+def test_preemption_counts_shared_blocks_exactly_in_one_exchange():
     # 5 blocks of 4, chunks of 4. a's prompt is two blocks b shares and a third of its own; b is
     # admitted once a has cached the two. From step 4 on, x, a and b each need a new block and
-    # none is free: the scheduler preempts b counting its 3 blocks, but 2 stay held by a, so the
-    # cache manager refuses the plan, and the next plan preempts a as well.
+    # none is free. Releasing b frees only its own block (a still holds the two shared ones), not
+    # enough for x and a: the cache manager keeps x alone, preempting a and b in the same answer.
     h = make_harness(num_blocks=5, chunk_size=4, max_num_batched_tokens=64)
     shared = tuple(range(500, 508))
     x = h.add(make_request("x", prompt_len=2, max_tokens=6))
@@ -359,10 +339,7 @@ def test_refused_plan_is_replanned_with_more_preemption():
     assert b.num_cached_tokens == 8 and h.manager.block_table("b")[:2] == h.manager.block_table("a")[:2]
     assert h.manager.num_available == 0 and h.core.running == [x, a, b]
     step = h.step()
-    assert step.refused == 1
-    first, second = step.plans
-    assert first.preempted == [b] and [r for r, _ in first.scheduled] == [x, a]
-    assert second.preempted == [a] and [r for r, _ in second.scheduled] == [x]
+    assert step.plan.preempted == [a, b]
     assert [c.request_id for c in step.chunks] == ["x"]
     assert h.core.waiting == [a, b] and h.core.running == [x]
     assert a.num_computed_tokens == 0 and a.num_preemptions == b.num_preemptions == 1
@@ -390,12 +367,10 @@ def test_priority_request_too_big_for_the_cache_is_failed_not_a_better_ranked_on
     small = h.add(make_request("small", priority=0, max_tokens=2))
     while big.num_computed_tokens < 16:
         h.step()
-    h.refresh()
-    plan = h.core.schedule()
-    assert plan.preempted == [big] and plan.is_empty
-    assert h.core.waiting == [big, small]
-    assert h.step(plan) is None
-    assert h.failed == ["big"]
+    assert h.core.waiting == [small]
+    assert h.step() is None
+    assert h.failed == ["big"] and big.num_preemptions == 1
+    assert h.core.waiting == [small] and not h.core.running
     h.run()
     check_all_finished(h, [small])
 
@@ -412,11 +387,9 @@ def test_priority_self_preemption_behind_others_keeps_the_rank_order():
     c = h.add(make_request("c", priority=1, max_tokens=1))
     while a.num_computed_tokens < 8:
         h.step()
-    h.refresh()
-    plan = h.core.schedule()
-    assert plan.preempted == [b] and [r for r, _ in plan.scheduled] == [a]
+    step = h.step()
+    assert step.plan.preempted == [b] and [c.request_id for c in step.chunks] == ["a"]
     assert h.core.waiting == [c, b]
-    h.step(plan)
     h.run()
     check_all_finished(h, [a, b, c])
 
@@ -512,7 +485,7 @@ def test_priority_policy_preempts_the_worst_ranked():
     c = h.add(make_request("c", priority=0, prompt_len=3, max_tokens=8))
     while not h.core.num_preemptions:
         step = h.step()
-    assert step.plans[-1].preempted == [b]
+    assert step.plan.preempted == [b]
     assert [r.request_id for r in h.core.running] == ["c", "a"]
     assert h.core.waiting == [b]
     h.run()
@@ -613,7 +586,7 @@ def test_tokens_of_a_request_aborted_during_its_step_are_ignored():
     step = h.plan()
     sampled = h.run_model(step)
     h.abort("b")  # arrives while the step runs
-    assert [rid for rid, _ in h.core.computed_tokens(step.plans[-1])] == ["a"]
+    assert [rid for rid, _ in h.core.computed_tokens(step.plan)] == ["a"]
     h.finish(step, sampled)
     assert [e.request.request_id for e in step.events] == ["a"]
     assert b.output_token_ids == [] and a.output_token_ids == [1000]
@@ -621,17 +594,31 @@ def test_tokens_of_a_request_aborted_during_its_step_are_ignored():
     check_all_finished(h, [a])
 
 
-def test_fail_during_a_plan_removes_the_requests_it_took_from_the_queue():
-    # The actor's error path fails every request when a step breaks between schedule and
-    # apply_allocation; admitted requests are then in neither queue.
-    h = make_harness()
-    a = h.add(make_request("a"))
+def test_a_plan_changes_nothing_until_it_is_applied():
+    # If the exchange with the cache manager breaks, the actor fails; until the answer is applied
+    # the plan has taken no request from the queue and preempted none.
+    h = make_harness(num_blocks=2, chunk_size=4, max_num_batched_tokens=16)
+    a = h.add(make_request("a", prompt_len=4, max_tokens=8))
     h.step()
     h.add(make_request("b"))
-    h.core.schedule()
+    plan = h.core.schedule()
+    assert [(r.request_id, n) for r, n in plan.running] == [("a", 1)]
+    assert [(r.request_id, n) for r, n in plan.candidates] == [("b", 4)]
+    assert [r.request_id for r in h.core.waiting] == ["b"] and h.core.running == [a]
+    assert not h.core.in_flight and a.num_computed_tokens == 4
     assert [r.request_id for r in h.core.fail(list(h.core.requests))] == ["a", "b"]
     assert not h.core.has_work and not h.core.requests
-    assert a.output_token_ids == [1000]
+
+
+def test_queue_past_max_waiting_refuses_new_requests():
+    h = make_harness(max_waiting=2, max_num_seqs=1)
+    h.add(make_request("a"))
+    h.add(make_request("b"))
+    with pytest.raises(QueueFullError, match="2 requests are waiting"):
+        h.add(make_request("c"))
+    assert "c" not in h.core.requests
+    h.step()  # a runs: one seat in the queue again
+    h.add(make_request("c"))
 
 
 def test_fail_removes_requests():
@@ -662,3 +649,73 @@ def test_prefix_hit_skips_cached_prompt_tokens():
     h.run()
     check_all_finished(h, [a, b])
     assert a.num_cached_tokens == 0
+
+
+# --- two steps in flight (async scheduling) ---------------------------------------------------------
+
+
+def allocate(core: SchedulerCore, manager: KVCacheManager) -> tuple[StepPlan, list[ScheduledChunk]]:
+    plan = core.schedule()
+    chunks = core.apply_allocation(plan, manager.allocate_step(*plan.allocation_request(), plan.step_id), 0.0)
+    manager.check_invariants()
+    return plan, chunks
+
+
+def test_the_next_step_is_planned_while_one_runs_with_a_placeholder_token():
+    core = make_core(async_scheduling=True)
+    manager = KVCacheManager(16, 4, LRUPolicy())
+    a = make_request("a", prompt_len=4, max_tokens=2)
+    core.add(a)
+    first, [prefill] = allocate(core, manager)
+    assert (prefill.start_position, prefill.sample, prefill.num_output_tokens) == (0, True, 0)
+    assert core.can_schedule  # one step in flight of two
+    second, [decode] = allocate(core, manager)
+    # Its input is the token the first step is still sampling; counting it, a has one output.
+    assert list(decode.token_ids) == [PENDING_TOKEN] and decode.start_position == 4
+    assert decode.num_output_tokens == 1 and not core.can_schedule
+    # max_tokens=2: both tokens are being sampled, so nothing more is planned for a.
+    assert core.finish_step(first.step_id) is first
+    assert core.can_schedule and core.schedule() is None
+    assert [e.token.token_id for e in core.update_from_output((SampledToken("a", 7),), first)] == [7]
+    assert core.finish_step(second.step_id) is second
+    events = core.update_from_output((SampledToken("a", 8),), second)
+    assert [(e.token.token_id, e.finish_reason) for e in events] == [(8, "length")]
+    assert a.output_token_ids == [7, 8] and not core.has_work
+    with pytest.raises(RuntimeError):
+        core.finish_step(second.step_id)
+
+
+def test_a_token_sampled_before_a_preemption_is_stale():
+    # 3 blocks of 4. a and b fill one block each in the first step; the second, planned while the
+    # first runs, needs a new block for each: one is free, so b (the last admitted) is preempted
+    # while its first token is being sampled. That token is dropped, and b's recompute tells the
+    # runner it has no output yet, so the runner drops the token it kept too.
+    core = make_core(async_scheduling=True)
+    manager = KVCacheManager(3, 4, LRUPolicy(), enable_prefix_caching=False)
+    a = make_request("a", prompt_len=4, max_tokens=3)
+    b = make_request("b", prompt_len=4, max_tokens=3)
+    core.add(a)
+    core.add(b)
+    first, chunks = allocate(core, manager)
+    assert [(c.request_id, c.sample) for c in chunks] == [("a", True), ("b", True)]
+    second, chunks = allocate(core, manager)
+    assert second.preempted == [b] and [c.request_id for c in chunks] == ["a"]
+    assert core.waiting == [b] and b.epoch == 1 and manager.block_table("b") == ()
+    core.finish_step(first.step_id)
+    assert [r for r, _ in core.computed_tokens(first)] == ["a"]
+    events = core.update_from_output((SampledToken("a", 7), SampledToken("b", 7)), first)
+    assert [e.request.request_id for e in events] == ["a"] and b.output_token_ids == []
+    core.finish_step(second.step_id)
+    core.update_from_output((SampledToken("a", 8),), second)
+    while "b" in core.requests:
+        plan, chunks = allocate(core, manager)
+        for chunk in chunks:
+            if chunk.request_id == "b" and chunk.start_position == 0:
+                assert chunk.num_output_tokens == 0 and list(chunk.token_ids) == list(b.prompt_token_ids)
+        core.finish_step(plan.step_id)
+        for event in core.update_from_output(tuple(SampledToken(c.request_id, 9) for c in chunks if c.sample), plan):
+            if event.finish_reason is not None:
+                manager.free(event.request.request_id)
+    assert a.output_token_ids == [7, 8, 9] and b.output_token_ids == [9, 9, 9]
+    manager.check_invariants()
+    assert manager.num_available == 3

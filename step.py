@@ -1,0 +1,44 @@
+"""The values a step is made of, shared by the scheduler, the runner and the model runner.
+
+Plain data: importing this costs no torch and no model, so the scheduler and the messages can use
+it without loading either.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from cadenza.sampling_params import SamplingParams
+
+# A decode scheduled before the step that samples its input token has finished carries this in
+# place of the token; the runner fills in what that step sampled (steps run in order).
+PENDING_TOKEN = -1
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """New tokens of one sequence to run this step.
+
+    `token_ids` sit at positions `start_position ..`; the tokens before them are already cached in
+    `block_table` (the cache manager's table for this step), which covers every position this step
+    writes. When `sample` is set (a decode, or the last chunk of a prompt) the step picks the
+    sequence's next token from its last position. A decode's token may be `PENDING_TOKEN`: the
+    token the previous step sampled for this request.
+
+    The runner keeps what sampling reads per request (the prompt, the tokens sampled so far, the
+    seeded generator): `prompt_token_ids` is the request's prompt (the scheduler's own tuple, not
+    a copy), and `num_output_tokens` how many output tokens the request has before this chunk
+    samples, counting the ones steps in flight are sampling. The runner drops any it holds beyond
+    that (sampled before a preemption, and discarded by the scheduler); None trusts the runner's
+    record as it is (for callers that drive the model runner directly).
+    """
+
+    request_id: str
+    token_ids: Sequence[int]
+    start_position: int
+    block_table: Sequence[int]
+    sample: bool = True
+    params: SamplingParams | None = None
+    prompt_token_ids: Sequence[int] = ()
+    num_output_tokens: int | None = None
