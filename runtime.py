@@ -150,7 +150,7 @@ def _build_runtime(config: CadenzaConfig, extra_plugins=()) -> Runtime:
     torch.manual_seed(config.model.seed)
 
     loaded = load_model(config.model.path, dtype=dtype, device=device, max_model_len=config.model.max_model_len,
-                        cpu_kernels=config.model.cpu_kernels)
+                        cpu_kernels=config.model.cpu_kernels, quantization=config.model.quantization)
     arch = loaded.arch
     block_size = config.cache.block_size
     # The cache holds keys and values in the dtype attention computes in (float32 where bf16

@@ -22,6 +22,8 @@ def _add_common(parser: argparse.ArgumentParser, peers: bool = True) -> None:
     parser.add_argument("--config", help="deployment YAML file for cadenza's engine settings")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--num-threads", type=int, help="torch (and llama.cpp) threads; default: torch's")
+    parser.add_argument("--quantization", choices=["auto", "none"],
+                        help="cadenza's model.quantization: run a GGUF's blocks natively (auto) or de-quantize (none)")
     parser.add_argument("--seed", type=int, default=0, help="workload and engine seed")
     parser.add_argument("--temperature", type=float, default=0.6)
     if peers:
@@ -119,7 +121,8 @@ def _setup_process(args: argparse.Namespace):
 def _load_engine(args: argparse.Namespace):
     from cadenza.bench.engines import CadenzaEngine
 
-    return CadenzaEngine(args.model, dtype=args.dtype, num_threads=args.num_threads, overrides={"model.seed": args.seed},
+    overrides = {"model.seed": args.seed, "model.quantization": args.quantization}
+    return CadenzaEngine(args.model, dtype=args.dtype, num_threads=args.num_threads, overrides=overrides,
                          config_path=args.config)
 
 

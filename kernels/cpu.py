@@ -6,7 +6,7 @@ PyTorch's ops (with a warning naming why) otherwise; "on" raises `KernelUnavaila
 of falling back; "off" never builds them. It returns the compiled module, or None where the PyTorch
 path runs; each model keeps the module it was given.
 
-The build (about 30 s) goes to PyTorch's extension cache (`TORCH_EXTENSIONS_DIR`, by default
+The build (about 25 s) goes to PyTorch's extension cache (`TORCH_EXTENSIONS_DIR`, by default
 ~/.cache/torch_extensions) and is reused until the source changes; concurrent processes wait on
 PyTorch's build lock instead of building twice.
 """
@@ -24,7 +24,7 @@ from types import ModuleType
 
 import structlog
 
-from cadenza.models.cpu_features import cpu_has_avx2_fma
+from cadenza.models.cpu_features import cpu_flags, cpu_has_avx2_fma
 from cadenza.models.errors import ModelLoadError
 
 log = structlog.get_logger(__name__)
@@ -55,13 +55,18 @@ def configure(mode: str) -> ModuleType | None:
     return module
 
 
+def build_error() -> str | None:
+    """Why the kernels did not build (None: they did, or no build was tried yet)."""
+    return _build_error
+
+
 def _build() -> tuple[ModuleType | None, str | None]:
     global _built, _build_error
     with _lock:
         if _built is not None or _build_error is not None:
             return _built, _build_error
-        if not cpu_has_avx2_fma():
-            _build_error = "the CPU lacks AVX2/FMA (or is not x86-64)"
+        if not cpu_has_avx2_fma() or "f16c" not in cpu_flags():
+            _build_error = "the CPU lacks AVX2/FMA/F16C (or is not x86-64)"
             log.info("CPU kernels unavailable; using PyTorch ops", reason=_build_error)
             return None, _build_error
         started = time.perf_counter()
@@ -89,7 +94,7 @@ def _compile() -> ModuleType:
     return load(
         name="cadenza_cpu_kernels",
         sources=[str(SOURCE)],
-        extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp", f"-DCADENZA_HEADERS_DIGEST={headers}"],
+        extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", f"-DCADENZA_HEADERS_DIGEST={headers}"],
         extra_ldflags=["-fopenmp"],
         verbose=False,
     )

@@ -10,13 +10,14 @@
 // built with the same OpenMP runtime PyTorch ships, so no second thread team appears.
 //
 // The kernels live in the headers beside this file (one translation unit, built once):
-// simd.h (AVX2 helpers), linear.h, small_ops.h, paged_attention.h, decode_layer.h.
+// simd.h (AVX2 helpers), linear.h, small_ops.h, paged_attention.h, decode_layer.h, quant.h (GGUF blocks).
 
 #include <torch/extension.h>
 
 #include "decode_layer.h"
 #include "linear.h"
 #include "paged_attention.h"
+#include "quant.h"
 #include "small_ops.h"
 
 using namespace cadenza;
@@ -26,6 +27,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = py::call_guard<py::gil_scoped_release>;
   m.def("linear_bf16", &linear_bf16, "x float32 @ w bfloat16^T (+ bias) -> float32", release());
   m.def("linear_bf16_add_", &linear_bf16_add_, "residual += x @ w^T (+ bias), in place", release());
+  m.def("quant_linear", &quant_linear, "x float32 @ W^T, W raw GGUF blocks [out, bytes] of a GGML type", release());
+  m.def("quant_linear_add_", &quant_linear_add_, "residual += x @ W^T (+ bias), W raw GGUF blocks", release());
+  m.def("quant_matmul_", &quant_matmul_, "out (+)= x @ W^T (+ bias) into a [rows, out] view", release());
+  m.def("quant_rows", &quant_rows, "rows of raw GGUF blocks, de-quantized to float32", release());
+  m.def("quant_dequantize", &quant_dequantize, "raw GGUF blocks [out, bytes], de-quantized to float32 [out, in]", release());
+  m.def("quant_dequantize_", &quant_dequantize_, "raw GGUF blocks, de-quantized into a float32 [out, in] tensor", release());
+  m.def("quant_in_features", &quant_in_features, "in_features of raw GGUF blocks [out, bytes] of a GGML type");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, float32", release());
   m.def("rotary_", &rotary_, "in-place NeoX rotary embedding from cos/sin tables", release());
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up for a fused [rows, 2 * I] gate_up", release());
@@ -36,7 +44,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, torch::Tensor,
                     c10::optional<torch::Tensor>, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>,
                     torch::Tensor, c10::optional<torch::Tensor>, torch::Tensor, torch::Tensor, int64_t, int64_t,
-                    int64_t, double>())
+                    int64_t, double, int64_t, int64_t, int64_t, int64_t>())
       .def("attention_input", &DecoderLayerKernel::attention_input,
            "(q, k, v) of h: input norm, fused projection, rotary", release())
       .def("finish_", &DecoderLayerKernel::finish_, "h += attention output and MLP, in place", release());

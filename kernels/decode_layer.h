@@ -13,42 +13,77 @@
 #include <tuple>
 
 #include "linear.h"
+#include "quant.h"
 #include "small_ops.h"
 
 namespace cadenza {
 
+// One projection of the layer: a bf16 weight [out, in] (qtype -1), or raw GGUF blocks
+// [out, bytes per row] of GGML type qtype (quant.h).
+struct Projection {
+  torch::Tensor w;
+  c10::optional<torch::Tensor> bias;
+  int64_t qtype;
+
+  int64_t out_features() const { return w.size(0); }
+  int64_t in_features() const { return qtype < 0 ? w.size(1) : quant_in_features(w, qtype); }
+
+  void check(int64_t in_features) const {
+    const auto probe = torch::empty({1, in_features}, torch::dtype(torch::kFloat32));
+    if (qtype < 0) {
+      check_linear(probe, w, bias);
+    } else {
+      auto out = torch::empty({1, w.size(0)}, probe.options());
+      quant_matmul_(out, probe.zero_(), w, qtype, bias, false);  // checks shapes and the bias
+    }
+  }
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    if (qtype < 0) return linear_unchecked(x, w, bias);
+    auto out = torch::empty({x.size(0), w.size(0)}, x.options());
+    quant_matmul_(out, x, w, qtype, bias, false);
+    return out;
+  }
+
+  void add_into(torch::Tensor& out, const torch::Tensor& x) const {  // out += x @ W^T (+ bias)
+    if (qtype < 0) linear_impl(x, w, bias, out, true);
+    else quant_matmul_(out, x, w, qtype, bias, true);
+  }
+};
+
 class DecoderLayerKernel {
  public:
-  // Weights are the model's own tensors (bf16 [out, in] projections, float32 norms and biases),
-  // held by reference: nothing is copied.
+  // Weights are the model's own tensors (bf16 [out, in] projections or raw GGUF blocks, see
+  // `Projection`; float32 norms and biases), held by reference: nothing is copied. The *_type
+  // arguments are each projection's GGML type, -1 for bf16.
   DecoderLayerKernel(torch::Tensor input_norm, torch::Tensor qkv_weight, c10::optional<torch::Tensor> qkv_bias,
                      torch::Tensor o_weight, c10::optional<torch::Tensor> o_bias, torch::Tensor post_norm,
                      torch::Tensor gate_up_weight, c10::optional<torch::Tensor> gate_up_bias,
                      torch::Tensor down_weight, c10::optional<torch::Tensor> down_bias, torch::Tensor cos_table,
-                     torch::Tensor sin_table, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps)
-      : input_norm_(std::move(input_norm)), qkv_weight_(std::move(qkv_weight)), qkv_bias_(std::move(qkv_bias)),
-        o_weight_(std::move(o_weight)), o_bias_(std::move(o_bias)), post_norm_(std::move(post_norm)),
-        gate_up_weight_(std::move(gate_up_weight)), gate_up_bias_(std::move(gate_up_bias)),
-        down_weight_(std::move(down_weight)), down_bias_(std::move(down_bias)), cos_table_(std::move(cos_table)),
+                     torch::Tensor sin_table, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
+                     int64_t qkv_type, int64_t o_type, int64_t gate_up_type, int64_t down_type)
+      : input_norm_(std::move(input_norm)), qkv_{std::move(qkv_weight), std::move(qkv_bias), qkv_type},
+        o_{std::move(o_weight), std::move(o_bias), o_type}, post_norm_(std::move(post_norm)),
+        gate_up_{std::move(gate_up_weight), std::move(gate_up_bias), gate_up_type},
+        down_{std::move(down_weight), std::move(down_bias), down_type}, cos_table_(std::move(cos_table)),
         sin_table_(std::move(sin_table)), num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim),
         eps_(eps) {
     const int64_t hidden = input_norm_.numel(), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-    TORCH_CHECK(qkv_weight_.dim() == 2 && qkv_weight_.size(0) == q_size + 2 * kv_size && qkv_weight_.size(1) == hidden,
+    TORCH_CHECK(qkv_.w.dim() == 2 && qkv_.out_features() == q_size + 2 * kv_size && qkv_.in_features() == hidden,
                 "qkv weight must be [q_size + 2 * kv_size, hidden]");
-    TORCH_CHECK(o_weight_.dim() == 2 && o_weight_.size(0) == hidden && o_weight_.size(1) == q_size,
+    TORCH_CHECK(o_.w.dim() == 2 && o_.out_features() == hidden && o_.in_features() == q_size,
                 "o_proj weight must be [hidden, q_size]");
-    TORCH_CHECK(gate_up_weight_.dim() == 2 && gate_up_weight_.size(1) == hidden && gate_up_weight_.size(0) % 2 == 0,
+    TORCH_CHECK(gate_up_.w.dim() == 2 && gate_up_.in_features() == hidden && gate_up_.out_features() % 2 == 0,
                 "gate_up weight must be [2 * intermediate, hidden]");
-    TORCH_CHECK(down_weight_.dim() == 2 && down_weight_.size(0) == hidden &&
-                    2 * down_weight_.size(1) == gate_up_weight_.size(0),
+    TORCH_CHECK(down_.w.dim() == 2 && down_.out_features() == hidden &&
+                    2 * down_.in_features() == gate_up_.out_features(),
                 "down_proj weight must be [hidden, intermediate]");
     TORCH_CHECK(post_norm_.numel() == hidden, "the two norms must have one weight per hidden feature");
     // Every product is checked once here rather than on each call.
-    const auto probe = torch::empty({1, hidden}, input_norm_.options());
-    check_linear(probe, qkv_weight_, qkv_bias_);
-    check_linear(probe, gate_up_weight_, gate_up_bias_);
-    check_linear(torch::empty({1, q_size}, probe.options()), o_weight_, o_bias_);
-    check_linear(torch::empty({1, down_weight_.size(1)}, probe.options()), down_weight_, down_bias_);
+    qkv_.check(hidden);
+    gate_up_.check(hidden);
+    o_.check(q_size);
+    down_.check(down_.in_features());
   }
 
   // (q [T, H, D], k [T, KVH, D], v [T, KVH, D]): views of one fresh fused projection of h [T, hidden].
@@ -56,7 +91,7 @@ class DecoderLayerKernel {
                                                                           const torch::Tensor& positions) const {
     check_hidden(h);
     const int64_t T = h.size(0);
-    const torch::Tensor qkv = linear_unchecked(rms_norm(h, input_norm_, eps_), qkv_weight_, qkv_bias_);
+    const torch::Tensor qkv = qkv_(rms_norm(h, input_norm_, eps_));
     torch::Tensor qk = qkv.narrow(1, 0, (num_heads_ + num_kv_heads_) * head_dim_)
                            .view({T, num_heads_ + num_kv_heads_, head_dim_});
     rotary_(qk, positions, cos_table_, sin_table_);  // q and k side by side: one pass
@@ -70,10 +105,10 @@ class DecoderLayerKernel {
     check_hidden(h);
     const torch::Tensor attn_rows = attn.reshape({h.size(0), num_heads_ * head_dim_});
     check_f32_rows(attn_rows, "attn");
-    linear_impl(attn_rows, o_weight_, o_bias_, h, true);
-    const torch::Tensor gate_up = linear_unchecked(rms_norm(h, post_norm_, eps_), gate_up_weight_, gate_up_bias_);
+    o_.add_into(h, attn_rows);
+    const torch::Tensor gate_up = gate_up_(rms_norm(h, post_norm_, eps_));
     const torch::Tensor hidden = silu_mul(gate_up);
-    linear_impl(hidden, down_weight_, down_bias_, h, true);
+    down_.add_into(h, hidden);
   }
 
  private:
@@ -83,14 +118,10 @@ class DecoderLayerKernel {
                 "h must be a contiguous float32 [tokens, hidden] tensor");
   }
 
-  torch::Tensor input_norm_, qkv_weight_;
-  c10::optional<torch::Tensor> qkv_bias_;
-  torch::Tensor o_weight_;
-  c10::optional<torch::Tensor> o_bias_;
-  torch::Tensor post_norm_, gate_up_weight_;
-  c10::optional<torch::Tensor> gate_up_bias_;
-  torch::Tensor down_weight_;
-  c10::optional<torch::Tensor> down_bias_;
+  torch::Tensor input_norm_;
+  Projection qkv_, o_;
+  torch::Tensor post_norm_;
+  Projection gate_up_, down_;
   torch::Tensor cos_table_, sin_table_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_;

@@ -63,8 +63,9 @@ class DualPrecisionLinear(nn.Module):
 
 
 def linear_add_(linear: nn.Module, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """`residual += linear(x)` in place, for any linear layer (fused for `DualPrecisionLinear`)."""
-    if isinstance(linear, DualPrecisionLinear):
+    """`residual += linear(x)` in place, for any linear layer (fused into the product for those
+    that offer `linear_add_`: `DualPrecisionLinear`, `QuantizedLinear`)."""
+    if hasattr(linear, "linear_add_"):
         return linear.linear_add_(residual, x)
     return residual.add_(linear(x))
 

@@ -1,4 +1,5 @@
-"""Reads a GGUF file: architecture from its metadata, de-quantized weights under HF names."""
+"""Reads a GGUF file: architecture from its metadata, weights under HF names: de-quantized, or
+(those `plan_native_weights` picks) as raw blocks for cadenza's quantized kernels."""
 
 from __future__ import annotations
 
@@ -8,11 +9,15 @@ from typing import Iterator
 
 import gguf
 import numpy as np
+import structlog
 import torch
 
 from cadenza.models.config import SUPPORTED_MODEL_TYPES, ModelArchConfig, RopeConfig
 from cadenza.models.errors import ModelLoadError, UnsupportedModelError
 from cadenza.models.gguf_tokenizer import read_field
+from cadenza.models.quantized_linear import NATIVE_TYPES, QuantizedTensor
+
+log = structlog.get_logger(__name__)
 
 # The quantizations we de-quantize (through gguf.quants, the reference implementation).
 SUPPORTED_QUANT_TYPES = frozenset(
@@ -111,20 +116,71 @@ def _find_tensor(reader: gguf.GGUFReader, name: str):
     return next((t for t in reader.tensors if t.name == name), None)
 
 
+_FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16)
+# Checkpoint projections that one fused module of ours holds: kept as blocks all together or not at all.
+_FUSED_GROUPS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+
+
+def plan_native_weights(reader: gguf.GGUFReader, why_not: str | None) -> frozenset[str]:
+    """The HF names of the weights to keep as raw blocks: 2-D weights of a type with a kernel
+    (quant.h), unless `why_not` says why none can be (quantization none, no kernels...).
+    Logs one line per tensor type: native kernel, or de-quantized and why."""
+    groups: dict[str, list[tuple[str, bool]]] = {}
+    for tensor in reader.tensors:
+        hf_name = _hf_name(tensor.name)
+        if hf_name is None or not hf_name.endswith(".weight"):
+            continue
+        native = why_not is None and int(tensor.tensor_type) in NATIVE_TYPES and len(tensor.shape) == 2
+        group = next((f"{hf_name.split(p)[0]}{g}" for p, g in _FUSED_GROUPS.items() if f".{p}." in hf_name), hf_name)
+        groups.setdefault(group, []).append((hf_name, native))
+    kept = frozenset(n for members in groups.values() if all(ok for _, ok in members) for n, _ in members)
+    by_type: dict[gguf.GGMLQuantizationType, list[bool]] = {}
+    for tensor in reader.tensors:
+        by_type.setdefault(tensor.tensor_type, []).append(_hf_name(tensor.name) in kept)
+    for qtype, flags in sorted(by_type.items()):
+        if all(flags):
+            log.info("GGUF tensors run on the quantized kernels", type=qtype.name, tensors=len(flags))
+            continue
+        if qtype in _FLOAT_TYPES:
+            reason = "a float type"
+        elif int(qtype) not in NATIVE_TYPES:
+            reason = "no kernel for this type"
+        else:
+            reason = why_not or "1-D, or fused with a tensor of a type without a kernel"
+        log.info("GGUF tensors de-quantized", type=qtype.name, tensors=len(flags) - sum(flags), reason=reason)
+    return kept
+
+
 def iter_gguf_weights(
-    reader: gguf.GGUFReader, cfg: ModelArchConfig, dtype: torch.dtype, source: str
-) -> Iterator[tuple[str, torch.Tensor]]:
+    reader: gguf.GGUFReader, cfg: ModelArchConfig, dtype: torch.dtype, source: str, native: frozenset[str] = frozenset()
+) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """Every tensor under its HF name: de-quantized to `dtype`, or for the names in `native`
+    (see `plan_native_weights`) as raw blocks, copied out of the file's memory map."""
     permute = read_field(reader, "general.architecture") in _PERMUTED_ARCHS
     for tensor in reader.tensors:
         hf_name = _hf_name(tensor.name)
         if hf_name is None:
             raise UnsupportedModelError(f"{source}: unexpected tensor {tensor.name!r}")
+        if hf_name in native:
+            yield hf_name, _raw_blocks(tensor, hf_name, cfg, permute)
+            continue
         weight = torch.from_numpy(_dequantize(tensor, source))
         if permute and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             weight = _unpermute(weight, cfg.num_heads)
         elif permute and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             weight = _unpermute(weight, cfg.num_kv_heads)
         yield hf_name, weight.to(dtype)
+
+
+def _raw_blocks(tensor, hf_name: str, cfg: ModelArchConfig, permute: bool) -> QuantizedTensor:
+    rows, in_features = int(tensor.shape[1]), int(tensor.shape[0])  # GGUF lists dimensions fastest-first
+    blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(rows, -1))
+    # Rows are independent: undoing llama.cpp's q/k row interleaving moves whole rows of blocks.
+    if permute and hf_name.endswith("q_proj.weight"):
+        blocks = _unpermute(blocks, cfg.num_heads).contiguous()
+    elif permute and hf_name.endswith("k_proj.weight"):
+        blocks = _unpermute(blocks, cfg.num_kv_heads).contiguous()
+    return QuantizedTensor(blocks, int(tensor.tensor_type), in_features)
 
 
 def _hf_name(name: str) -> str | None:

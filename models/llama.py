@@ -19,6 +19,7 @@ from cadenza.attention_backends.base import AttentionBackend, AttentionMetadata
 from cadenza.models.config import ModelArchConfig
 from cadenza.models.dual_linear import DualPrecisionLinear, linear_add_
 from cadenza.models.errors import ModelLoadError
+from cadenza.models.quantized_linear import QuantizedEmbedding, QuantizedLinear, QuantizedTensor
 from cadenza.models.rotary import RotaryEmbedding, StepRotary
 
 # Checkpoint tensors that carry nothing we need.
@@ -110,20 +111,23 @@ class DecoderLayer(nn.Module):
 
     def fuse(self, kernels, rotary: RotaryEmbedding) -> None:
         """Run steps under the kernels' row threshold through `DecoderLayerKernel`: two calls a
-        layer around the attention backend. Needs bf16 projections (`DualPrecisionLinear`) and no
-        q/k norms; otherwise (or with `kernels` None) the modules run one by one."""
+        layer around the attention backend. Needs bf16 projections (`DualPrecisionLinear`) or
+        quantized ones of one block type each (`QuantizedLinear`), and no q/k norms; otherwise
+        (or with `kernels` None) the modules run one by one."""
         attn, mlp = self.self_attn, self.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        on_kernels = all(isinstance(m, DualPrecisionLinear) and m.kernels is not None for m in linears)
+        on_kernels = all(_fusable(m) for m in linears)
         if kernels is None or self.cfg.qk_norm or not on_kernels:
             self.fused, self.fused_max_rows = None, 0
             return
+        weights = [_fused_weight(m) for m in linears]
         self.fused = kernels.DecoderLayerKernel(
-            self.input_layernorm.weight_f32, attn.qkv_proj.weight, attn.qkv_proj.bias_f32,
-            attn.o_proj.weight, attn.o_proj.bias_f32, self.post_attention_layernorm.weight_f32,
-            mlp.gate_up_proj.weight, mlp.gate_up_proj.bias_f32, mlp.down_proj.weight, mlp.down_proj.bias_f32,
+            self.input_layernorm.weight_f32, weights[0][0], attn.qkv_proj.bias_f32,
+            weights[1][0], attn.o_proj.bias_f32, self.post_attention_layernorm.weight_f32,
+            weights[2][0], mlp.gate_up_proj.bias_f32, weights[3][0], mlp.down_proj.bias_f32,
             rotary.cos_table, rotary.sin_table,
             self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim, self.cfg.rms_norm_eps,
+            *(qtype for _, qtype in weights),
         )  # fmt: skip
         self.fused_max_rows = min(m.min_rows for m in linears) - 1
 
@@ -136,6 +140,19 @@ class DecoderLayer(nn.Module):
             return h
         h = self.self_attn(self.input_layernorm(h), h, rotary, kv_cache, meta, backend)
         return self.mlp(self.post_attention_layernorm(h), h)
+
+
+def _fusable(linear: nn.Module) -> bool:
+    if isinstance(linear, QuantizedLinear):
+        return linear.kernels is not None and len(linear.parts) == 1
+    return isinstance(linear, DualPrecisionLinear) and linear.kernels is not None
+
+
+def _fused_weight(linear: nn.Module) -> tuple[torch.Tensor, int]:
+    """(weight, GGML type or -1 for bf16) as `DecoderLayerKernel` takes a projection."""
+    if isinstance(linear, QuantizedLinear):
+        return linear.blocks0, linear.parts[0][1]
+    return linear.weight, -1
 
 
 class LlamaForCausalLM(nn.Module):
@@ -192,21 +209,57 @@ class LlamaForCausalLM(nn.Module):
 
     # --- loading -------------------------------------------------------------------------------
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
-        """Copy named HF-layout tensors in; every parameter must be filled exactly once."""
+    def _fused_parts(self) -> dict[str, tuple[str, int, int]]:
+        """(our fused module, row offset, rows) for each unfused checkpoint projection."""
         cfg = self.cfg
-        params = dict(self.named_parameters())
-        # (our fused parameter, row offset) for each unfused checkpoint name.
-        fused = {
+        return {
             "q_proj": ("qkv_proj", 0, cfg.q_size),
             "k_proj": ("qkv_proj", cfg.q_size, cfg.kv_size),
             "v_proj": ("qkv_proj", cfg.q_size + cfg.kv_size, cfg.kv_size),
             "gate_proj": ("gate_up_proj", 0, cfg.intermediate_size),
             "up_proj": ("gate_up_proj", cfg.intermediate_size, cfg.intermediate_size),
         }
+
+    def _our_name(self, hf_name: str) -> tuple[str, slice]:
+        """Our parameter name for a checkpoint tensor, and the rows of it that tensor fills."""
+        name = hf_name.removeprefix("model.")
+        for part, (fused_part, offset, size) in self._fused_parts().items():
+            if f".{part}." in name:
+                return name.replace(f".{part}.", f".{fused_part}."), slice(offset, offset + size)
+        return name, slice(None)
+
+    def use_quantized_weights(self, hf_names: Iterable[str]) -> None:
+        """Before `load_weights`: the linears (and embedding) whose checkpoint weights `hf_names`
+        arrive as raw GGUF blocks (`QuantizedTensor`) become `QuantizedLinear` (`QuantizedEmbedding`);
+        a tied LM head then multiplies the embedding's blocks. Parts of a fused projection must all
+        be quantized or all not."""
+        for hf_name in hf_names:
+            module_name = self._our_name(hf_name)[0].removesuffix(".weight")
+            parent_name, _, child = module_name.rpartition(".")
+            parent = self.get_submodule(parent_name)
+            module = getattr(parent, child)
+            if isinstance(module, nn.Embedding):
+                setattr(parent, child, QuantizedEmbedding(module.num_embeddings, module.embedding_dim))
+            elif isinstance(module, nn.Linear):
+                setattr(parent, child, QuantizedLinear(module.in_features, module.out_features, module.bias is not None))
+        if self.cfg.tie_word_embeddings and isinstance(self.embed_tokens, QuantizedEmbedding):
+            self.lm_head = QuantizedLinear(self.cfg.hidden_size, self.cfg.vocab_size, bias=False)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]], source: str) -> None:
+        """Copy named HF-layout tensors in; every parameter must be filled exactly once. Raw GGUF
+        blocks go to the modules `use_quantized_weights` made for them."""
+        cfg = self.cfg
+        params = dict(self.named_parameters())
+        quantized = {
+            f"{name}.weight": module for name, module in self.named_modules()
+            if isinstance(module, (QuantizedLinear, QuantizedEmbedding))
+            and not (name == "lm_head" and cfg.tie_word_embeddings)
+        }  # fmt: skip
+        fused = self._fused_parts()
         expected: dict[str, int] = {}
-        for name, param in params.items():
-            expected[name] = param.shape[0] if any(f[0] in name for f in fused.values()) else 1
+        for name, shape0 in [*((n, p.shape[0]) for n, p in params.items()), *((n, 0) for n in quantized)]:
+            is_fused = any(f[0] in name for f in fused.values())
+            expected[name] = (shape0 or quantized[name].out_features) if is_fused else 1
         filled: dict[str, int] = {}
         with torch.no_grad():
             for hf_name, tensor in weights:
@@ -214,24 +267,33 @@ class LlamaForCausalLM(nn.Module):
                     continue
                 if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
                     continue
-                name = hf_name.removeprefix("model.")
-                rows = slice(None)
-                for part, (fused_part, offset, size) in fused.items():
-                    if f".{part}." in name:
-                        name = name.replace(f".{part}.", f".{fused_part}.")
-                        rows = slice(offset, offset + size)
-                        break
-                param = params.get(name)
-                if param is None:
-                    raise ModelLoadError(f"{source}: unexpected tensor {hf_name!r} for {cfg.model_type}")
-                target = param[rows]
-                if tuple(target.shape) != tuple(tensor.shape):
-                    raise ModelLoadError(
-                        f"{source}: tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
-                        f"expected {tuple(target.shape)}"
-                    )
-                target.copy_(tensor)
-                filled[name] = filled.get(name, 0) + (target.shape[0] if rows != slice(None) else 1)
+                name, rows = self._our_name(hf_name)
+                if isinstance(tensor, QuantizedTensor):
+                    module = quantized.get(name)
+                    if module is None:
+                        raise ModelLoadError(f"{source}: tensor {hf_name!r} arrived quantized, but {name} is not")
+                    module.load_rows(rows.start or 0, tensor)
+                    size = tensor.shape[0]
+                else:
+                    param = params.get(name)
+                    if param is None:
+                        raise ModelLoadError(f"{source}: unexpected tensor {hf_name!r} for {cfg.model_type}")
+                    target = param[rows]
+                    if tuple(target.shape) != tuple(tensor.shape):
+                        raise ModelLoadError(
+                            f"{source}: tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                            f"expected {tuple(target.shape)}"
+                        )
+                    target.copy_(tensor)
+                    size = target.shape[0]
+                filled[name] = filled.get(name, 0) + (size if rows != slice(None) else 1)
         missing = [n for n, count in expected.items() if filled.get(n, 0) != count]
         if missing:
             raise ModelLoadError(f"{source}: missing tensors for {', '.join(sorted(missing)[:8])}")
+        for name, module in quantized.items():
+            try:
+                module.finish_loading()
+            except ValueError as exc:
+                raise ModelLoadError(f"{source}: {name}: {exc}") from exc
+        if cfg.tie_word_embeddings and isinstance(self.embed_tokens, QuantizedEmbedding):
+            self.lm_head = QuantizedLinear.tied_to(self.embed_tokens)

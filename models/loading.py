@@ -20,6 +20,8 @@ from cadenza.models.tokenizer import Tokenizer, load_hf_tokenizer
 
 log = structlog.get_logger(__name__)
 
+QUANTIZATION_MODES = ("auto", "none")
+
 
 @dataclass
 class LoadedModel:
@@ -40,21 +42,31 @@ def load_model(
     max_model_len: int | None = None,
     cpu_fp32_matmul: str = "auto",
     cpu_kernels: str = "off",
+    quantization: str = "none",
 ) -> LoadedModel:
     """`cpu_fp32_matmul`: "auto" keeps a float32 copy of bf16/fp16 linear weights for batched
     matmuls when the CPU has no native bf16 (see `models/dual_linear.py`); "on" always, "off" never.
     `cpu_kernels`: "auto", "on" or "off", whether a CPU model computing in float32 runs its hot ops
-    through `cadenza.kernels.cpu` (see there)."""
+    through `cadenza.kernels.cpu` (see there).
+    `quantization`: "auto" keeps a GGUF's weights of the types cadenza has kernels for as raw
+    blocks (`models/quantized_linear.py`) where those kernels run (a CPU, `cpu_kernels` not "off",
+    and a 16-bit `dtype`: float32 asks for the exact de-quantized weights); "none" de-quantizes
+    every weight to `dtype`."""
+    if quantization not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, not {quantization!r}")
     started = time.perf_counter()
     resolved = default_model_path() if path is None else Path(path).expanduser()
     if not resolved.exists():
         raise ModelLoadError(f"model path {str(resolved)!r} does not exist")
     device = torch.device(device)
     source = str(resolved)
+    kernels = None
     if resolved.is_file() and resolved.suffix == ".gguf":
-        arch, weights, tokenizer = _read_gguf(resolved, dtype, source)
+        why_not, kernels = _why_not_native(quantization, device, dtype, cpu_kernels)
+        arch, weights, tokenizer, native = _read_gguf(resolved, dtype, source, why_not)
     elif resolved.is_dir():
         arch, weights, tokenizer = _read_hf(resolved, dtype)
+        native = frozenset()
     else:
         raise ModelLoadError(f"{source}: expected a Hugging Face model directory or a .gguf file")
     limit = arch.max_position_embeddings if max_model_len is None else max_model_len
@@ -64,22 +76,23 @@ def load_model(
         )
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, max_positions=1)
+        model.use_quantized_weights(native)
     model = model.to(dtype=dtype).to_empty(device=device)
-    if arch.tie_word_embeddings:
+    if arch.tie_word_embeddings and isinstance(model.embed_tokens, torch.nn.Embedding):
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = RotaryEmbedding(arch.rope, arch.head_dim, limit).to(device)
     model.load_weights(weights, source)
     model.eval()
     dual = 0
     wants_dual = cpu_fp32_matmul == "on" or (cpu_fp32_matmul == "auto" and not cpu_has_native_bf16())
-    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and wants_dual:
+    # Quantized linears take float32 activations: the rest of the model then computes in float32 too.
+    if native or (device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and wants_dual):
         dual = use_dual_precision(model)
         model.compute_dtype = torch.float32
-    kernels = None
     if device.type == "cpu" and (model.compute_dtype or dtype) == torch.float32:
         from cadenza.kernels import cpu
 
-        kernels = cpu.configure(cpu_kernels)
+        kernels = kernels or cpu.configure(cpu_kernels)
         model.use_cpu_kernels(kernels)
     log.info(
         "Loaded model",
@@ -88,7 +101,8 @@ def load_model(
         dtype=str(dtype).removeprefix("torch."),
         layers=arch.num_layers,
         fp32_matmul_copies=dual,
-        cpu_kernels=kernels is not None,
+        quantized_weights=len(native),
+        cpu_kernels=model.kernels is not None,
         seconds=round(time.perf_counter() - started, 2),
     )
     return LoadedModel(model, arch, tokenizer, source, limit, dtype, device, model.compute_dtype or dtype)
@@ -103,8 +117,26 @@ def _read_hf(directory: Path, dtype: torch.dtype):
     return arch, iter_safetensors(files, dtype), tokenizer
 
 
-def _read_gguf(path: Path, dtype: torch.dtype, source: str):
-    from cadenza.models.gguf_loader import iter_gguf_weights, open_gguf, read_gguf_config
+def _why_not_native(quantization: str, device: torch.device, dtype: torch.dtype, cpu_kernels: str):
+    """(why a GGUF's quantized weights cannot run natively, or None; the CPU kernels where they can)."""
+    if quantization == "none":
+        return "model.quantization is none", None
+    if device.type != "cpu":
+        return f"the quantized kernels run on the CPU, not {device.type}", None
+    if dtype == torch.float32:
+        return "model.dtype float32 asks for the exact de-quantized weights", None
+    if cpu_kernels == "off":
+        return "model.cpu_kernels is off", None
+    from cadenza.kernels import cpu
+
+    kernels = cpu.configure(cpu_kernels)
+    if kernels is None:
+        return f"the CPU kernels are unavailable: {cpu.build_error()}", None
+    return None, kernels
+
+
+def _read_gguf(path: Path, dtype: torch.dtype, source: str, why_not: str | None):
+    from cadenza.models.gguf_loader import iter_gguf_weights, open_gguf, plan_native_weights, read_gguf_config
     from cadenza.models.gguf_tokenizer import tokenizer_from_gguf
 
     reader = open_gguf(path)
@@ -120,4 +152,5 @@ def _read_gguf(path: Path, dtype: torch.dtype, source: str):
         bos_token=vocab.id_to_token(built.bos_token_id) if built.bos_token_id is not None else None,
         eos_token=vocab.id_to_token(built.eos_token_id) if built.eos_token_id is not None else None,
     )
-    return arch, iter_gguf_weights(reader, arch, dtype, source), tokenizer
+    native = plan_native_weights(reader, why_not)
+    return arch, iter_gguf_weights(reader, arch, dtype, source, native), tokenizer, native

@@ -1,0 +1,482 @@
+// Linears over GGUF's block-quantized weights as the file stores them: y = x @ W^T (+ bias),
+// W a uint8 tensor [out_features, bytes_per_row] of GGML blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K),
+// x float32 [rows, in_features].
+//
+// Activations are quantized per 32 values to int8 with a float scale (llama.cpp's q8_0 for its
+// activations), so each 32-value block of a weight row meets its activations in one integer dot
+// product (_mm256_maddubs_epi16: unsigned weight bytes x signed activation bytes), scaled once by
+// both blocks' scales. A block's weights are read once per call whatever the rows: threads claim
+// tiles of output rows, and every group of 4 activation rows passes over a tile while it sits in
+// L1/L2. Results differ from the float reference by the activations' rounding: at most half a
+// quantization step (max|x of the block| / 254) per value. Each output row's sum is computed the
+// same way whatever the number of rows (batch invariant, bit for bit).
+// Also: rows de-quantized for an embedding lookup (`quant_rows`), and a whole weight de-quantized
+// into a scratch buffer (`quant_dequantize_`) for steps of many rows, which a float GEMM serves
+// faster (models/quantized_linear.py).
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <vector>
+
+#include "linear.h"
+#include "simd.h"
+
+namespace cadenza {
+
+// GGML's type ids (enum ggml_type), as gguf.GGMLQuantizationType numbers them.
+enum QuantTypeId : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// 16 bytes of packed nibbles -> 32 bytes: low nibbles first (values 0..15), then the high ones.
+inline __m256i nibbles32(const uint8_t* p) {
+  const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i v = _mm256_set_m128i(_mm_srli_epi16(t, 4), t);
+  return _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
+}
+
+// Eight int32 partial sums of u (unsigned bytes) * x (signed bytes).
+inline __m256i dot_u8_i8(__m256i u, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+}
+
+// y[i] = q[i] * scale + offset for 32 int8 values q (signed; unsigned ones are below 128).
+inline void store_affine32(__m256i q, float scale, float offset, float* y) {
+  const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+  const __m256 sv = _mm256_set1_ps(scale), ov = _mm256_set1_ps(offset);
+  for (int h = 0; h < 2; ++h)
+    for (int e = 0; e < 2; ++e) {
+      const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(e ? _mm_srli_si128(halves[h], 8) : halves[h]));
+      _mm256_storeu_ps(y + 16 * h + 8 * e, _mm256_fmadd_ps(f, sv, ov));
+    }
+}
+
+// One 32-value sub-block of a weight row: values, and how its integer dot product is scaled:
+// dot = scale * dx * isum + minv * (dx * sum of the activation's int8 values).
+struct SubBlock {
+  __m256i q;
+  float scale, minv;
+  void store(float* y) const { store_affine32(q, scale, minv, y); }  // de-quantized (Q8_0: minv 0)
+};
+
+// Q6_K's sub-blocks carry two int8 scales (one per 16 values), applied inside the integer sum.
+struct SubBlock6 {
+  __m256i q, scales;
+  float scale, minv;
+  float half_scales[2];  // d * the int8 scale of each 16 values
+  void store(float* y) const {
+    alignas(32) float tmp[32];
+    store_affine32(q, 1.0f, -32.0f, tmp);
+    for (int i = 0; i < 32; ++i) y[i] = tmp[i] * half_scales[i / 16];
+  }
+};
+
+struct BlockQ8_0 {  // d (f16), 32 x int8: x = d * q
+  static constexpr int64_t kElems = 32, kBytes = 34, kSubs = 1;
+  static constexpr bool kHasMin = false;
+  using Sub = SubBlock;
+  static void decode(const uint8_t* b, Sub* s) {
+    s[0].q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+    s[0].scale = half_at(b);
+    s[0].minv = 0.0f;
+  }
+  static __m256i dot(const Sub& s, __m256i x) {  // signed x signed: move the signs onto x
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(s.q, s.q), _mm256_sign_epi8(x, s.q)),
+                             _mm256_set1_epi16(1));
+  }
+  static void dequant(const uint8_t* b, float* y) {
+    const float d = half_at(b);
+    for (int i = 0; i < 32; ++i) y[i] = d * static_cast<float>(static_cast<int8_t>(b[2 + i]));
+  }
+};
+
+struct BlockQ4_0 {  // d (f16), 16 bytes of nibbles: x = d * (q - 8)
+  static constexpr int64_t kElems = 32, kBytes = 18, kSubs = 1;
+  static constexpr bool kHasMin = true;
+  using Sub = SubBlock;
+  static void decode(const uint8_t* b, Sub* s) {
+    s[0].q = nibbles32(b + 2);
+    s[0].scale = half_at(b);
+    s[0].minv = -8.0f * s[0].scale;
+  }
+  static __m256i dot(const Sub& s, __m256i x) { return dot_u8_i8(s.q, x); }
+  static void dequant(const uint8_t* b, float* y) {
+    const float d = half_at(b);
+    for (int i = 0; i < 16; ++i) {
+      y[i] = d * static_cast<float>((b[2 + i] & 0x0F) - 8);
+      y[i + 16] = d * static_cast<float>((b[2 + i] >> 4) - 8);
+    }
+  }
+};
+
+struct BlockQ4_1 {  // d, m (f16), 16 bytes of nibbles: x = d * q + m
+  static constexpr int64_t kElems = 32, kBytes = 20, kSubs = 1;
+  static constexpr bool kHasMin = true;
+  using Sub = SubBlock;
+  static void decode(const uint8_t* b, Sub* s) {
+    s[0].q = nibbles32(b + 4);
+    s[0].scale = half_at(b);
+    s[0].minv = half_at(b + 2);
+  }
+  static __m256i dot(const Sub& s, __m256i x) { return dot_u8_i8(s.q, x); }
+  static void dequant(const uint8_t* b, float* y) {
+    const float d = half_at(b), m = half_at(b + 2);
+    for (int i = 0; i < 16; ++i) {
+      y[i] = d * static_cast<float>(b[4 + i] & 0x0F) + m;
+      y[i + 16] = d * static_cast<float>(b[4 + i] >> 4) + m;
+    }
+  }
+};
+
+// Q4_K's 6-bit scale and min of sub-block j (of 8), packed into 12 bytes.
+inline void q4k_scale_min(const uint8_t* q, int j, int& sc, int& m) {
+  if (j < 4) {
+    sc = q[j] & 63;
+    m = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
+    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+struct BlockQ4_K {  // d, dmin (f16), 12 bytes of scales/mins, 128 bytes of nibbles; 8 sub-blocks
+  static constexpr int64_t kElems = 256, kBytes = 144, kSubs = 8;
+  static constexpr bool kHasMin = true;
+  using Sub = SubBlock;
+  static void decode(const uint8_t* b, Sub* s) {
+    const float d = half_at(b), dmin = half_at(b + 2);
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int c = 0; c < 4; ++c) {  // 32 bytes: low nibbles are sub-block 2c, high ones 2c + 1
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c));
+      s[2 * c].q = _mm256_and_si256(v, low);
+      s[2 * c + 1].q = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    }
+    for (int j = 0; j < 8; ++j) {
+      int sc, m;
+      q4k_scale_min(b + 4, j, sc, m);
+      s[j].scale = d * static_cast<float>(sc);
+      s[j].minv = -dmin * static_cast<float>(m);
+    }
+  }
+  static __m256i dot(const Sub& s, __m256i x) { return dot_u8_i8(s.q, x); }
+  static void dequant(const uint8_t* b, float* y) {
+    const float d = half_at(b), dmin = half_at(b + 2);
+    for (int c = 0; c < 4; ++c) {
+      int sc0, m0, sc1, m1;
+      q4k_scale_min(b + 4, 2 * c, sc0, m0);
+      q4k_scale_min(b + 4, 2 * c + 1, sc1, m1);
+      const uint8_t* q = b + 16 + 32 * c;
+      for (int l = 0; l < 32; ++l) {
+        y[64 * c + l] = d * sc0 * static_cast<float>(q[l] & 0x0F) - dmin * m0;
+        y[64 * c + 32 + l] = d * sc1 * static_cast<float>(q[l] >> 4) - dmin * m1;
+      }
+    }
+  }
+};
+
+struct BlockQ6_K {  // 128 bytes low 4 bits, 64 bytes high 2 bits, 16 int8 scales, d (f16): x = d * sc * (q - 32)
+  static constexpr int64_t kElems = 256, kBytes = 210, kSubs = 8;
+  static constexpr bool kHasMin = false;
+  using Sub = SubBlock6;
+  static void decode(const uint8_t* b, Sub* s) {
+    const float d = half_at(b + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
+    for (int h = 0; h < 2; ++h) {  // each half: 64 bytes of ql and 32 of qh make 4 sub-blocks
+      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
+      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32));
+      const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+      auto high = [&](int shift) { return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, shift), m2), 4); };
+      s[4 * h + 0].q = _mm256_or_si256(_mm256_and_si256(l0, m4), high(0));
+      s[4 * h + 1].q = _mm256_or_si256(_mm256_and_si256(l1, m4), high(2));
+      s[4 * h + 2].q = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), high(4));
+      s[4 * h + 3].q = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), high(6));
+    }
+    for (int j = 0; j < 8; ++j) {
+      s[j].scales = _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j]));
+      s[j].scale = d;
+      s[j].minv = 0.0f;
+      s[j].half_scales[0] = d * sc[2 * j];
+      s[j].half_scales[1] = d * sc[2 * j + 1];
+    }
+  }
+  static __m256i dot(const Sub& s, __m256i x) {  // sum sc * (q - 32) * x, q - 32 as q*x - 32*x in int16
+    const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(s.q, x), _mm256_maddubs_epi16(_mm256_set1_epi8(32), x));
+    return _mm256_madd_epi16(p, s.scales);
+  }
+  static void dequant(const uint8_t* b, float* y) {
+    const float d = half_at(b + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* ql = b + 64 * h;
+      const uint8_t* qh = b + 128 + 32 * h;
+      float* yh = y + 128 * h;
+      for (int l = 0; l < 32; ++l) {
+        const int q[4] = {(ql[l] & 0x0F) | (((qh[l] >> 0) & 3) << 4), (ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4),
+                          (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4), (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)};
+        for (int j = 0; j < 4; ++j) {
+          const int e = 32 * j + l;
+          yh[e] = d * sc[(128 * h + e) / 16] * static_cast<float>(q[j] - 32);
+        }
+      }
+    }
+  }
+};
+
+// Calls f(Block{}) for the block type of GGML type id `qtype`.
+template <class F>
+inline auto with_block_type(int64_t qtype, F&& f) {
+  switch (qtype) {
+    case kQ8_0: return f(BlockQ8_0{});
+    case kQ4_0: return f(BlockQ4_0{});
+    case kQ4_1: return f(BlockQ4_1{});
+    case kQ4_K: return f(BlockQ4_K{});
+    case kQ6_K: return f(BlockQ6_K{});
+    default: break;
+  }
+  TORCH_CHECK(false, "no kernel for GGML quantization type ", qtype, " (supported: Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)");
+  return f(BlockQ8_0{});  // not reached
+}
+
+// Activations x [M, K] as int8 per 32 values: q[M*K], scale d and d * sum(q) per block.
+struct QuantizedActivations {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  int64_t K = 0, blocks = 0;  // blocks per row
+};
+
+inline void quantize_row_q8(const float* x, int64_t K, int8_t* q, float* d, float* s) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const float* xb = x + 32 * b;
+    const __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8), v2 = _mm256_loadu_ps(xb + 16),
+                 v3 = _mm256_loadu_ps(xb + 24);
+    const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                                   _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+    const float amax = hmax(a);
+    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    // Round to nearest (MXCSR's default mode): |q| <= 127.
+    const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, inv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, inv)),
+                  i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, inv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, inv));
+    const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    // The packs interleave 128-bit lanes: 4-value groups come out in the order 0 2 4 6 1 3 5 7.
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * b), _mm256_permutevar8x32_epi32(packed, order));
+    d[b] = amax / 127.0f;
+    s[b] = d[b] * static_cast<float>(_mm_cvtsi128_si32(s4));
+  }
+}
+
+inline void quantize_activations(const torch::Tensor& x, QuantizedActivations& a) {
+  const int64_t M = x.size(0), K = x.size(1), xs = x.stride(0);
+  a.K = K;
+  a.blocks = K / 32;
+  if (static_cast<int64_t>(a.q.size()) < M * K) a.q.resize(M * K);
+  if (static_cast<int64_t>(a.d.size()) < M * a.blocks) {
+    a.d.resize(M * a.blocks);
+    a.s.resize(M * a.blocks);
+  }
+  const float* xp = x.data_ptr<float>();
+  auto rows = [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      quantize_row_q8(xp + m * xs, K, a.q.data() + m * K, a.d.data() + m * a.blocks, a.s.data() + m * a.blocks);
+  };
+  if (M * K < 65536) rows(0, M);
+  else at::parallel_for(0, M, 16, rows);
+}
+
+// R weight rows at a time share each activation load; M activation rows share each decoded block.
+template <class T, int M, int R>
+inline void qdot_rows(const uint8_t* w, int64_t row_bytes, const QuantizedActivations& a, int64_t m0,
+                      const float* bias, float* out, int64_t os, bool accumulate, int64_t n) {
+  __m256 acc[R][M];
+  float macc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) {
+      acc[r][m] = _mm256_setzero_ps();
+      macc[r][m] = 0.0f;
+    }
+  const int64_t nblocks = row_bytes / T::kBytes, K = a.K;
+  const uint8_t* wr = w + n * row_bytes;
+  // The next R rows follow these in memory: fetch them while these compute (as linear.h does).
+  const char* next = reinterpret_cast<const char*>(wr + R * row_bytes);
+  for (int64_t b = 0; b < nblocks; ++b) {
+    for (int64_t o = 0; o < R * T::kBytes; o += 64) _mm_prefetch(next + b * R * T::kBytes + o, _MM_HINT_T0);
+    typename T::Sub sub[R][T::kSubs];
+    for (int r = 0; r < R; ++r) T::decode(wr + r * row_bytes + b * T::kBytes, sub[r]);
+    for (int j = 0; j < T::kSubs; ++j) {
+      const int64_t blk = b * T::kSubs + j;
+      for (int m = 0; m < M; ++m) {
+        const int64_t row = m0 + m;
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + row * K + 32 * blk));
+        const float dx = a.d[row * a.blocks + blk];
+        for (int r = 0; r < R; ++r) {
+          const __m256 p = _mm256_cvtepi32_ps(T::dot(sub[r][j], x));
+          acc[r][m] = _mm256_fmadd_ps(p, _mm256_set1_ps(sub[r][j].scale * dx), acc[r][m]);
+          // An explicit fma: contracted or not, vectorized or not, a row's sum must not depend on
+          // how many rows share the call (batch invariance: greedy tokens alone = in a batch).
+          if constexpr (T::kHasMin) macc[r][m] = std::fma(sub[r][j].minv, a.s[row * a.blocks + blk], macc[r][m]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) {
+      float v = hsum(acc[r][m]) + macc[r][m];
+      if (bias != nullptr) v += bias[n + r];
+      float* o = out + m * os + n + r;
+      *o = accumulate ? *o + v : v;
+    }
+}
+
+template <class T, int M>
+inline void qdot_range(const uint8_t* w, int64_t row_bytes, const QuantizedActivations& a, int64_t m0,
+                       const float* bias, float* out, int64_t os, bool accumulate, int64_t n0, int64_t n1) {
+  constexpr int R = M == 1 ? 4 : 2;
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) qdot_rows<T, M, R>(w, row_bytes, a, m0, bias, out, os, accumulate, n);
+  for (; n < n1; ++n) qdot_rows<T, M, 1>(w, row_bytes, a, m0, bias, out, os, accumulate, n);
+}
+
+// Output rows per tile: a tile's blocks (16 rows: at most ~16 KiB for these models) stay in cache
+// while every group of 4 activation rows passes over them.
+constexpr int64_t kQuantTileRows = 16;
+
+template <class T>
+inline void quant_matmul_impl(const QuantizedActivations& a, int64_t M, const torch::Tensor& w, const float* bias,
+                              float* out, int64_t os, bool accumulate) {
+  const int64_t N = w.size(0), row_bytes = w.size(1);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const int64_t tiles = (N + kQuantTileRows - 1) / kQuantTileRows;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tiles));
+  const int64_t run = std::max<int64_t>(1, tiles / (threads * 8));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t t0; (t0 = next.fetch_add(run, std::memory_order_relaxed)) < tiles;) {
+      for (int64_t t = t0; t < std::min(tiles, t0 + run); ++t) {
+        const int64_t n0 = t * kQuantTileRows, n1 = std::min(N, n0 + kQuantTileRows);
+        for (int64_t m = 0; m < M; m += 4) {
+          float* om = out + m * os;
+          switch (std::min<int64_t>(4, M - m)) {
+            case 1: qdot_range<T, 1>(wp, row_bytes, a, m, bias, om, os, accumulate, n0, n1); break;
+            case 2: qdot_range<T, 2>(wp, row_bytes, a, m, bias, om, os, accumulate, n0, n1); break;
+            case 3: qdot_range<T, 3>(wp, row_bytes, a, m, bias, om, os, accumulate, n0, n1); break;
+            default: qdot_range<T, 4>(wp, row_bytes, a, m, bias, om, os, accumulate, n0, n1); break;
+          }
+        }
+      }
+    }
+  });
+}
+
+// in_features of raw blocks w [N, row_bytes] of type `qtype`.
+inline int64_t quant_in_features(const torch::Tensor& w, int64_t qtype) {
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(),
+              "quantized weight must be a contiguous uint8 CPU tensor [out_features, bytes_per_row]");
+  return with_block_type(qtype, [&](auto block) {
+    using T = decltype(block);
+    TORCH_CHECK(w.size(1) % T::kBytes == 0, "bytes per row (", w.size(1), ") is not a whole number of ",
+                T::kBytes, "-byte blocks");
+    return w.size(1) / T::kBytes * T::kElems;
+  });
+}
+
+// out [M, N] (+)= x [M, K] @ W^T (+ bias); out may be a column slice of a wider tensor.
+inline void quant_matmul_(torch::Tensor out, const torch::Tensor& x, const torch::Tensor& w, int64_t qtype,
+                          const c10::optional<torch::Tensor>& bias, bool accumulate) {
+  check_f32_rows(x, "x");
+  check_f32_rows(out, "out");
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2, "x and out must be 2-D");
+  const int64_t K = quant_in_features(w, qtype), M = x.size(0), N = w.size(0);
+  TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " features, the weight expects ", K);
+  TORCH_CHECK(out.size(0) == M && out.size(1) == N, "out must be [rows, out_features]");
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N,
+                "bias must be a contiguous float32 [out_features] tensor");
+  }
+  if (M == 0 || N == 0) return;
+  thread_local QuantizedActivations act;
+  quantize_activations(x, act);
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  with_block_type(qtype, [&](auto block) {
+    quant_matmul_impl<decltype(block)>(act, M, w, bp, out.data_ptr<float>(), out.stride(0), accumulate);
+  });
+}
+
+// x [M, K] float32 @ W^T (+ bias) -> [M, N] float32.
+inline torch::Tensor quant_linear(const torch::Tensor& x, const torch::Tensor& w, int64_t qtype,
+                                  const c10::optional<torch::Tensor>& bias) {
+  auto out = torch::empty({x.size(0), w.size(0)}, x.options());
+  quant_matmul_(out, x, w, qtype, bias, false);
+  return out;
+}
+
+// residual [M, N] += x @ W^T (+ bias), in place; returns residual.
+inline torch::Tensor quant_linear_add_(torch::Tensor residual, const torch::Tensor& x, const torch::Tensor& w,
+                                       int64_t qtype, const c10::optional<torch::Tensor>& bias) {
+  quant_matmul_(residual, x, w, qtype, bias, true);
+  return residual;
+}
+
+// Rows `ids` [T] of W, de-quantized: float32 [T, in_features] (an embedding lookup).
+inline torch::Tensor quant_rows(const torch::Tensor& w, int64_t qtype, const torch::Tensor& ids) {
+  const int64_t K = quant_in_features(w, qtype), N = w.size(0), row_bytes = w.size(1);
+  TORCH_CHECK(ids.scalar_type() == torch::kInt64 && ids.dim() == 1, "ids must be a 1-D int64 tensor");
+  const torch::Tensor idc = ids.contiguous();
+  const int64_t T = idc.numel();
+  const int64_t* ip = idc.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < N, "row id ", ip[t], " out of range [0, ", N, ")");
+  auto out = torch::empty({T, K}, torch::dtype(torch::kFloat32));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  with_block_type(qtype, [&](auto block) {
+    using B = decltype(block);
+    at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t b = 0; b < row_bytes / B::kBytes; ++b)
+          B::dequant(wp + ip[t] * row_bytes + b * B::kBytes, op + t * K + b * B::kElems);
+    });
+  });
+  return out;
+}
+
+// The whole weight de-quantized into out, float32 [N, in_features] (for batched products through
+// a GEMM); returns out.
+inline torch::Tensor quant_dequantize_(torch::Tensor out, const torch::Tensor& w, int64_t qtype) {
+  const int64_t K = quant_in_features(w, qtype), N = w.size(0), row_bytes = w.size(1);
+  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous() && out.dim() == 2 && out.size(0) == N &&
+                  out.size(1) == K, "out must be a contiguous float32 [out_features, in_features] tensor");
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  with_block_type(qtype, [&](auto block) {
+    using B = decltype(block);
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      typename B::Sub sub[B::kSubs];
+      for (int64_t n = n0; n < n1; ++n)
+        for (int64_t b = 0; b < row_bytes / B::kBytes; ++b) {
+          B::decode(wp + n * row_bytes + b * B::kBytes, sub);
+          for (int j = 0; j < B::kSubs; ++j) sub[j].store(op + n * K + (b * B::kSubs + j) * 32);
+        }
+    });
+  });
+  return out;
+}
+
+inline torch::Tensor quant_dequantize(const torch::Tensor& w, int64_t qtype) {
+  return quant_dequantize_(torch::empty({w.size(0), quant_in_features(w, qtype)}, torch::dtype(torch::kFloat32)), w, qtype);
+}
+
+}  // namespace cadenza

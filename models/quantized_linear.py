@@ -1,0 +1,190 @@
+"""Linears and embeddings over GGUF's quantized blocks as the file stores them.
+
+The weights stay raw blocks (a uint8 tensor [rows, bytes per row] of one GGML type): resident
+weight memory is the file's tensor bytes, and a decode step reads those bytes, not a de-quantized
+copy. Products run through cadenza's CPU kernels (`kernels/quant.h`): activations are quantized
+per 32 values to int8 on the fly, so outputs differ from the float product of the de-quantized
+weights by that rounding (what llama.cpp does too). An embedding lookup de-quantizes only the rows
+looked up; a tied LM head multiplies the embedding's own blocks.
+
+Steps of many rows (prefill) are compute-bound, and there a float32 GEMM beats the int8 kernel
+(AVX2: ~2x at 128 rows and more, measured at the default model's shapes): from `GEMM_MIN_ROWS`
+rows on, the weight is de-quantized into a per-thread scratch buffer (one weight at a time, never
+kept) and multiplied by PyTorch, which then also rounds no activation.
+
+A fused projection (q/k/v, gate/up) is its parts' rows one after another; parts of one type are
+concatenated into one tensor (rows are independent), parts of different types each write their
+columns of the output.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# GGML type ids (gguf.GGMLQuantizationType) with a kernel: name, values and bytes per block.
+NATIVE_TYPES = {8: ("Q8_0", 32, 34), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 12: ("Q4_K", 256, 144), 14: ("Q6_K", 256, 210)}
+
+
+# Rows from which a product de-quantizes its weight for a GEMM (see above); at most this many
+# weight values (128 MiB of float32 scratch) to do so: a large LM head stays on the kernel.
+GEMM_MIN_ROWS = 64
+GEMM_MAX_VALUES = 32 << 20
+_scratch = threading.local()
+
+
+def _scratch_matrix(rows: int, cols: int) -> torch.Tensor:
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < rows * cols:
+        buf = _scratch.buf = torch.empty(rows * cols)
+    return buf[: rows * cols].view(rows, cols)
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedTensor:
+    """A 2-D weight as raw GGUF blocks: `blocks` uint8 [rows, bytes per row] of GGML type `qtype`."""
+
+    blocks: torch.Tensor
+    qtype: int
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.blocks.shape[0], self.in_features)
+
+
+class QuantizedLinear(nn.Module):
+    """y = x @ W^T (+ bias) for float32 x, W raw blocks in one or more row ranges (`parts`)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.parts: list[tuple[int, int]] = []  # (first row, GGML type), blocks in buffers blocks0, blocks1, ...
+        self._pending: list[tuple[int, QuantizedTensor]] = []
+        self.kernels = None
+        self.bias_f32: torch.Tensor | None = None
+        # Rows from which a step leaves the fused decoder-layer kernel (DecoderLayer.fuse) for the GEMM.
+        self.min_rows = GEMM_MIN_ROWS
+
+    @classmethod
+    def tied_to(cls, embedding: "QuantizedEmbedding") -> "QuantizedLinear":
+        """The LM head that multiplies `embedding`'s own blocks."""
+        head = cls(embedding.embedding_dim, embedding.num_embeddings, bias=False)
+        head._set_parts([(0, embedding.qtype, embedding.blocks)])
+        return head
+
+    def load_rows(self, first_row: int, tensor: QuantizedTensor) -> None:
+        """Rows [first_row, first_row + tensor rows) of the weight; `finish_loading` assembles them."""
+        self._pending.append((first_row, tensor))
+
+    def finish_loading(self) -> None:
+        """Join the loaded row ranges: they must cover every output row exactly once."""
+        pending = sorted(self._pending, key=lambda p: p[0])
+        self._pending = []
+        merged: list[tuple[int, int, list[torch.Tensor]]] = []
+        row = 0
+        for first, tensor in pending:
+            if first != row or tensor.in_features != self.in_features:
+                raise ValueError(f"quantized rows from {first} ({tensor.in_features} features) do not follow row {row}")
+            if merged and merged[-1][1] == tensor.qtype:
+                merged[-1][2].append(tensor.blocks)
+            else:
+                merged.append((first, tensor.qtype, [tensor.blocks]))
+            row += tensor.blocks.shape[0]
+        if row != self.out_features:
+            raise ValueError(f"quantized rows cover {row} of {self.out_features} outputs")
+        self._set_parts([(first, qtype, b[0] if len(b) == 1 else torch.cat(b)) for first, qtype, b in merged])
+
+    def _set_parts(self, parts: list[tuple[int, int, torch.Tensor]]) -> None:
+        self.parts = []
+        for i, (first, qtype, blocks) in enumerate(parts):
+            self.register_buffer(f"blocks{i}", blocks.contiguous(), persistent=False)
+            self.parts.append((first, qtype))
+
+    def _blocks(self, i: int) -> torch.Tensor:
+        return getattr(self, f"blocks{i}")
+
+    def use_cpu_kernels(self, kernels) -> None:
+        self.kernels = kernels
+        self.bias_f32 = None if self.bias is None else self.bias.detach().float().contiguous()
+
+    def _checked(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is None:
+            raise RuntimeError("a QuantizedLinear runs only on cadenza's CPU kernels, and they are switched off")
+        x = x if x.dtype == torch.float32 else x.float()
+        return x if x.stride(-1) == 1 else x.contiguous()
+
+    def _uses_gemm(self, x: torch.Tensor) -> bool:
+        return x.shape[0] >= GEMM_MIN_ROWS and self.in_features * self.out_features <= GEMM_MAX_VALUES
+
+    def _dequantized(self) -> torch.Tensor:
+        """The weight as float32 [out, in], in this thread's scratch buffer (valid until the next call)."""
+        weight = _scratch_matrix(self.out_features, self.in_features)
+        for i, (first, qtype) in enumerate(self.parts):
+            blocks = self._blocks(i)
+            self.kernels.quant_dequantize_(weight.narrow(0, first, blocks.shape[0]), blocks, qtype)
+        return weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self._checked(x)
+        if self._uses_gemm(x):
+            return F.linear(x, self._dequantized(), self.bias_f32)
+        if len(self.parts) == 1:
+            return self.kernels.quant_linear(x, self.blocks0, self.parts[0][1], self.bias_f32)
+        out = torch.empty(x.shape[0], self.out_features)
+        for i, (first, qtype) in enumerate(self.parts):
+            blocks = self._blocks(i)
+            bias = None if self.bias_f32 is None else self.bias_f32[first : first + blocks.shape[0]]
+            self.kernels.quant_matmul_(out.narrow(1, first, blocks.shape[0]), x, blocks, qtype, bias, False)
+        return out
+
+    def linear_add_(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """`residual += self(x)`, in place, fused into the product."""
+        x = self._checked(x)
+        if self._uses_gemm(x) and residual.dtype == torch.float32:
+            residual.addmm_(x, self._dequantized().t())
+            return residual if self.bias_f32 is None else residual.add_(self.bias_f32)
+        if len(self.parts) == 1 and residual.dtype == torch.float32 and residual.stride(-1) == 1:
+            return self.kernels.quant_linear_add_(residual, x, self.blocks0, self.parts[0][1], self.bias_f32)
+        return residual.add_(self(x))
+
+    def extra_repr(self) -> str:
+        types = "+".join(NATIVE_TYPES[q][0] for _, q in self.parts)
+        return f"in_features={self.in_features}, out_features={self.out_features}, blocks={types or 'pending'}"
+
+
+class QuantizedEmbedding(nn.Module):
+    """Rows of raw blocks, de-quantized to float32 as they are looked up."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.qtype = -1
+        self.register_buffer("blocks", None, persistent=False)
+        self.kernels = None
+
+    def load_rows(self, first_row: int, tensor: QuantizedTensor) -> None:
+        if first_row != 0 or tensor.shape != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(f"quantized embedding of shape {tensor.shape}, expected {(self.num_embeddings, self.embedding_dim)}")
+        self.blocks, self.qtype = tensor.blocks.contiguous(), tensor.qtype
+
+    def finish_loading(self) -> None:
+        if self.blocks is None:
+            raise ValueError("quantized embedding never loaded")
+
+    def use_cpu_kernels(self, kernels) -> None:
+        self.kernels = kernels
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.kernels is None:
+            raise RuntimeError("a QuantizedEmbedding runs only on cadenza's CPU kernels, and they are switched off")
+        rows = self.kernels.quant_rows(self.blocks, self.qtype, ids.reshape(-1).long())
+        return rows.view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, blocks={NATIVE_TYPES.get(self.qtype, ('pending',))[0]}"

@@ -1,0 +1,278 @@
+"""Linears on GGUF's quantized blocks as stored (kernels/quant.h, models/quantized_linear.py).
+
+Each kernel is checked against a float64 product of the same blocks de-quantized by the `gguf`
+package's reference (`gguf.quants.dequantize`). The kernels quantize activations per 32 values to
+int8 (scale max|x| / 127), so each activation is off by at most half a step h = max|x of its block|
+/ 254, uniformly for random inputs: an output's error then has standard deviation
+sigma = sqrt(sum_k w[n, k]^2 h_k^2 / 3), and the tolerance is 6 sigma, plus 1e-5 of sum_k |w x|
+for float32 accumulation, plus 1e-4 (measured errors stay under 3 sigma; the worst case,
+sum_k |w| h_k, is about 20x looser and would hide a wrong sub-block scale).
+End to end, the embedded default model with quantization auto against none: logits close, greedy
+tokens reported, and the engine (prefix cache, chunked prefill, preemption) on the native path.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from cadenza.kernels import cpu
+from cadenza.models.cpu_features import cpu_has_avx2_fma
+
+pytestmark = pytest.mark.skipif(not cpu_has_avx2_fma(), reason="the quantized kernels need x86-64 with AVX2 and FMA")
+
+TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K)
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    module, why = cpu._build()
+    if module is None:
+        pytest.skip(f"the CPU kernels cannot be built here: {why}")
+    return module
+
+
+def random_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random raw blocks [rows, bytes per row] with finite, moderate f16 scales."""
+    elems, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(rows, cols // elems, size), dtype=np.uint8)
+
+    def halves(offset: int, low: float, high: float) -> None:
+        values = rng.uniform(low, high, size=blocks.shape[:2]).astype(np.float16)
+        blocks[:, :, offset : offset + 2] = values.view(np.uint8).reshape(*blocks.shape[:2], 2)
+
+    if qtype in (Q.Q8_0, Q.Q4_0):
+        halves(0, -0.05, 0.05)
+    elif qtype == Q.Q4_1:
+        halves(0, 0.001, 0.02)
+        halves(2, -0.1, 0.1)
+    elif qtype == Q.Q4_K:
+        halves(0, 0.0005, 0.002)
+        halves(2, 0.0005, 0.002)
+    else:  # Q6_K: d last
+        halves(208, 0.0002, 0.001)
+    return blocks.reshape(rows, -1)
+
+
+def reference(blocks: np.ndarray, qtype: Q, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x @ W^T in float64, the tolerance of each output) for W the de-quantized blocks."""
+    w = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float64))
+    x64 = x.double()
+    half_step = x64.abs().reshape(x.shape[0], -1, 32).amax(-1).repeat_interleave(32, dim=1) / 254
+    sigma = (half_step.square() @ w.square().T / 3).sqrt()
+    return x64 @ w.T, 6 * sigma + 1e-5 * (x64.abs() @ w.abs().T) + 1e-4
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 9])
+def test_kernel_matches_float64_reference(kernels, qtype, rows):
+    rng = np.random.default_rng(int(qtype) * 100 + rows)
+    # 37 output rows: not a multiple of the tile (16) or of the rows per pass; 768 inputs: whole
+    # 256-value K-quant blocks, not a multiple of 512.
+    cols, out_features = 768, 37
+    blocks = random_blocks(qtype, out_features, cols, rng)
+    x = torch.from_numpy(rng.standard_normal((rows, cols), dtype=np.float32))
+    expected, tol = reference(blocks, qtype, x)
+    w = torch.from_numpy(blocks)
+    assert kernels.quant_in_features(w, int(qtype)) == cols
+    got = kernels.quant_linear(x, w, int(qtype), None)
+    assert got.dtype == torch.float32 and got.shape == (rows, out_features)
+    err = (got.double() - expected).abs()
+    assert (err <= tol).all(), f"max abs error {err.max():.3g}, tolerance there {tol[err == err.max()].min():.3g}"
+    bias = torch.from_numpy(rng.standard_normal(out_features, dtype=np.float32))
+    residual = torch.from_numpy(rng.standard_normal((rows, out_features), dtype=np.float32))
+    summed = kernels.quant_linear_add_(residual.clone(), x, w, int(qtype), bias)
+    assert ((summed.double() - (residual.double() + expected + bias.double())).abs() <= tol + 1e-5).all()
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_batched_kernel_matches_float64_reference(kernels, qtype):
+    rng = np.random.default_rng(int(qtype))
+    rows, cols, out_features = 67, 512, 50
+    blocks = random_blocks(qtype, out_features, cols, rng)
+    x = torch.from_numpy(rng.standard_normal((rows, cols), dtype=np.float32)) * 3
+    expected, tol = reference(blocks, qtype, x)
+    got = kernels.quant_linear(x, torch.from_numpy(blocks), int(qtype), None)
+    assert ((got.double() - expected).abs() <= tol).all()
+    # A column slice of a wider output, as a fused projection of mixed types writes it.
+    wide = torch.zeros(rows, out_features + 7)
+    kernels.quant_matmul_(wide[:, 3 : 3 + out_features], x, torch.from_numpy(blocks), int(qtype), None, False)
+    assert torch.equal(wide[:, 3 : 3 + out_features], got) and not wide[:, :3].any() and not wide[:, -4:].any()
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_each_row_is_the_same_alone_or_in_a_batch(kernels, qtype):
+    """Batch invariance, bit for bit: greedy decoding must not depend on what else is in the step."""
+    rng = np.random.default_rng(3)
+    w = torch.from_numpy(random_blocks(qtype, 40, 512, rng))
+    x = torch.from_numpy(rng.standard_normal((13, 512), dtype=np.float32))
+    batched = kernels.quant_linear(x, w, int(qtype), None)
+    for i in range(13):
+        assert torch.equal(batched[i : i + 1], kernels.quant_linear(x[i : i + 1].clone(), w, int(qtype), None))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_rows_dequantize_exactly(kernels, qtype):
+    rng = np.random.default_rng(7)
+    blocks = random_blocks(qtype, 20, 512, rng)
+    ids = torch.tensor([3, 0, 19, 3])
+    got = kernels.quant_rows(torch.from_numpy(blocks), int(qtype), ids)
+    expected = gguf.quants.dequantize(blocks, qtype)[ids.numpy()]
+    assert torch.equal(got, torch.from_numpy(expected.astype(np.float32)))
+    whole = kernels.quant_dequantize(torch.from_numpy(blocks), int(qtype))
+    reference_rows = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32))
+    # Vectorized: q * scale + offset in one fma, where the reference rounds twice.
+    assert torch.allclose(whole, reference_rows, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [3, 70])  # the kernel; the de-quantized GEMM (GEMM_MIN_ROWS)
+def test_quantized_linear_of_mixed_parts(kernels, rows):
+    """A fused projection whose parts differ in type (q/k Q4_K, v Q6_K, as Q4_K_M files have them)."""
+    from cadenza.models.quantized_linear import GEMM_MIN_ROWS, QuantizedLinear, QuantizedTensor
+
+    assert (rows >= GEMM_MIN_ROWS) == (rows == 70)
+    rng = np.random.default_rng(rows)
+    parts = [(Q.Q4_K, 24), (Q.Q4_K, 8), (Q.Q6_K, 8)]
+    blocks = [random_blocks(qtype, n, 256, rng) for qtype, n in parts]
+    linear = QuantizedLinear(256, 40, bias=True)
+    first = 0
+    for (qtype, n), b in zip(parts, blocks):
+        linear.load_rows(first, QuantizedTensor(torch.from_numpy(b), int(qtype), 256))
+        first += n
+    linear.finish_loading()
+    assert [q for _, q in linear.parts] == [int(Q.Q4_K), int(Q.Q6_K)]  # same-type neighbours joined
+    with torch.no_grad():
+        linear.bias.copy_(torch.randn(40))
+    linear.use_cpu_kernels(kernels)
+    x = torch.from_numpy(rng.standard_normal((rows, 256), dtype=np.float32))
+    expected = torch.cat([reference(b, q, x)[0] for b, (q, _) in zip(blocks, parts)], dim=1) + linear.bias.double()
+    tol = torch.cat([reference(b, q, x)[1] for b, (q, _) in zip(blocks, parts)], dim=1)
+    assert ((linear(x).double() - expected).abs() <= tol).all()
+    residual = torch.randn(rows, 40)
+    summed = linear.linear_add_(residual.clone(), x)
+    assert ((summed.double() - residual.double() - expected).abs() <= tol + 1e-5).all()
+
+
+def test_kernel_rejects_wrong_inputs(kernels):
+    w = torch.zeros(4, 20 * 3, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="features"):
+        kernels.quant_linear(torch.zeros(1, 64), w, int(Q.Q4_1), None)
+    with pytest.raises(RuntimeError, match="no kernel"):
+        kernels.quant_linear(torch.zeros(1, 96), w, int(Q.Q5_0), None)
+    with pytest.raises(RuntimeError, match="whole number"):
+        kernels.quant_linear(torch.zeros(1, 96), torch.zeros(4, 61, dtype=torch.uint8), int(Q.Q4_1), None)
+
+
+# --- the default model end to end -----------------------------------------------------------------
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colours:", "Once upon a time"]
+
+
+@pytest.fixture(scope="module")
+def default_models(kernels):
+    """The embedded default model run natively (bf16 dtype, quantization auto) and de-quantized to
+    float32 (the exact weights), loaded once."""
+    from cadenza.models.loading import load_model
+
+    native = load_model(None, dtype=torch.bfloat16, cpu_kernels="on", quantization="auto")
+    exact = load_model(None, dtype=torch.float32, cpu_kernels="on", quantization="none")
+    return native, exact
+
+
+def last_logits(loaded, token_ids: list[int]) -> torch.Tensor:
+    """Logits after a one-sequence prefill of `token_ids` (eager attention, a fresh cache)."""
+    from cadenza.attention_backends.base import AttentionMetadata
+    from cadenza.attention_backends.eager import EagerBackend
+    from cadenza.kv_cache import allocate_kv_caches
+
+    arch, block_size, n = loaded.arch, 16, len(token_ids)
+    blocks = -(-n // block_size)
+    caches = allocate_kv_caches(arch, blocks, block_size, loaded.compute_dtype, torch.device("cpu"))
+    backend = EagerBackend(num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
+                           scale=arch.head_dim**-0.5, block_size=block_size, sliding_window=None)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, n]), seq_lens=torch.tensor([n]), context_lens=torch.tensor([0]),
+        block_tables=torch.arange(blocks).view(1, -1), slot_mapping=torch.arange(n), query_lens_list=[n],
+        seq_lens_list=[n], max_query_len=n, max_seq_len=n,
+    )  # fmt: skip
+    hidden = loaded.model(torch.tensor(token_ids), torch.arange(n), caches, meta, backend)
+    return loaded.model.compute_logits(hidden[-1:])[0]
+
+
+def test_default_model_runs_its_blocks_natively(default_models):
+    from cadenza.models.quantized_linear import QuantizedEmbedding, QuantizedLinear
+
+    native, exact = default_models
+    model = native.model
+    assert isinstance(model.embed_tokens, QuantizedEmbedding) and isinstance(model.lm_head, QuantizedLinear)
+    assert model.lm_head.blocks0 is model.embed_tokens.blocks  # the tied head reads the same blocks
+    assert all(isinstance(m, QuantizedLinear) for m in (model.layers[0].self_attn.qkv_proj, model.layers[0].mlp.down_proj))
+    assert model.layers[0].fused is not None and native.compute_dtype == torch.float32
+    # No de-quantized copy: every linear weight is the file's bytes (98 MB file, F32 norms aside).
+    # (named_buffers lists the tied head's blocks once.)
+    weight_bytes = sum(b.numel() for name, b in model.named_buffers() if "blocks" in name.rpartition(".")[2])
+    assert 90e6 < weight_bytes < 98.4e6
+    assert not any(p.numel() > 1e5 for p in model.parameters())
+
+
+def test_default_model_logits_close_to_dequantized(default_models):
+    native, exact = default_models
+    tokenizer = native.tokenizer
+    report = []
+    for prompt in PROMPTS:
+        ids = tokenizer.encode(prompt)
+        got, expected = last_logits(native, ids), last_logits(exact, ids)
+        diff = (got - expected).abs().max().item()
+        report.append((prompt, diff, expected.abs().max().item(), int(got.argmax()), int(expected.argmax())))
+    print("\n".join(f"{p!r}: max abs logit diff {d:.3f} (logits up to {s:.1f}), argmax {a} vs {b}" for p, d, s, a, b in report))
+    # int8 activations (as llama.cpp's): logits move by a few hundredths of their range, the top token stays.
+    assert all(d < 0.05 * s for _, d, s, _, _ in report)
+    assert all(a == b for *_, a, b in report)
+
+
+def test_default_model_greedy_tokens_reported(default_models):
+    """Greedy continuations (5 tokens, full recompute each step) of both paths, printed side by side."""
+    native, exact = default_models
+    agree = []
+    for prompt in PROMPTS[:2]:
+        runs = []
+        for loaded in (native, exact):
+            ids = native.tokenizer.encode(prompt)
+            for _ in range(5):
+                ids.append(int(last_logits(loaded, ids).argmax()))
+            runs.append(ids[-5:])
+        same = next((i for i, (a, b) in enumerate(zip(*runs)) if a != b), 5)
+        agree.append(same)
+        print(f"{prompt!r}: auto {native.tokenizer.decode(runs[0])!r} | none {native.tokenizer.decode(runs[1])!r} ({same}/5 agree)")
+    assert min(agree) >= 1
+
+
+def test_engine_on_native_path_with_small_cache(kernels):
+    """Prefix cache, chunked prefill and preemption over the quantized model. The kernels are batch
+    invariant, but chunked and batched attention sum in another order than a lone request's, so a
+    near-tie between two tokens may flip late in a sequence: the first tokens must agree with the
+    request run alone, and every request must finish, reuse the cached system prompt, and free its
+    blocks."""
+    from cadenza import LLM, SamplingParams
+
+    system = "You are a helpful assistant. Answer briefly and precisely. " * 3
+    prompts = [system + q for q in ("What is 2+2?", "Name a fruit.", "Say hi.", "Count to three.")]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with LLM(block_size=8, num_blocks=256, quantization="auto") as roomy:
+        assert roomy.runtime.loaded.model.layers[0].fused is not None
+        alone = [roomy.generate([p], params)[0].token_ids for p in prompts]
+    with LLM(block_size=8, num_blocks=16, chunk_size=16, max_num_batched_tokens=32, quantization="auto") as tight:
+        outs = tight.generate(prompts, params)
+        agree = [next((i for i, (a, b) in enumerate(zip(o.token_ids, ref)) if a != b), 24) for o, ref in zip(outs, alone)]
+        print(f"tokens agreeing with the request alone: {agree} of 24")
+        assert all(o.finish_reason == "length" and len(o.token_ids) == 24 for o in outs)
+        assert min(agree) >= 4
+        assert tight.engine.metrics.num_preemptions > 0
+        assert any(o.num_cached_tokens > 0 for o in outs)  # the shared system prompt was reused
+        again = tight.generate(prompts[:1], params)[0]
+        assert again.num_cached_tokens > 0 and again.token_ids[:4] == alone[0][:4]
+        core = tight.engine.cache_core
+        assert core.num_available == core.num_blocks
