@@ -22,7 +22,7 @@ import structlog
 
 from cadenza.actors.base import Actor, channel
 from cadenza.actors.cache_manager import CacheManagerActor, KVCacheManager
-from cadenza.actors.detokenizer import DetokenizerActor, IncrementalDetokenizer, TextDelta
+from cadenza.actors.detokenizer import DetokenizerActor, IncrementalDetokenizer
 from cadenza.actors.ingress import IngressActor, PromptValidator
 from cadenza.actors.runner import RunnerActor
 from cadenza.actors.scheduler import SchedulerActor
@@ -38,6 +38,7 @@ from cadenza.messages import (
     SyncCache,
 )
 from cadenza.metrics import EngineMetrics
+from cadenza.outputs import TextDelta
 from cadenza.runtime import Runtime
 from cadenza.sampling_params import SamplingParams
 from cadenza.streams import GenerationOutput, RequestStream
@@ -236,6 +237,11 @@ class AsyncEngine:
         priority: int = 0,
     ) -> AsyncIterator[GenerationOutput]:
         """Stream a request's output; leaving the loop early aborts the request."""
+        if params is not None and params.n != 1:
+            raise ValueError(
+                f"n={params.n}: AsyncEngine.generate streams one completion per request; for n completions "
+                "use LLM.generate or the OpenAI API's n, or make n requests"
+            )
         if not self._accepting:
             raise EngineClosedError(self._unhealthy_reason or "the engine is not accepting requests")
         request_id = request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"

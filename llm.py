@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import sys
 import threading
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -23,7 +22,7 @@ from cadenza.logging_setup import configure_logging
 from cadenza.outputs import RequestOutput, TokenLogprob
 from cadenza.prompts import Prompt, PromptError, is_single_prompt, tokenize_prompt
 from cadenza.runtime import Runtime, build_runtime
-from cadenza.sampling_params import SamplingParams
+from cadenza.sampling_params import SamplingParams, completion_seed
 
 # Short keyword names accepted by LLM(...), mapped to their config paths.
 _OVERRIDES = {
@@ -33,6 +32,7 @@ _OVERRIDES = {
     "num_threads": "model.num_threads",
     "seed": "model.seed",
     "cpu_kernels": "model.cpu_kernels",
+    "quantization": "model.quantization",
     "block_size": "cache.block_size",
     "num_blocks": "cache.num_blocks",
     "memory_budget": "cache.memory_budget",
@@ -119,7 +119,9 @@ class LLM:
         *,
         use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
-        """One output per prompt, in order. A request that fails alone has finish_reason "error"."""
+        """One output per prompt and completion, in prompt order: a prompt whose params ask for
+        `n` completions gets `n` outputs in a row, `index` 0..n-1 (completion i of a seeded request
+        samples with seed + i). A request that fails alone has finish_reason "error"."""
         batch = [prompts] if is_single_prompt(prompts) else list(prompts)
         if params is None:
             params = SamplingParams()
@@ -127,9 +129,12 @@ class LLM:
         if len(per_prompt) != len(batch):
             raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(batch)} prompts")
         prepared = [self._prepare(p) for p in batch]
+        requests = [
+            (prompt, one, index) for prompt, p in zip(prepared, per_prompt) for index, one in enumerate(_completions(p))
+        ]
         if use_tqdm is None:
-            use_tqdm = len(batch) > 1 and sys.stderr.isatty()
-        return self._portal.call(self._run_all, prepared, per_prompt, use_tqdm)
+            use_tqdm = len(requests) > 1 and sys.stderr.isatty()
+        return self._portal.call(self._run_all, requests, use_tqdm)
 
     def _prepare(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         text, ids = tokenize_prompt(prompt, self.tokenizer, self.runtime.loaded.arch.vocab_size)
@@ -138,29 +143,29 @@ class LLM:
             raise PromptError(f"prompt has {len(ids)} tokens; max_model_len is {limit}")
         return text, ids
 
-    async def _run_all(self, prepared, params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
-        results: list[RequestOutput | None] = [None] * len(prepared)
+    async def _run_all(self, requests, use_tqdm: bool) -> list[RequestOutput]:
+        results: list[RequestOutput | None] = [None] * len(requests)
         progress = None
         if use_tqdm:
             from tqdm import tqdm
 
-            progress = tqdm(total=len(prepared), desc="Generating", unit="req")
+            progress = tqdm(total=len(requests), desc="Generating", unit="req")
 
-        async def run_one(index: int) -> None:
-            results[index] = await self._collect(prepared[index], params[index])
+        async def run_one(i: int) -> None:
+            results[i] = await self._collect(*requests[i])
             if progress is not None:
                 progress.update(1)
 
         try:
             async with anyio.create_task_group() as tg:
-                for i in range(len(prepared)):
+                for i in range(len(requests)):
                     tg.start_soon(run_one, i)
         finally:
             if progress is not None:
                 progress.close()
         return results  # type: ignore[return-value]
 
-    async def _collect(self, prepared: tuple[str | None, list[int]], params: SamplingParams) -> RequestOutput:
+    async def _collect(self, prepared: tuple[str | None, list[int]], params: SamplingParams, index: int) -> RequestOutput:
         text, ids = prepared
         pieces: list[str] = []
         tokens: list[int] = []
@@ -182,9 +187,20 @@ class LLM:
             finish_reason=last.finish_reason,
             logprobs=logprobs,
             num_cached_tokens=last.num_cached_tokens,
-            metrics=asdict(last.timings) if last.timings else {},
+            timings=last.timings,
             error=last.error,
+            error_code=last.error_code,
+            index=index,
         )
+
+
+def _completions(params: SamplingParams) -> list[SamplingParams]:
+    """A request for `n` completions as `n` requests for one. Completion i of a seeded request
+    samples with seed + i (wrapping within the seed's range), as the OpenAI API's choices do, so
+    completions differ yet repeat."""
+    if params.n == 1:
+        return [params]
+    return [params.model_copy(update={"n": 1, "seed": completion_seed(params.seed, i)}) for i in range(params.n)]
 
 
 def _start_event_loop_thread() -> tuple[BlockingPortal, threading.Thread]:

@@ -1,8 +1,18 @@
-"""What a finished (or streaming) request hands back to its caller."""
+"""What a request hands back, one record per stage on its way out (plain data: no torch, no actor).
+
+    detokenizer --TextDelta--> RequestStream --GenerationOutput--> AsyncEngine.generate's caller
+                                                                   (the WebSocket and OpenAI APIs)
+                                              LLM.generate --RequestOutput--> its caller
+
+`TextDelta` is what the detokenizer produced since its last one; the stream merges the deltas its
+reader has not read yet into one `GenerationOutput` (defined beside `RequestStream` in
+`streams.py`), and adds running counts and, on the last, the `RequestTimings`. `LLM.generate`
+joins a request's `GenerationOutput`s into one `RequestOutput`.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
@@ -15,7 +25,41 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True, slots=True)
+class TextDelta:
+    """Detokenizer -> a request's stream: what the request produced since its last delta.
+
+    The last one has `finish_reason` (with `error` and `error_code` when it is "error").
+    """
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+    error_code: str | None = None
+    queue_seconds: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTimings:
+    """How long a finished request took, measured by its stream (seconds)."""
+
+    queue_seconds: float | None
+    ttft_seconds: float | None  # time to first token, from arrival
+    tpot_seconds: float | None  # mean time per output token after the first
+    e2e_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
 class RequestOutput:
+    """`LLM.generate`'s result for one completion: the whole text of one request.
+
+    A prompt asked for `n` completions gets `n` of these, one after the other, `index` 0..n-1.
+    """
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
@@ -24,8 +68,10 @@ class RequestOutput:
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = None
     num_cached_tokens: int = 0
-    metrics: dict[str, float | None] = field(default_factory=dict)
+    timings: RequestTimings | None = None
     error: str | None = None
+    error_code: str | None = None
+    index: int = 0  # which of its prompt's `n` completions
 
     @property
     def finished(self) -> bool:

@@ -195,6 +195,14 @@ SamplingOverrides: type[BaseModel] = create_model(
 )
 
 
+def completion_seed(seed: int | None, index: int) -> int | None:
+    """The seed of completion `index` of a request seeded with `seed` (n completions, OpenAI's
+    choices): seed + index, wrapped within the range torch accepts, so completions differ yet repeat."""
+    if seed is None:
+        return None
+    return SEED_MIN + (seed + index - SEED_MIN) % (SEED_MAX - SEED_MIN + 1)
+
+
 def merge_sampling(defaults: BaseModel, *overrides: BaseModel | None, **fixed: Any) -> SamplingParams:
     """SamplingParams from a deployment's `defaults` (every value counts, None included), then
     `overrides` (later ones win; their None values are 'not set'), then `fixed` values."""

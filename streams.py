@@ -1,5 +1,8 @@
 """Per-request output streams between the detokenizer and whoever reads the request's output.
 
+The detokenizer puts `TextDelta`s; each read returns them merged into one `GenerationOutput`
+(`outputs.py` shows every record on a request's way out).
+
 Putting never blocks: deltas that arrive while the reader is busy are merged, so a slow reader
 costs memory for its own text only and never stalls the engine. A reader that falls more than
 `max_pending_tokens` behind is cut off with an error instead of growing without bound.
@@ -12,21 +15,14 @@ from dataclasses import dataclass
 
 import anyio
 
-from cadenza.actors.detokenizer import TextDelta
-from cadenza.outputs import TokenLogprob
-
-
-@dataclass(frozen=True, slots=True)
-class RequestTimings:
-    queue_seconds: float | None
-    ttft_seconds: float | None  # time to first token, from arrival
-    tpot_seconds: float | None  # mean time per output token after the first
-    e2e_seconds: float
+from cadenza.outputs import RequestTimings, TextDelta, TokenLogprob
 
 
 @dataclass(frozen=True, slots=True)
 class GenerationOutput:
-    """One streamed update for a request: what is new since the last one, plus running totals."""
+    """A request's stream -> its reader (`AsyncEngine.generate`): what is new since the last read,
+    the `TextDelta`s that arrived in between merged, plus running totals; the last has
+    `finish_reason` and the request's `timings`."""
 
     request_id: str
     text: str

@@ -18,29 +18,13 @@ from cadenza.actors.base import Actor
 from cadenza.messages import AbortRequest, DetokenizerMessage, NewTokens, RequestFailed, TrackRequest, UnexpectedMessageError
 from cadenza.metrics import EngineMetrics
 from cadenza.models.tokenizer import Tokenizer
-from cadenza.outputs import TokenLogprob
+from cadenza.outputs import TextDelta
 from cadenza.sampling_params import SamplingParams
 
 log = structlog.get_logger(__name__)
 
 # How `tokenizers` words the error of a `DecodeStream` whose decoder rewrote text already emitted.
 _INVALID_PREFIX = "Invalid prefix encountered"
-
-
-@dataclass(frozen=True, slots=True)
-class TextDelta:
-    """What a request produced since its last delta."""
-
-    request_id: str
-    text: str
-    token_ids: tuple[int, ...]
-    logprobs: tuple[TokenLogprob, ...] | None
-    finish_reason: str | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    error: str | None = None
-    error_code: str | None = None
-    queue_seconds: float | None = None
 
 
 @dataclass

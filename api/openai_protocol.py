@@ -21,14 +21,13 @@ from pydantic.json_schema import GenerateJsonSchema, models_json_schema
 from cadenza.api.errors import APIError
 from cadenza.config.schema import SamplingDefaults
 from cadenza.sampling_params import (
-    SEED_MAX,
-    SEED_MIN,
     Logprobs,
     MaxTokens,
     N,
     SamplingOverrides,
     SamplingParams,
     SamplingParamsError,
+    completion_seed,
     merge_sampling,
 )
 
@@ -227,9 +226,10 @@ def to_sampling_params(
     Choice `i` of a seeded request samples with `seed + i` (wrapping within the seed's range), so
     choices differ yet repeat. `rename` maps SamplingParams names to the request's own, for errors.
     """
-    seed = None if req.seed is None else SEED_MIN + (req.seed + choice - SEED_MIN) % (SEED_MAX - SEED_MIN + 1)
     try:
-        return merge_sampling(defaults, req, n=1, max_tokens=max_tokens, logprobs=logprobs, seed=seed)
+        return merge_sampling(
+            defaults, req, n=1, max_tokens=max_tokens, logprobs=logprobs, seed=completion_seed(req.seed, choice)
+        )
     except SamplingParamsError as exc:
         raise _invalid(exc.field(rename), exc.describe(rename), "invalid_value") from exc
 

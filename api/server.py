@@ -109,8 +109,14 @@ class _Server(uvicorn.Server):
 
 
 async def _ask_over_websocket(url: str, question: str, app) -> None:
-    """Show the server answering: one chat turn through its own WebSocket endpoint, streamed."""
+    """Show the server answering: one chat turn through its own WebSocket endpoint.
+
+    On a terminal the answer streams in as it is generated. Piped, it comes in whole lines (the
+    last with the closing note, once done), each in one write, so the server's log lines on stderr
+    fall between the answer's lines, never inside one.
+    """
     import json
+    import sys
 
     from websockets.asyncio.client import connect
 
@@ -118,17 +124,25 @@ async def _ask_over_websocket(url: str, question: str, app) -> None:
     key = app.state.server.config.server.api_key
     if key:
         headers["Authorization"] = f"Bearer {key}"
+    live = sys.stdout.isatty()
     try:
         async with connect(url, additional_headers=headers) as ws:
             await ws.recv()  # session.created
             await ws.send(json.dumps({"type": "generate", "request_id": "ask", "user": question, "sampling": {"temperature": 0}}))
             print(f"\n> {question}\n", flush=True)
+            held = ""  # piped: the answer's unfinished last line
             async for raw in ws:
                 message = json.loads(raw)
                 if message["type"] == "delta":
-                    print(message["text"], end="", flush=True)
+                    if live:
+                        print(message["text"], end="", flush=True)
+                        continue
+                    lines, newline, held = (held + message["text"]).rpartition("\n")
+                    if newline:
+                        print(lines, flush=True)
                 elif message["type"] in ("done", "error"):
-                    print(f"\n\n[{message.get('finish_reason') or message.get('code')}; serving on {url}; Ctrl-C stops]\n", flush=True)
+                    outcome = message.get("finish_reason") or message.get("code")
+                    print(f"{held}\n\n[{outcome}; serving on {url}; Ctrl-C stops]\n", flush=True)
                     return
     except Exception as exc:  # the demo must never take the server down
         log.warning("The --ask demo failed", error=repr(exc))

@@ -1,10 +1,11 @@
 """An interactive terminal chat over a cadenza WebSocket session.
 
-    python examples/ws_chat.py [--url ws://127.0.0.1:8000/v1/sessions] [--system "Be brief."]
+    python examples/ws_chat.py [--url ws://127.0.0.1:8000/v1/sessions] [--system "Be brief."] [--temperature 0.7]
 
 The conversation lives on the server: each line you type is one user turn, and follow-ups reuse
 the cached prefix of the turns before. Ctrl-C while the model answers interrupts it (the partial
-answer stays in the conversation); Ctrl-C at the prompt, or Ctrl-D, quits.
+answer stays in the conversation); Ctrl-C at the prompt, or Ctrl-D, quits. Answers are greedy
+(temperature 0) unless --temperature says otherwise, so the same questions get the same answers.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import sys
 from websockets.asyncio.client import connect
 
 
-async def chat(url: str, system: str | None, api_key: str | None, max_tokens: int) -> None:
+async def chat(url: str, system: str | None, api_key: str | None, max_tokens: int, temperature: float) -> None:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     async with connect(url, additional_headers=headers) as ws:
         created = json.loads(await ws.recv())
@@ -47,7 +48,8 @@ async def chat(url: str, system: str | None, api_key: str | None, max_tokens: in
                 continue
             turn += 1
             request_id = f"turn-{turn}"
-            await ws.send(json.dumps({"type": "generate", "request_id": request_id, "user": line, "sampling": {"max_tokens": max_tokens}}))
+            sampling = {"max_tokens": max_tokens, "temperature": temperature}
+            await ws.send(json.dumps({"type": "generate", "request_id": request_id, "user": line, "sampling": sampling}))
             answering.set()
             print("model> ", end="", flush=True)
             async for raw in ws:
@@ -74,9 +76,10 @@ def main() -> int:
     parser.add_argument("--system", help="system prompt for the session")
     parser.add_argument("--api-key")
     parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 (the default) is greedy")
     args = parser.parse_args()
     try:
-        asyncio.run(chat(args.url, args.system, args.api_key, args.max_tokens))
+        asyncio.run(chat(args.url, args.system, args.api_key, args.max_tokens, args.temperature))
     except (ConnectionRefusedError, OSError) as exc:
         print(f"cannot reach {args.url}: {exc} (start one with: cadenza serve)", file=sys.stderr)
         return 1

@@ -26,6 +26,8 @@ from gguf import GGUFValueType, TokenType
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import BPE
 
+from cadenza.models.byte_level import BYTE_TO_CHAR, CHAR_TO_BYTE
+
 logger = structlog.get_logger(__name__)
 
 
@@ -219,28 +221,12 @@ def _spell_byte_level(tokens: list[str]) -> list[str]:
     llama.cpp writes them that way already; a few converters wrote some in plain text, which BPE
     would never produce, so respell those (as transformers' GGUF loader does).
     """
-    alphabet = _BYTE_ALPHABET
+    alphabet = CHAR_TO_BYTE.keys()
     if set("".join(tokens)) <= alphabet:  # the usual case: one pass, no per-token work
         return tokens
-    spelling = _bytes_to_unicode()
     return [
-        token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8")) for token in tokens
+        token if set(token) <= alphabet else "".join(BYTE_TO_CHAR[b] for b in token.encode("utf-8")) for token in tokens
     ]
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table: printable Latin-1 maps to itself, the rest past 255."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
-_BYTE_ALPHABET = frozenset(pre_tokenizers.ByteLevel.alphabet())
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,10 +14,9 @@ from cadenza.samplers.base import (
     SamplingError,
 )
 from cadenza.samplers.extra import ExtraParams, ExtraParamsError
-from cadenza.samplers.pipeline import DEFAULT_PROCESSORS, SamplingPipeline, build_pipeline
+from cadenza.samplers.pipeline import SamplingPipeline, build_pipeline
 
 __all__ = [
-    "DEFAULT_PROCESSORS",
     "ExtraParams",
     "ExtraParamsError",
     "LogitsProcessor",

@@ -20,18 +20,6 @@ from cadenza.samplers.extra import ExtraParams, ExtraParamsError
 
 log = structlog.get_logger(__name__)
 
-# The built-in processors in the order they should run (vLLM's): bans and biases first, as they
-# decide what may be emitted at all; penalties next, on the biased logits; then temperature, and
-# the truncation filters last, on the tempered distribution a row actually samples from.
-DEFAULT_PROCESSORS: tuple[str, ...] = (
-    "min_tokens",
-    "logit_bias",
-    "penalties",
-    "temperature",
-    "min_p",
-    "top_k_top_p",
-)
-
 
 class SamplingPipeline:
     """Applies each active processor to a batch's logits, in order, then calls the sampler.

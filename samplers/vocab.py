@@ -12,19 +12,9 @@ import json
 import re
 from typing import Any, Callable
 
+from cadenza.models.byte_level import CHAR_TO_BYTE
+
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
-
-
-def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's printable stand-in for each byte, inverted: char -> byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = list(printable), 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, chars)}
 
 
 def _decoder_types(config: dict[str, Any] | None) -> set[str]:
@@ -40,11 +30,9 @@ def _speller(backend) -> Callable[[str, int], bytes]:
     decoder = backend.decoder
     types = _decoder_types(json.loads(decoder.__getstate__()) if decoder is not None else None)
     if "ByteLevel" in types:
-        alphabet = _byte_level_alphabet()
-
         def byte_level(piece: str, token_id: int) -> bytes:
-            if all(ch in alphabet for ch in piece):
-                return bytes(alphabet[ch] for ch in piece)
+            if all(ch in CHAR_TO_BYTE for ch in piece):
+                return bytes(CHAR_TO_BYTE[ch] for ch in piece)
             return piece.encode()
 
         return byte_level

@@ -9,13 +9,13 @@ import gguf
 import pytest
 from tiny_models import build_tokenizer
 
-from cadenza.actors.detokenizer import DetokenizerActor, IncrementalDetokenizer, TextDelta
+from cadenza.actors.detokenizer import DetokenizerActor, IncrementalDetokenizer
 from cadenza.messages import AbortRequest, NewTokens, RequestFailed, TrackRequest, UnexpectedMessageError
 from cadenza.metrics import EngineMetrics
 from cadenza.models.default_model import default_model_path
 from cadenza.models.gguf_tokenizer import tokenizer_from_gguf
 from cadenza.models.tokenizer import Tokenizer
-from cadenza.outputs import TokenLogprob
+from cadenza.outputs import TextDelta, TokenLogprob
 from cadenza.sampling_params import SamplingParams
 
 HARD_TEXTS = [

@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from cadenza import LLM, SamplingParams
+from cadenza.llm import _completions
 from cadenza.prompts import PromptError
+from cadenza.sampling_params import SEED_MAX, SEED_MIN
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +29,7 @@ def test_prompt_kinds(llm):
     for out in (text, ids, chat):
         assert len(out.token_ids) == 4 and out.finish_reason == "length"
         assert out.text == llm.tokenizer.decode(out.token_ids)
+        assert out.timings is not None and out.timings.e2e_seconds > 0 and out.index == 0
 
 
 def test_single_prompt_and_per_prompt_params(llm):
@@ -53,6 +56,35 @@ def test_seed_reproduces_independent_of_batch(llm):
     assert alone == mixed
     different = llm.generate(["seeded"], SamplingParams(temperature=1.0, seed=99, max_tokens=16, ignore_eos=True))
     assert different[0].token_ids != alone
+
+
+def test_n_gives_n_completions_per_prompt(llm):
+    sampled = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    outs = llm.generate(["seeded", [5, 6, 7]], [sampled, greedy(4)])
+    assert [(o.prompt, o.index) for o in outs] == [("seeded", 0), ("seeded", 1), ("seeded", 2), (None, 0)]
+    assert len({o.request_id for o in outs}) == 4
+    assert len({tuple(o.token_ids) for o in outs[:3]}) == 3
+    for i, out in enumerate(outs[:3]):  # completion i is the request of one with seed + i
+        alone = sampled.model_copy(update={"n": 1, "seed": 7 + i})
+        assert llm.generate(["seeded"], alone)[0].token_ids == out.token_ids
+    unseeded = llm.generate([[5, 6, 7]], SamplingParams(n=2, max_tokens=4, ignore_eos=True))
+    assert [(o.index, len(o.token_ids)) for o in unseeded] == [(0, 4), (1, 4)]
+
+
+def test_completion_seeds_wrap_within_the_seed_range():
+    seeds = [p.seed for p in _completions(SamplingParams(n=3, seed=SEED_MAX - 1))]
+    assert seeds == [SEED_MAX - 1, SEED_MAX, SEED_MIN]
+    assert [p.seed for p in _completions(SamplingParams(n=2))] == [None, None]
+    assert all(p.n == 1 for p in _completions(SamplingParams(n=2)))
+
+
+def test_async_engine_refuses_n(llm):
+    async def stream():
+        async for _ in llm.engine.generate([5, 6, 7], SamplingParams(n=2)):
+            pass
+
+    with pytest.raises(ValueError, match=r"n=2.*LLM\.generate.*OpenAI API's n"):
+        llm._portal.call(stream)
 
 
 def test_stop_token_ids_and_eos(llm):

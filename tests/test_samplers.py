@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cadenza.config.schema import DEFAULT_LOGITS_PROCESSORS
 from cadenza.sampling_params import SamplingParams
 from cadenza.samplers import (
-    DEFAULT_PROCESSORS,
     LogitsProcessor,
     Sampler,
     SamplerOutput,
@@ -68,7 +68,7 @@ def make_generator(seed: int | None) -> torch.Generator | None:
 
 def builtin_processor_classes() -> list[type[LogitsProcessor]]:
     by_name = {cls.name: cls for cls in builtins.BUILTINS}
-    return [by_name[name] for name in DEFAULT_PROCESSORS]
+    return [by_name[name] for name in DEFAULT_LOGITS_PROCESSORS]
 
 
 def draw(params: SamplingParams, logits: torch.Tensor = LOGITS, n: int = DRAWS) -> torch.Tensor:
@@ -466,7 +466,7 @@ def test_all_greedy_fast_path_skips_the_sampler():
 def test_builtins_register_like_a_plugin():
     registered: dict[str, type] = {}
     builtins.register_samplers(register=lambda name, cls: registered.setdefault(name, cls))
-    assert set(registered) == {*DEFAULT_PROCESSORS, "default"}
+    assert set(registered) == {*DEFAULT_LOGITS_PROCESSORS, "default"}
     for name, cls in registered.items():
         assert cls.name == name
         assert issubclass(cls, Sampler if name == "default" else LogitsProcessor)

@@ -6,8 +6,7 @@ import time
 import anyio
 import pytest
 
-from cadenza.actors.detokenizer import TextDelta
-from cadenza.outputs import TokenLogprob
+from cadenza.outputs import TextDelta, TokenLogprob
 from cadenza.streams import RequestStream
 
 pytestmark = pytest.mark.anyio
