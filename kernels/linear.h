@@ -67,6 +67,28 @@ inline void linear_range(const float* x, int64_t x_stride, const uint16_t* w, in
 // of 4 activation rows passes over them, so DRAM sees each weight once whatever M is.
 constexpr int64_t kTileRows = 32;
 
+// Calls body(n0, n1, m, rows) for every tile [n0, n1) of `tile_rows` output features of N and every
+// group of `rows` (at most 4) activation rows starting at m, over the intra-op threads. Threads
+// claim runs of tiles from a shared counter rather than a fixed half each: a thread that starts
+// late (woken from its spin, or sharing its core) would otherwise leave the other waiting at the
+// end of every product (a fifth of a batch-1 step was spent so). A run is one forward stream
+// through the weights, long enough for the prefetcher, short enough to balance.
+template <class Body>
+inline void for_each_tile(int64_t N, int64_t M, int64_t tile_rows, Body&& body) {
+  const int64_t tiles = (N + tile_rows - 1) / tile_rows;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tiles));
+  const int64_t run = std::max<int64_t>(1, tiles / (threads * 8));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t t0; (t0 = next.fetch_add(run, std::memory_order_relaxed)) < tiles;) {
+      for (int64_t t = t0; t < std::min(tiles, t0 + run); ++t) {
+        const int64_t n0 = t * tile_rows, n1 = std::min(N, n0 + tile_rows);
+        for (int64_t m = 0; m < M; m += 4) body(n0, n1, m, std::min<int64_t>(4, M - m));
+      }
+    }
+  });
+}
+
 inline void linear_impl(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
                         torch::Tensor& out, bool accumulate) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
@@ -75,29 +97,14 @@ inline void linear_impl(const torch::Tensor& x, const torch::Tensor& w, const c1
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   const int64_t xs = x.stride(0), os = out.stride(0);
-  // Threads claim runs of tiles from a shared counter rather than a fixed half each: a thread that
-  // starts late (woken from its spin, or sharing its core) would otherwise leave the other waiting
-  // at the end of every product (a fifth of a batch-1 step was spent so). A run is one forward
-  // stream through W, long enough for the prefetcher, short enough to balance.
-  const int64_t tiles = (N + kTileRows - 1) / kTileRows;
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tiles));
-  const int64_t run = std::max<int64_t>(1, tiles / (threads * 8));
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t t0; (t0 = next.fetch_add(run, std::memory_order_relaxed)) < tiles;) {
-      for (int64_t t = t0; t < std::min(tiles, t0 + run); ++t) {
-        const int64_t n0 = t * kTileRows, n1 = std::min(N, n0 + kTileRows);
-        for (int64_t m = 0; m < M; m += 4) {
-          const float* xm = xp + m * xs;
-          float* om = op + m * os;
-          switch (std::min<int64_t>(4, M - m)) {
-            case 1: linear_range<1>(xm, xs, wp, K, bp, om, os, accumulate, n0, n1); break;
-            case 2: linear_range<2>(xm, xs, wp, K, bp, om, os, accumulate, n0, n1); break;
-            case 3: linear_range<3>(xm, xs, wp, K, bp, om, os, accumulate, n0, n1); break;
-            default: linear_range<4>(xm, xs, wp, K, bp, om, os, accumulate, n0, n1); break;
-          }
-        }
-      }
+  for_each_tile(N, M, kTileRows, [&](int64_t n0, int64_t n1, int64_t m, int64_t rows) {
+    const float* xm = xp + m * xs;
+    float* om = op + m * os;
+    switch (rows) {
+      case 1: linear_range<1>(xm, xs, wp, K, bp, om, os, accumulate, n0, n1); break;
+      case 2: linear_range<2>(xm, xs, wp, K, bp, om, os, accumulate, n0, n1); break;
+      case 3: linear_range<3>(xm, xs, wp, K, bp, om, os, accumulate, n0, n1); break;
+      default: linear_range<4>(xm, xs, wp, K, bp, om, os, accumulate, n0, n1); break;
     }
   });
 }

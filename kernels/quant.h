@@ -360,24 +360,13 @@ inline void quant_matmul_impl(const QuantizedActivations& a, int64_t M, const to
                               float* out, int64_t os, bool accumulate) {
   const int64_t N = w.size(0), row_bytes = w.size(1);
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  const int64_t tiles = (N + kQuantTileRows - 1) / kQuantTileRows;
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tiles));
-  const int64_t run = std::max<int64_t>(1, tiles / (threads * 8));
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t t0; (t0 = next.fetch_add(run, std::memory_order_relaxed)) < tiles;) {
-      for (int64_t t = t0; t < std::min(tiles, t0 + run); ++t) {
-        const int64_t n0 = t * kQuantTileRows, n1 = std::min(N, n0 + kQuantTileRows);
-        for (int64_t m = 0; m < M; m += 4) {
-          float* om = out + m * os;
-          switch (std::min<int64_t>(4, M - m)) {
-            case 1: qdot_range<T, 1>(wp, row_bytes, a, m, bias, om, os, accumulate, n0, n1); break;
-            case 2: qdot_range<T, 2>(wp, row_bytes, a, m, bias, om, os, accumulate, n0, n1); break;
-            case 3: qdot_range<T, 3>(wp, row_bytes, a, m, bias, om, os, accumulate, n0, n1); break;
-            default: qdot_range<T, 4>(wp, row_bytes, a, m, bias, om, os, accumulate, n0, n1); break;
-          }
-        }
-      }
+  for_each_tile(N, M, kQuantTileRows, [&](int64_t n0, int64_t n1, int64_t m, int64_t rows) {
+    float* om = out + m * os;
+    switch (rows) {
+      case 1: qdot_range<T, 1>(wp, row_bytes, a, m, bias, om, os, accumulate, n0, n1); break;
+      case 2: qdot_range<T, 2>(wp, row_bytes, a, m, bias, om, os, accumulate, n0, n1); break;
+      case 3: qdot_range<T, 3>(wp, row_bytes, a, m, bias, om, os, accumulate, n0, n1); break;
+      default: qdot_range<T, 4>(wp, row_bytes, a, m, bias, om, os, accumulate, n0, n1); break;
     }
   });
 }
