@@ -1,0 +1,92 @@
+"""Quality end to end (issue 11): the embedded default model's perplexity on a fixed public-domain
+text (tests/data/pride_and_prejudice_ch1.txt, 1,000 tokens), teacher-forced over the whole text.
+
+The native path (quantization auto, bf16 dtype: the file's Q4_1 blocks through cadenza's kernels)
+must score within 1% of the de-quantized float32 path of the same file (its exact weights). The
+native path is fed 32 tokens a step over its KV cache, as decode steps and small prefill chunks run:
+below GEMM_MIN_ROWS rows every product, LM head included, takes the int8-activation kernels (a longer
+step de-quantizes each weight for a float32 GEMM instead, which rounds no activation and would test
+little). Greedy agreement, the argmax of both paths at every position, is printed; only a floor is
+asserted.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from cadenza.kernels import cpu
+from cadenza.models.cpu_features import cpu_has_avx2_fma
+
+pytestmark = pytest.mark.skipif(not cpu_has_avx2_fma(), reason="the quantized kernels need x86-64 with AVX2 and FMA")
+
+TEXT = Path(__file__).parent / "data" / "pride_and_prejudice_ch1.txt"
+NATIVE_CHUNK = 32  # below GEMM_MIN_ROWS: the int8 kernels
+EXACT_CHUNK = 256
+
+
+@pytest.fixture(scope="module")
+def default_models():
+    """The embedded default model native (bf16 dtype, quantization auto) and de-quantized to float32."""
+    from cadenza.models.loading import load_model
+    from cadenza.models.quantized_linear import GEMM_MIN_ROWS
+
+    module, why = cpu._build()
+    if module is None:
+        pytest.skip(f"the CPU kernels cannot be built here: {why}")
+    assert NATIVE_CHUNK < GEMM_MIN_ROWS
+    native = load_model(None, dtype=torch.bfloat16, cpu_kernels="on", quantization="auto")
+    exact = load_model(None, dtype=torch.float32, cpu_kernels="on", quantization="none")
+    return native, exact
+
+
+def text_ids(tokenizer) -> list[int]:
+    body = TEXT.read_text(encoding="utf-8").split("\n", 1)[1]  # the first line names the source
+    return tokenizer.encode(body)
+
+
+def next_token_scores(loaded, ids: list[int], chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probability of each actual next token, the argmax there) at positions 0 .. len(ids) - 2,
+    the text fed `chunk` tokens a step over one sequence's cache (eager attention)."""
+    from cadenza.attention_backends.base import AttentionMetadata
+    from cadenza.attention_backends.eager import EagerBackend
+    from cadenza.kv_cache import allocate_kv_caches
+
+    arch, block_size, n = loaded.arch, 16, len(ids) - 1  # the last token predicts nothing scored
+    blocks = -(-n // block_size)
+    caches = allocate_kv_caches(arch, blocks, block_size, loaded.compute_dtype, torch.device("cpu"))
+    backend = EagerBackend(num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
+                           scale=arch.head_dim**-0.5, block_size=block_size, sliding_window=None)
+    tokens = torch.tensor(ids)
+    logprobs, argmax = [], []
+    for start in range(0, n, chunk):
+        end = min(start + chunk, n)
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor([0, end - start]), seq_lens=torch.tensor([end]),
+            context_lens=torch.tensor([start]), block_tables=torch.arange(blocks).view(1, -1),
+            slot_mapping=torch.arange(start, end), query_lens_list=[end - start], seq_lens_list=[end],
+            max_query_len=end - start, max_seq_len=end,
+        )  # fmt: skip
+        hidden = loaded.model(tokens[start:end], torch.arange(start, end), caches, meta, backend)
+        scores = loaded.model.compute_logits(hidden).log_softmax(-1)
+        logprobs.append(scores.gather(1, tokens[start + 1 : end + 1, None])[:, 0])
+        argmax.append(scores.argmax(-1))
+    return torch.cat(logprobs), torch.cat(argmax)
+
+
+def test_native_perplexity_within_one_percent_of_dequantized(default_models):
+    native, exact = default_models
+    ids = text_ids(native.tokenizer)
+    assert 600 <= len(ids) <= 1000
+    native_lp, native_top = next_token_scores(native, ids, NATIVE_CHUNK)
+    exact_lp, exact_top = next_token_scores(exact, ids, EXACT_CHUNK)
+    native_ppl, exact_ppl = math.exp(-native_lp.double().mean()), math.exp(-exact_lp.double().mean())
+    relative = native_ppl / exact_ppl - 1
+    agreement = (native_top == exact_top).double().mean().item()
+    print(f"\n{len(ids) - 1} tokens scored: perplexity native {native_ppl:.4f}, de-quantized fp32 {exact_ppl:.4f} "
+          f"({relative:+.3%}); greedy agreement {agreement:.1%}")  # fmt: skip
+    assert abs(relative) < 0.01
+    assert agreement > 0.9
