@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 
-import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
 from cadenza import compute_thread

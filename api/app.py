@@ -14,7 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
 from cadenza.api.errors import APIError, error_responses, install_error_handlers
-from cadenza.api.openai_protocol import ModelList, openapi_schemas
+from cadenza.api.openai_schema import ModelList, openapi_schemas
 from cadenza.api.prometheus import ServerMetrics
 from cadenza.api.state import ServerState, check_api_key, served_model_name, server_state
 from cadenza.engine import AsyncEngine

@@ -21,14 +21,8 @@ from fastapi.responses import JSONResponse, Response
 
 from cadenza.api.errors import APIError, engine_error, error_responses
 from cadenza.api.http_streaming import Emit, EventStreamResponse, parse_body, run_choices, sse, until_disconnected
-from cadenza.api.openai_protocol import (
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionRequest,
-    CompletionResponse,
-    openapi_request_body,
-    to_sampling_params,
-)
+from cadenza.api.openai_protocol import ChatCompletionRequest, CompletionRequest, to_sampling_params
+from cadenza.api.openai_schema import ChatCompletionResponse, CompletionResponse, openapi_request_body
 from cadenza.api.state import ServerState, server_state
 from cadenza.outputs import TokenLogprob
 from cadenza.sampling_params import SamplingParams

@@ -18,7 +18,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import httpx
-import pytest
 from websockets.asyncio.client import connect
 
 from server_process import running_server

@@ -1,7 +1,6 @@
 """The offline `LLM` API on a tiny random model: prompt kinds, per-request params, stopping."""
 
 import pytest
-import torch
 
 from cadenza import LLM, SamplingParams
 from cadenza.llm import _completions

@@ -1,0 +1,133 @@
+"""The OpenAI routes in the OpenAPI document: their request models (which the routes parse
+themselves, so FastAPI cannot see them) and the response shapes, which exist for the document only."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+from pydantic.json_schema import GenerateJsonSchema, models_json_schema
+
+from cadenza.api.openai_protocol import ChatCompletionRequest, CompletionRequest
+
+_REF = "#/components/schemas/{model}"
+REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest)
+
+
+def openapi_request_body(model: type[BaseModel]) -> dict[str, Any]:
+    """A route's `requestBody` (through `openapi_extra`): `model` as JSON, required."""
+    return {"required": True, "content": {"application/json": {"schema": {"$ref": _REF.format(model=model.__name__)}}}}
+
+
+class _OpenAPIJsonSchema(GenerateJsonSchema):
+    """Pydantic's JSON Schema, saying also that an int-keyed object's keys are decimal integers
+    (logit_bias' token ids)."""
+
+    def dict_schema(self, schema):
+        json_schema = super().dict_schema(schema)
+        keys = schema.get("keys_schema", {})
+        if keys.get("type") == "int" and "propertyNames" not in json_schema:
+            json_schema["propertyNames"] = {"pattern": "^[0-9]+$" if keys.get("ge") == 0 else "^-?[0-9]+$"}
+        return json_schema
+
+
+def openapi_schemas(model_name: str) -> dict[str, dict[str, Any]]:
+    """The request models and every model they use, as OpenAPI components (what `$ref`s point to);
+    `model` is the one model this server serves (any other is a 404)."""
+    pairs = [(m, "validation") for m in REQUEST_MODELS]
+    _, document = models_json_schema(pairs, ref_template=_REF, schema_generator=_OpenAPIJsonSchema)
+    schemas = document["$defs"]
+    for model in REQUEST_MODELS:
+        schemas[model.__name__]["properties"]["model"]["enum"] = [model_name]
+    return schemas
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="Prompt tokens served from the prefix cache.")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+_FinishReason = Literal["stop", "length"]
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: _FinishReason
+
+
+class CompletionResponse(BaseModel):
+    """A whole /v1/completions answer (a streamed one is `text_completion` chunks, then `[DONE]`)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+    refusal: None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+    refusal: None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: _FinishReason
+
+
+class ChatCompletionResponse(BaseModel):
+    """A whole /v1/chat/completions answer (a streamed one is `chat.completion.chunk`s, then `[DONE]`)."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
