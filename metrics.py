@@ -25,6 +25,7 @@ class EngineMetrics:
     requests_aborted: int = 0
     # cache manager
     kv_blocks_total: int = 0
+    kv_capacity_tokens: int = 0  # tokens the whole cache holds (an int8 cache holds ~2x bf16's)
     kv_blocks_used: int = 0
     kv_blocks_cached: int = 0
     prefix_hit_rate: float = 0.0

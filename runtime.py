@@ -130,6 +130,23 @@ def resolve_dtype(name: str) -> torch.dtype:
     return torch.bfloat16 if name == "auto" else _DTYPES[name]
 
 
+def resolve_kv_dtype(name: str, compute_dtype: torch.dtype) -> torch.dtype:
+    """`cache.dtype` as a torch dtype; torch.int8 is the quantized cache (see `kv_cache.py`)."""
+    if name == "auto":
+        return compute_dtype
+    return torch.int8 if name == "int8" else _DTYPES[name]
+
+
+def _attention_kernels(config: CadenzaConfig, loaded: LoadedModel, kv_dtype: torch.dtype, device: torch.device):
+    """The CPU kernels for the attention backend, or None: the model's, for a float32 cache and
+    activations; for an int8 cache, whatever the activations (its decode reads it in float32)."""
+    if kv_dtype == torch.int8 and device.type == "cpu":
+        from cadenza.kernels import cpu
+
+        return loaded.model.kernels or cpu.configure(config.model.cpu_kernels)
+    return loaded.model.kernels if loaded.compute_dtype == kv_dtype == torch.float32 else None
+
+
 def build_runtime(config: CadenzaConfig, extra_plugins=()) -> Runtime:
     """Everything an engine needs, built on the compute thread (see `compute_thread.py`), where
     the engine's runner will later run every step."""
@@ -145,6 +162,8 @@ def _build_runtime(config: CadenzaConfig, extra_plugins=()) -> Runtime:
     device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype)
     backend_cls.check_available(device)
+    if config.cache.dtype == "int8" and not getattr(backend_cls, "supports_int8_kv_cache", False):
+        raise ConfigError(f"cache.dtype: attention backend {config.attention_backend!r} cannot read an int8 KV cache")
     if config.model.num_threads:
         torch.set_num_threads(config.model.num_threads)
     torch.manual_seed(config.model.seed)
@@ -153,9 +172,9 @@ def _build_runtime(config: CadenzaConfig, extra_plugins=()) -> Runtime:
                         cpu_kernels=config.model.cpu_kernels, quantization=config.model.quantization)
     arch = loaded.arch
     block_size = config.cache.block_size
-    # The cache holds keys and values in the dtype attention computes in (float32 where bf16
-    # weights run on a CPU without native bf16): no per-layer conversion of the whole context.
-    kv_dtype = loaded.compute_dtype
+    # By default the cache holds keys and values in the dtype attention computes in (float32 where
+    # bf16 weights run on a CPU without native bf16): no per-layer conversion of the whole context.
+    kv_dtype = resolve_kv_dtype(config.cache.dtype, loaded.compute_dtype)
     num_blocks = choose_num_blocks(
         arch,
         block_size,
@@ -176,7 +195,7 @@ def _build_runtime(config: CadenzaConfig, extra_plugins=()) -> Runtime:
         sliding_window=arch.sliding_window,
         device=device,
     )
-    backend.use_cpu_kernels(loaded.model.kernels if kv_dtype == torch.float32 else None)
+    backend.use_cpu_kernels(_attention_kernels(config, loaded, kv_dtype, device))
     context = SamplingContext(
         vocab_size=arch.vocab_size, eos_token_ids=loaded.tokenizer.eos_token_ids, device=device, tokenizer=loaded.tokenizer
     )
@@ -188,6 +207,8 @@ def _build_runtime(config: CadenzaConfig, extra_plugins=()) -> Runtime:
         "Runtime ready",
         attention_backend=config.attention_backend,
         kv_blocks=num_blocks,
+        kv_dtype=str(kv_dtype).removeprefix("torch."),
+        kv_capacity_tokens=num_blocks * block_size,
         block_size=block_size,
         device=str(device),
     )

@@ -298,6 +298,7 @@ class CacheManagerActor(Actor[CacheMessage]):
     def _report(self) -> None:
         core = self.core
         self.metrics.kv_blocks_total = core.num_blocks
+        self.metrics.kv_capacity_tokens = core.num_blocks * core.block_size
         self.metrics.kv_blocks_used = core.num_used
         self.metrics.kv_blocks_cached = core.num_cached_blocks
         self.metrics.prefix_hit_rate = core.prefix_hit_rate

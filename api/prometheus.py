@@ -72,6 +72,7 @@ class _EngineCollector:
             "cadenza_requests_waiting": ("Requests queued.", m.num_waiting),
             "cadenza_requests_active": ("Requests whose output stream is open (any stage).", m.requests_active),
             "cadenza_kv_cache_blocks_used": ("KV cache blocks held by requests.", m.kv_blocks_used),
+            "cadenza_kv_cache_capacity_tokens": ("Tokens the KV cache holds in all (cache.dtype decides).", m.kv_capacity_tokens),
             "cadenza_kv_cache_usage_ratio": ("Share of KV cache blocks in use.", m.kv_usage),
             "cadenza_kv_cache_blocks_cached": ("Blocks held in the prefix cache.", m.kv_blocks_cached),
             "cadenza_prefix_cache_hit_ratio": ("Prompt tokens served from the prefix cache.", m.prefix_hit_rate),

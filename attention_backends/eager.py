@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from cadenza.attention_backends.base import AttentionBackend, causal_mask, write_kv
+from cadenza.attention_backends.base import AttentionBackend, causal_mask, read_kv, write_kv
 
 
 class EagerBackend(AttentionBackend):
     """Slow and obviously right: the backend other backends are checked against."""
 
     name = "eager"
+    supports_int8_kv_cache = True
 
     def forward(self, q, k, v, kv_cache, meta):
         write_kv(k, v, kv_cache, meta.slot_mapping)
@@ -19,10 +20,9 @@ class EagerBackend(AttentionBackend):
         starts = meta.query_start_loc.tolist()
         for i, seq_len in enumerate(meta.seq_lens_list):
             start, end = starts[i], starts[i + 1]
-            num_blocks = -(-seq_len // self.block_size)
-            blocks = meta.block_tables[i, :num_blocks]
-            keys = kv_cache[0][blocks].reshape(-1, self.num_kv_heads, self.head_dim)[:seq_len].float()
-            values = kv_cache[1][blocks].reshape(-1, self.num_kv_heads, self.head_dim)[:seq_len].float()
+            positions = torch.arange(seq_len, device=meta.block_tables.device)
+            slots = meta.block_tables[i, positions // self.block_size] * self.block_size + positions % self.block_size
+            keys, values = read_kv(kv_cache, slots, torch.float32)  # [S, KVH, D]
             keys = keys.repeat_interleave(group, dim=1)  # [S, H, D]
             values = values.repeat_interleave(group, dim=1)
             query = q[start:end].float()  # [Q, H, D]

@@ -3,7 +3,8 @@
 A step that mixes decodes with prefill chunks is attended in two groups, so the decodes' single
 query rows are not padded to the longest chunk (a [B, max_q, max_k] attention for B sequences
 would cost the whole batch what one chunk costs). Decode groups on the CPU, where cadenza's CPU
-kernels run, skip the gather: the paged decode kernel reads keys and values in place.
+kernels run, skip the gather: the paged decode kernel reads keys and values in place (a float32
+cache for float32 activations; an int8 cache for any).
 """
 
 from __future__ import annotations
@@ -13,7 +14,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from cadenza.attention_backends.base import AttentionBackend, AttentionMetadata, causal_mask, write_kv
+from cadenza.attention_backends.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    Int8KVCache,
+    causal_mask,
+    read_kv,
+    write_kv,
+)
 
 
 @dataclass(slots=True)
@@ -41,9 +49,9 @@ class _Group:
         return self.max_q == 1
 
 
-def _packed_f32(x: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+def _packed_f32(x: torch.Tensor) -> bool:
     """Whether the kernels' cache write takes `x` [T, heads, D] as it is."""
-    return x.dtype == kv_cache.dtype == torch.float32 and x.stride(-1) == 1 and x.stride(1) == x.shape[2]
+    return x.dtype == torch.float32 and x.stride(-1) == 1 and x.stride(1) == x.shape[2]
 
 
 class TorchSDPABackend(AttentionBackend):
@@ -54,6 +62,7 @@ class TorchSDPABackend(AttentionBackend):
     """
 
     name = "torch_sdpa"
+    supports_int8_kv_cache = True
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -109,7 +118,13 @@ class TorchSDPABackend(AttentionBackend):
         return _Group(rows, block_tables, seq_lens, num_seqs, max_q, max_k, padded_rows, mask_bool, is_causal)
 
     def forward(self, q, k, v, kv_cache, meta):
-        if self._kernels is not None and _packed_f32(k, kv_cache) and _packed_f32(v, kv_cache):
+        if isinstance(kv_cache, Int8KVCache) and self._kernels is not None:
+            k, v = k.float(), v.float()  # bf16 activations: a copy of the step's new rows only
+        if self._kernels is None or not (_packed_f32(k) and _packed_f32(v)):
+            write_kv(k, v, kv_cache, meta.slot_mapping)
+        elif isinstance(kv_cache, Int8KVCache):
+            self._kernels.write_kv_int8_(kv_cache.data, kv_cache.scales, k, v, meta.slot_mapping)
+        elif kv_cache.dtype == torch.float32:
             self._kernels.write_kv_(kv_cache, k, v, meta.slot_mapping)
         else:
             write_kv(k, v, kv_cache, meta.slot_mapping)
@@ -121,25 +136,30 @@ class TorchSDPABackend(AttentionBackend):
         return out
 
     def _attend(self, group: _Group, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
-        if group.is_decode and self._kernels is not None and q.dtype == kv_cache.dtype == torch.float32:
-            return self._kernels.paged_decode_attention(
-                q, kv_cache, group.block_tables, group.seq_lens, self.scale, self.sliding_window or 0
-            )
+        if group.is_decode and self._kernels is not None:
+            window = self.sliding_window or 0
+            if isinstance(kv_cache, Int8KVCache):  # in float32, whatever the activations' dtype
+                return self._kernels.paged_decode_attention_int8(
+                    q.float(), kv_cache.data, kv_cache.scales, group.block_tables, group.seq_lens, self.scale, window
+                ).to(q.dtype)
+            if q.dtype == kv_cache.dtype == torch.float32:
+                return self._kernels.paged_decode_attention(
+                    q, kv_cache, group.block_tables, group.seq_lens, self.scale, window
+                )
         num_seqs, max_q, max_k = group.num_seqs, group.max_q, group.max_k
-        flat = kv_cache.view(2, -1, self.num_kv_heads, self.head_dim)
-        slots = self._key_slots(group)
-        keys = flat[0].index_select(0, slots).view(num_seqs, max_k, self.num_kv_heads, self.head_dim)
-        values = flat[1].index_select(0, slots).view(num_seqs, max_k, self.num_kv_heads, self.head_dim)
+        compute = torch.float32 if self._upcast and q.dtype != torch.float32 else q.dtype
+        keys, values = read_kv(kv_cache, self._key_slots(group), compute)
+        keys = keys.view(num_seqs, max_k, self.num_kv_heads, self.head_dim)
+        values = values.view(num_seqs, max_k, self.num_kv_heads, self.head_dim)
         if group.is_decode:
             queries = q.reshape(num_seqs, 1, self.num_heads, self.head_dim)
         else:
             padded = q.new_zeros(num_seqs * max_q, self.num_heads, self.head_dim)
             queries = padded.index_copy_(0, group.padded_rows, q).view(num_seqs, max_q, self.num_heads, self.head_dim)
-        compute = torch.float32 if self._upcast and q.dtype != torch.float32 else q.dtype
         out = F.scaled_dot_product_attention(
             queries.transpose(1, 2).to(compute),
-            keys.transpose(1, 2).to(compute),
-            values.transpose(1, 2).to(compute),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
             attn_mask=self._additive_mask(group, compute),
             is_causal=group.is_causal,
             scale=self.scale,

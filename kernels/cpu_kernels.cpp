@@ -40,6 +40,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "one-token-per-sequence attention over a paged KV cache", release());
   m.def("write_kv_", &write_kv_, "store keys and values at their cache slots", release());
+  m.def("paged_decode_attention_int8", &paged_decode_attention_int8,
+        "one-token-per-sequence attention over a paged int8 KV cache with float16 scales", release());
+  m.def("write_kv_int8_", &write_kv_int8_, "quantize keys and values into their int8 cache slots", release());
   py::class_<DecoderLayerKernel>(m, "DecoderLayerKernel")
       .def(py::init<torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, torch::Tensor,
                     c10::optional<torch::Tensor>, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>,

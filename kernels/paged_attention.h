@@ -5,7 +5,9 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "linear.h"
@@ -17,30 +19,42 @@ namespace cadenza {
 constexpr int64_t kPrefetchKeys = 8;
 constexpr int64_t kMinRunKeys = 32;
 
-inline void prefetch_row(const float* p, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
+inline void prefetch_row(const void* p, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(static_cast<const char*>(p) + i, _MM_HINT_T0);
 }
 
-// Decode attention straight from the paged cache: one query token per sequence.
-// q [B, H, D]; kv_cache [2, num_blocks, block_size, KVH, D]; block_tables [B, max_blocks];
-// seq_lens [B] (keys in the cache, the new token's included). Keys at positions
-// [max(0, seq_len - window), seq_len) are attended (window <= 0: all). Returns [B, H, D].
-inline torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& kv_cache,
-                                            const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
-                                            double scale, int64_t window) {
+// int8 rows of the quantized cache, widened to float32 lanes (exact).
+inline __m256 load_i8x8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+inline float dot(const float* a, const int8_t* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load_i8x8(b + i), acc);
+  float s = hsum(acc);
+  for (; i < n; ++i) s += a[i] * static_cast<float>(b[i]);
+  return s;
+}
+
+inline void axpy(float alpha, const int8_t* x, float* y, int64_t n) {  // y += alpha * x
+  const __m256 a = _mm256_set1_ps(alpha);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(a, load_i8x8(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += alpha * static_cast<float>(x[i]);
+}
+
+inline void check_decode_args(const torch::Tensor& q, const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                              int64_t NB, int64_t BS, int64_t KVH, int64_t D) {
   check_f32_rows(q, "q");
   TORCH_CHECK(q.dim() == 3 && q.stride(1) == q.size(2), "q must be [seqs, heads, head_dim] with packed heads");
-  TORCH_CHECK(kv_cache.scalar_type() == torch::kFloat32 && kv_cache.is_contiguous() && kv_cache.dim() == 5,
-              "kv_cache must be a contiguous float32 [2, blocks, block_size, kv_heads, head_dim] tensor");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && block_tables.dim() == 2 && block_tables.stride(1) == 1,
               "block_tables must be int64 [seqs, max_blocks], contiguous in its last dimension");
   TORCH_CHECK(seq_lens.scalar_type() == torch::kInt64 && seq_lens.is_contiguous(), "seq_lens must be contiguous int64");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t NB = kv_cache.size(1), BS = kv_cache.size(2), KVH = kv_cache.size(3);
-  TORCH_CHECK(kv_cache.size(4) == D && H % KVH == 0, "q and kv_cache disagree on heads or head_dim");
+  const int64_t B = q.size(0), max_blocks = block_tables.size(1), bts = block_tables.stride(0);
+  TORCH_CHECK(D == q.size(2) && q.size(1) % KVH == 0, "q and kv_cache disagree on heads or head_dim");
   TORCH_CHECK(block_tables.size(0) == B && seq_lens.numel() == B,
               "block_tables and seq_lens need one row per sequence");
-  const int64_t G = H / KVH, max_blocks = block_tables.size(1), bts = block_tables.stride(0), qs = q.stride(0);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
@@ -48,6 +62,24 @@ inline torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch:
     for (int64_t j = 0; j < (lens[b] + BS - 1) / BS; ++j)
       TORCH_CHECK(tables[b * bts + j] >= 0 && tables[b * bts + j] < NB, "block id out of range");
   }
+}
+
+// Decode attention straight from the paged cache: one query token per sequence.
+// q [B, H, D]; keys and values [num_blocks, block_size, KVH, D] each, float32 or int8 (then with
+// float16 scales [num_blocks, block_size, KVH], a row being int8 * scale); block_tables
+// [B, max_blocks]; seq_lens [B] (keys in the cache, the new token's included). Keys at positions
+// [max(0, seq_len - window), seq_len) are attended (window <= 0: all). Returns [B, H, D].
+// Arguments are checked by the callers (`check_decode_args`).
+template <typename KV>
+inline torch::Tensor decode_attention(const torch::Tensor& q, const KV* keys, const KV* values,
+                                      const uint16_t* key_scales, const uint16_t* value_scales, int64_t BS,
+                                      int64_t KVH, const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                                      double scale, int64_t window) {
+  constexpr bool kQuantized = std::is_same<KV, int8_t>::value;
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t G = H / KVH, bts = block_tables.stride(0), qs = q.stride(0);
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
   auto out = torch::empty({B, H, D}, q.options());
   // Work items are (sequence, kv head, run of key positions). A few sequences with one kv head
   // each would leave threads idle (batch 1 of a 3-kv-head model: 3 items on 2 threads), so each
@@ -61,8 +93,6 @@ inline torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch:
   // Per item and query head of the group: running max, sum of exponentials, unnormalized output.
   std::vector<float> partial(splits > 1 ? static_cast<size_t>(pairs * splits * G * (D + 2)) : 0);
   const float* qp = q.data_ptr<float>();
-  const float* keys = kv_cache.data_ptr<float>();
-  const float* values = keys + NB * BS * KVH * D;
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
   auto slot = [&](const int64_t* table, int64_t t) { return table[t / BS] * BS + t % BS; };
@@ -79,9 +109,11 @@ inline torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch:
       // prefetcher loses the stream at each block, so fetch a few keys ahead by hand.
       for (int64_t t = t0; t < t1; ++t) {
         if (t + kPrefetchKeys < t1)
-          prefetch_row(keys + (slot(table, t + kPrefetchKeys) * KVH + kvh) * D, D);
-        const float* key = keys + (slot(table, t) * KVH + kvh) * D;
-        for (int64_t g = 0; g < G; ++g) scores[g * n + (t - t0)] = dot(qh + g * D, key, D) * fscale;
+          prefetch_row(keys + (slot(table, t + kPrefetchKeys) * KVH + kvh) * D, D * sizeof(KV));
+        const int64_t row = slot(table, t) * KVH + kvh;
+        const KV* key = keys + row * D;
+        const float s = kQuantized ? fscale * _cvtsh_ss(key_scales[row]) : fscale;
+        for (int64_t g = 0; g < G; ++g) scores[g * n + (t - t0)] = dot(qh + g * D, key, D) * s;
       }
       std::fill(maxes.begin(), maxes.end(), -INFINITY);
       std::fill(sums.begin(), sums.end(), 0.0f);
@@ -110,9 +142,11 @@ inline torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch:
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int64_t t = t0; t < t1; ++t) {
         if (t + kPrefetchKeys < t1)
-          prefetch_row(values + (slot(table, t + kPrefetchKeys) * KVH + kvh) * D, D);
-        const float* value = values + (slot(table, t) * KVH + kvh) * D;
-        for (int64_t g = 0; g < G; ++g) axpy(scores[g * n + (t - t0)], value, acc.data() + g * D, D);
+          prefetch_row(values + (slot(table, t + kPrefetchKeys) * KVH + kvh) * D, D * sizeof(KV));
+        const int64_t row = slot(table, t) * KVH + kvh;
+        const KV* value = values + row * D;
+        const float s = kQuantized ? _cvtsh_ss(value_scales[row]) : 1.0f;
+        for (int64_t g = 0; g < G; ++g) axpy(scores[g * n + (t - t0)] * s, value, acc.data() + g * D, D);
       }
       if (splits == 1) {  // the whole sequence: normalize straight into the output
         for (int64_t g = 0; g < G; ++g) {
@@ -157,6 +191,42 @@ inline torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch:
   return out;
 }
 
+
+// The float32 cache: kv_cache [2, num_blocks, block_size, KVH, D].
+inline torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& kv_cache,
+                                            const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                                            double scale, int64_t window) {
+  TORCH_CHECK(kv_cache.scalar_type() == torch::kFloat32 && kv_cache.is_contiguous() && kv_cache.dim() == 5,
+              "kv_cache must be a contiguous float32 [2, blocks, block_size, kv_heads, head_dim] tensor");
+  const int64_t NB = kv_cache.size(1), BS = kv_cache.size(2), KVH = kv_cache.size(3), D = kv_cache.size(4);
+  check_decode_args(q, block_tables, seq_lens, NB, BS, KVH, D);
+  const float* keys = kv_cache.data_ptr<float>();
+  return decode_attention<float>(q, keys, keys + NB * BS * KVH * D, nullptr, nullptr, BS, KVH, block_tables,
+                                 seq_lens, scale, window);
+}
+
+inline void check_int8_cache(const torch::Tensor& data, const torch::Tensor& scales) {
+  TORCH_CHECK(data.scalar_type() == torch::kInt8 && data.is_contiguous() && data.dim() == 5,
+              "kv_data must be a contiguous int8 [2, blocks, block_size, kv_heads, head_dim] tensor");
+  TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() &&
+                  scales.sizes() == data.sizes().slice(0, 4),
+              "kv_scales must be a contiguous float16 [2, blocks, block_size, kv_heads] tensor");
+}
+
+// The int8 cache: kv_data [2, num_blocks, block_size, KVH, D] int8 and kv_scales
+// [2, num_blocks, block_size, KVH] float16, read in place (each row widened and scaled in float32).
+inline torch::Tensor paged_decode_attention_int8(const torch::Tensor& q, const torch::Tensor& kv_data,
+                                                 const torch::Tensor& kv_scales, const torch::Tensor& block_tables,
+                                                 const torch::Tensor& seq_lens, double scale, int64_t window) {
+  check_int8_cache(kv_data, kv_scales);
+  const int64_t NB = kv_data.size(1), BS = kv_data.size(2), KVH = kv_data.size(3), D = kv_data.size(4);
+  check_decode_args(q, block_tables, seq_lens, NB, BS, KVH, D);
+  const int8_t* keys = kv_data.data_ptr<int8_t>();
+  const uint16_t* key_scales = reinterpret_cast<const uint16_t*>(kv_scales.data_ptr<at::Half>());
+  return decode_attention<int8_t>(q, keys, keys + NB * BS * KVH * D, key_scales, key_scales + NB * BS * KVH, BS,
+                                  KVH, block_tables, seq_lens, scale, window);
+}
+
 // Store the step's keys and values at their cache slots: k, v [T, KVH, D] (packed heads, any row
 // stride: views of the fused projection), kv_cache [2, num_blocks, block_size, KVH, D].
 inline void write_kv_(torch::Tensor kv_cache, const torch::Tensor& k, const torch::Tensor& v,
@@ -181,6 +251,46 @@ inline void write_kv_(torch::Tensor kv_cache, const torch::Tensor& k, const torc
   for (int64_t t = 0; t < T; ++t) {
     std::memcpy(keys + slot[t] * row, kp + t * k.stride(0), row * sizeof(float));
     std::memcpy(values + slot[t] * row, vp + t * v.stride(0), row * sizeof(float));
+  }
+}
+
+
+// The int8 cache's write: each token's kv head quantized symmetrically (scale absmax / 127, stored as
+// float16 and used rounded, as `quantize_int8` in attention_backends/base.py does).
+inline void write_kv_int8_(torch::Tensor kv_data, torch::Tensor kv_scales, const torch::Tensor& k,
+                           const torch::Tensor& v, const torch::Tensor& slot_mapping) {
+  check_f32_rows(k, "k");
+  check_f32_rows(v, "v");
+  check_int8_cache(kv_data, kv_scales);
+  const int64_t T = k.size(0), KVH = kv_data.size(3), D = kv_data.size(4);
+  const int64_t slots = kv_data.size(1) * kv_data.size(2), row = KVH * D;
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.size(1) == KVH && k.size(2) == D && k.stride(1) == D &&
+                  v.stride(1) == D,
+              "k and v must be [tokens, kv_heads, head_dim] with packed heads, matching the cache");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous() && slot_mapping.numel() == T,
+              "slot_mapping must be contiguous int64 [tokens]");
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "slot ", slot[t], " out of range");
+  int8_t* data = kv_data.data_ptr<int8_t>();
+  uint16_t* scales = reinterpret_cast<uint16_t*>(kv_scales.data_ptr<at::Half>());
+  const float* src[2] = {k.data_ptr<float>(), v.data_ptr<float>()};
+  const int64_t stride[2] = {k.stride(0), v.stride(0)};
+  for (int64_t which = 0; which < 2; ++which) {
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t h = 0; h < KVH; ++h) {
+        const float* x = src[which] + t * stride[which] + h * D;
+        float absmax = 0.0f;
+        for (int64_t d = 0; d < D; ++d) absmax = std::max(absmax, std::fabs(x[d]));
+        const uint16_t half = _cvtss_sh(std::min(absmax / 127.0f, 65504.0f), _MM_FROUND_TO_NEAREST_INT);
+        const float s = _cvtsh_ss(half);
+        const float divisor = s == 0.0f ? 1.0f : s;
+        const int64_t at = (which * slots + slot[t]) * KVH + h;
+        int8_t* out = data + at * D;
+        for (int64_t d = 0; d < D; ++d)
+          out[d] = static_cast<int8_t>(std::max(-127.0f, std::min(127.0f, std::nearbyint(x[d] / divisor))));
+        scales[at] = half;
+      }
+    }
   }
 }
 

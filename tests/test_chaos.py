@@ -329,6 +329,7 @@ def test_chaos_then_the_books_balance(tiny_model_dir):
             time.sleep(0.05)
         assert metrics is not None, f"the server did not settle: {_metrics(server)}"
         assert httpx.get(server.url + "/health").status_code == 200
+        assert metrics["cadenza_kv_cache_capacity_tokens"] == 96 * 16  # num_blocks x the default block size
         after = asyncio.run(_greedy_answers(server, model))
 
         report = {**tally.report(), "seconds": round(seconds, 1),
