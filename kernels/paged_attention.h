@@ -227,16 +227,13 @@ inline torch::Tensor paged_decode_attention_int8(const torch::Tensor& q, const t
                                   KVH, block_tables, seq_lens, scale, window);
 }
 
-// Store the step's keys and values at their cache slots: k, v [T, KVH, D] (packed heads, any row
-// stride: views of the fused projection), kv_cache [2, num_blocks, block_size, KVH, D].
-inline void write_kv_(torch::Tensor kv_cache, const torch::Tensor& k, const torch::Tensor& v,
-                      const torch::Tensor& slot_mapping) {
+// The checks both cache writes share: k, v [T, KVH, D] with packed heads matching a cache of
+// `cache_sizes` [2, blocks, block_size, KVH, D], and every slot in range; returns the slots.
+inline const int64_t* check_kv_write(const torch::Tensor& k, const torch::Tensor& v, c10::IntArrayRef cache_sizes,
+                                     const torch::Tensor& slot_mapping) {
   check_f32_rows(k, "k");
   check_f32_rows(v, "v");
-  TORCH_CHECK(kv_cache.scalar_type() == torch::kFloat32 && kv_cache.is_contiguous() && kv_cache.dim() == 5,
-              "kv_cache must be a contiguous float32 [2, blocks, block_size, kv_heads, head_dim] tensor");
-  const int64_t T = k.size(0), KVH = kv_cache.size(3), D = kv_cache.size(4);
-  const int64_t slots = kv_cache.size(1) * kv_cache.size(2), row = KVH * D;
+  const int64_t T = k.size(0), KVH = cache_sizes[3], D = cache_sizes[4], slots = cache_sizes[1] * cache_sizes[2];
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.size(1) == KVH && k.size(2) == D && k.stride(1) == D &&
                   v.stride(1) == D,
               "k and v must be [tokens, kv_heads, head_dim] with packed heads, matching the cache");
@@ -244,6 +241,18 @@ inline void write_kv_(torch::Tensor kv_cache, const torch::Tensor& k, const torc
               "slot_mapping must be contiguous int64 [tokens]");
   const int64_t* slot = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "slot ", slot[t], " out of range");
+  return slot;
+}
+
+// Store the step's keys and values at their cache slots: k, v [T, KVH, D] (packed heads, any row
+// stride: views of the fused projection), kv_cache [2, num_blocks, block_size, KVH, D].
+inline void write_kv_(torch::Tensor kv_cache, const torch::Tensor& k, const torch::Tensor& v,
+                      const torch::Tensor& slot_mapping) {
+  TORCH_CHECK(kv_cache.scalar_type() == torch::kFloat32 && kv_cache.is_contiguous() && kv_cache.dim() == 5,
+              "kv_cache must be a contiguous float32 [2, blocks, block_size, kv_heads, head_dim] tensor");
+  const int64_t* slot = check_kv_write(k, v, kv_cache.sizes(), slot_mapping);
+  const int64_t T = k.size(0), KVH = kv_cache.size(3), D = kv_cache.size(4);
+  const int64_t slots = kv_cache.size(1) * kv_cache.size(2), row = KVH * D;
   float* keys = kv_cache.data_ptr<float>();
   float* values = keys + slots * row;
   const float* kp = k.data_ptr<float>();
@@ -259,18 +268,10 @@ inline void write_kv_(torch::Tensor kv_cache, const torch::Tensor& k, const torc
 // float16 and used rounded, as `quantize_int8` in attention_backends/base.py does).
 inline void write_kv_int8_(torch::Tensor kv_data, torch::Tensor kv_scales, const torch::Tensor& k,
                            const torch::Tensor& v, const torch::Tensor& slot_mapping) {
-  check_f32_rows(k, "k");
-  check_f32_rows(v, "v");
   check_int8_cache(kv_data, kv_scales);
+  const int64_t* slot = check_kv_write(k, v, kv_data.sizes(), slot_mapping);
   const int64_t T = k.size(0), KVH = kv_data.size(3), D = kv_data.size(4);
   const int64_t slots = kv_data.size(1) * kv_data.size(2), row = KVH * D;
-  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.size(1) == KVH && k.size(2) == D && k.stride(1) == D &&
-                  v.stride(1) == D,
-              "k and v must be [tokens, kv_heads, head_dim] with packed heads, matching the cache");
-  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.is_contiguous() && slot_mapping.numel() == T,
-              "slot_mapping must be contiguous int64 [tokens]");
-  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "slot ", slot[t], " out of range");
   int8_t* data = kv_data.data_ptr<int8_t>();
   uint16_t* scales = reinterpret_cast<uint16_t*>(kv_scales.data_ptr<at::Half>());
   const float* src[2] = {k.data_ptr<float>(), v.data_ptr<float>()};
