@@ -162,7 +162,7 @@ def _build_runtime(config: CadenzaConfig, extra_plugins=()) -> Runtime:
     device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype)
     backend_cls.check_available(device)
-    if config.cache.dtype == "int8" and not getattr(backend_cls, "supports_int8_kv_cache", False):
+    if config.cache.dtype == "int8" and not backend_cls.supports_int8_kv_cache:
         raise ConfigError(f"cache.dtype: attention backend {config.attention_backend!r} cannot read an int8 KV cache")
     if config.model.num_threads:
         torch.set_num_threads(config.model.num_threads)

@@ -78,6 +78,9 @@ class AttentionBackend(ABC):
 
     name: ClassVar[str]
     options_model: ClassVar[type[BaseModel] | None] = None
+    # Whether `forward` can take an `Int8KVCache` (cache.dtype int8); a deployment that asks for
+    # one with a backend that cannot is refused at start-up.
+    supports_int8_kv_cache: ClassVar[bool] = False
 
     def __init__(
         self,

@@ -155,6 +155,11 @@ class UnavailableBackend(EagerBackend):
         raise BackendUnavailableError("unavailable_test needs a flux capacitor")
 
 
+class FloatCacheOnlyBackend(CountingBackend):
+    name = "float_cache_only_test"
+    supports_int8_kv_cache = False
+
+
 class OptionPolicy(LRUPolicy):
     name = "option_policy_test"
     options_model = Level
@@ -174,6 +179,7 @@ class TestPlugin:
     def register_attention_backends(self, register):
         register(CountingBackend.name, CountingBackend)
         register(UnavailableBackend.name, UnavailableBackend)
+        register(FloatCacheOnlyBackend.name, FloatCacheOnlyBackend)
 
     @hookimpl
     def register_eviction_policies(self, register):
@@ -246,6 +252,21 @@ async def test_attention_backend_plugin_runs_every_step_and_layer(model_path):
     assert backend.steps >= 6 and backend.layers == 2 * backend.steps  # the tiny model has 2 layers
     with pytest.raises(BackendUnavailableError, match="flux capacitor"):
         make_runtime(model_path, attention_backend="unavailable_test")
+
+
+@covers("AttentionBackend.supports_int8_kv_cache")
+async def test_an_int8_kv_cache_goes_only_to_a_backend_that_reads_it(model_path):
+    from cadenza.attention_backends.base import Int8KVCache
+    from cadenza.config import ConfigError
+
+    runtime = make_runtime(model_path, attention_backend="counting_test", **{"cache.dtype": "int8"})
+    assert all(isinstance(cache, Int8KVCache) for cache in runtime.runner.kv_caches)
+    async with AsyncEngine.serve(runtime) as engine:
+        tokens, _ = await collect(engine, [5, 6, 7], greedy(6))
+    assert len(tokens) == 6 and runtime.runner.backend.layers >= 6
+    with pytest.raises(ConfigError, match="float_cache_only_test' cannot read an int8 KV cache"):
+        make_runtime(model_path, attention_backend="float_cache_only_test", **{"cache.dtype": "int8"})
+    make_runtime(model_path, attention_backend="float_cache_only_test")  # a float cache is fine
 
 
 @covers("AttentionBackend.use_cpu_kernels")
