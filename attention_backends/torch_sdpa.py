@@ -118,13 +118,13 @@ class TorchSDPABackend(AttentionBackend):
         return _Group(rows, block_tables, seq_lens, num_seqs, max_q, max_k, padded_rows, mask_bool, is_causal)
 
     def forward(self, q, k, v, kv_cache, meta):
-        if isinstance(kv_cache, Int8KVCache) and self._kernels is not None:
+        int8 = isinstance(kv_cache, Int8KVCache)
+        if int8 and self._kernels is not None:
             k, v = k.float(), v.float()  # bf16 activations: a copy of the step's new rows only
-        if self._kernels is None or not (_packed_f32(k) and _packed_f32(v)):
-            write_kv(k, v, kv_cache, meta.slot_mapping)
-        elif isinstance(kv_cache, Int8KVCache):
+        kernel_write = self._kernels is not None and _packed_f32(k) and _packed_f32(v)
+        if kernel_write and int8:
             self._kernels.write_kv_int8_(kv_cache.data, kv_cache.scales, k, v, meta.slot_mapping)
-        elif kv_cache.dtype == torch.float32:
+        elif kernel_write and kv_cache.dtype == torch.float32:
             self._kernels.write_kv_(kv_cache, k, v, meta.slot_mapping)
         else:
             write_kv(k, v, kv_cache, meta.slot_mapping)
