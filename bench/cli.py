@@ -22,7 +22,7 @@ def _add_common(parser: argparse.ArgumentParser, peers: bool = True) -> None:
     parser.add_argument("--config", help="deployment YAML file for cadenza's engine settings")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--num-threads", type=int, help="torch (and llama.cpp) threads; default: torch's")
-    parser.add_argument("--quantization", choices=["auto", "none"],
+    parser.add_argument("--quantization", choices=["auto", "none", "int8"],
                         help="cadenza's model.quantization: run a GGUF's blocks natively (auto) or de-quantize (none)")
     parser.add_argument("--seed", type=int, default=0, help="workload and engine seed")
     parser.add_argument("--temperature", type=float, default=0.6)
@@ -37,9 +37,14 @@ def _add_common(parser: argparse.ArgumentParser, peers: bool = True) -> None:
                         help="seconds to wait for a busy machine to calm down before each run (default 30)")
     parser.add_argument("--no-quiet-check", action="store_true", help="measure other processes' CPU but never wait or repeat")
     if peers:
-        parser.add_argument("--gguf-cache", type=Path, help="where the bf16 GGUF for llama.cpp is written (default ~/.cache/cadenza/bench)")
+        parser.add_argument("--gguf-cache", type=Path,
+                            help="where re-written GGUFs for llama.cpp go (default ~/.cache/cadenza/bench)")
+        parser.add_argument("--llamacpp-precisions", nargs="+", default=["file", "Q8_0"], metavar="P",
+                            choices=["file", "Q8_0", "BF16"],
+                            help="files llama.cpp runs: 'file' (the GGUF at its own precision), Q8_0, BF16 "
+                                 "(re-writes of it); default: file Q8_0")
         parser.add_argument("--llamacpp-parallel", type=int, default=32,
-                            help="sequences llama.cpp runs at once in the throughput workload (default 32)")
+                            help="llama-server's --parallel in the throughput workload (default 32)")
     parser.add_argument("--verbose", action="store_true", help="show the engine's logs")
 
 
@@ -146,7 +151,8 @@ def _throughput(args: argparse.Namespace) -> int:
     print(f"workload: {workload.describe()}")
     result = run_throughput(engine, workload, compare=args.compare, dtype=args.dtype, policy=policy,
                             hf_batch_size=args.hf_batch_size, num_threads=args.num_threads,
-                            gguf_cache=args.gguf_cache, seed=args.seed, llamacpp_parallel=args.llamacpp_parallel)
+                            gguf_cache=args.gguf_cache, seed=args.seed, llamacpp_parallel=args.llamacpp_parallel,
+                            llamacpp_precisions=args.llamacpp_precisions)
     print()
     print(result.render())
     if args.json:
@@ -306,9 +312,10 @@ def _latency_peers(args, engine, plan, probes) -> dict[str, str]:
         except Exception as exc:
             skipped["hf"] = f"transformers could not load {engine.source}: {exc}"
     if "llamacpp" in args.compare:
-        from cadenza.bench.latency import LlamaCppProbe
-        from cadenza.bench.llamacpp import LlamaCppEngine, bf16_gguf_for, why_llamacpp_cannot_run
-        from cadenza.bench.llamacpp_batched import LlamaCppBatchedEngine
+        import os
+
+        from cadenza.bench.llamacpp import peer_files, why_llamacpp_cannot_run
+        from cadenza.bench.llamacpp_binaries import LlamaBinaryProbe
         from cadenza.bench.throughput import default_gguf_cache
 
         source = Path(engine.source)
@@ -316,14 +323,16 @@ def _latency_peers(args, engine, plan, probes) -> dict[str, str]:
         if why is not None:
             skipped["llama.cpp"] = why
         else:
-            path = bf16_gguf_for(source, args.gguf_cache or default_gguf_cache())
-            decode_len = plan.decode_prompt_len + plan.decode_tokens + 16
-            max_len = max(max(plan.prefill_lens) + 16, decode_len)
-            llama = LlamaCppEngine(path, num_threads=args.num_threads, max_len=max_len, seed=args.seed)
-            batched = LlamaCppBatchedEngine(path, num_threads=args.num_threads, parallel=plan.batch,
-                                            max_len=decode_len, seed=args.seed)
-            probes.append(LlamaCppProbe(llama, args.temperature, engine.arch.vocab_size, batched))
+            threads = args.num_threads or min(os.cpu_count() or 1, _torch_threads())
+            for kind, path in peer_files(source, args.llamacpp_precisions, args.gguf_cache or default_gguf_cache()):
+                probes.append(LlamaBinaryProbe(path, kind, threads))
     return skipped
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

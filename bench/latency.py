@@ -126,27 +126,6 @@ class HFProbe:
         return batch * num_tokens / max(whole - first, 1e-9)
 
 
-class LlamaCppProbe:
-    """llama.cpp: one sequence through `Llama` (prefill, batch-1 decode); batches through its C API."""
-
-    name = "llama.cpp"
-
-    def __init__(self, engine, temperature: float, vocab_size: int, batched=None) -> None:
-        self.engine, self.temperature, self.vocab, self.batched = engine, temperature, vocab_size, batched
-
-    def prefill_seconds(self, length: int, seed: int) -> float:
-        return self.engine.time_prefill(random_prompt(length, seed=seed, vocab_size=self.vocab))
-
-    def decode_tokens_per_second(self, batch: int, prompt_len: int, num_tokens: int, seed: int) -> float | None:
-        if batch != 1:
-            if self.batched is None or batch > self.batched.parallel:
-                return None
-            prompts = [random_prompt(prompt_len, seed=seed * 1000 + i, vocab_size=self.vocab) for i in range(batch)]
-            return batch / self.batched.time_decode_batch(prompts, num_tokens, self.temperature)
-        prompt = random_prompt(prompt_len, seed=seed, vocab_size=self.vocab)
-        return 1.0 / self.engine.time_decode(prompt, num_tokens, self.temperature)
-
-
 @dataclass(frozen=True, slots=True)
 class LatencyPlan:
     prefill_lens: tuple[int, ...] = (128, 512, 1024)

@@ -1,41 +1,70 @@
-"""llama.cpp as a peer, through `llama-cpp-python` when it is installed (imported lazily, never required).
+"""The GGUF files llama.cpp runs as a peer: the model's own file, and re-writes of it at other precisions.
 
-The embedded model is Q4_1; llama.cpp would run it quantized, so `write_bf16_gguf` writes the same
-de-quantized weights as a BF16 GGUF (the gguf package's writer), norms kept in F32 as llama.cpp
-does. `LlamaCppEngine` runs one sequence through llama-cpp-python's `Llama` (the latency probes);
-`llamacpp_batched.LlamaCppBatchedEngine` runs many at once (the throughput workload).
+llama.cpp runs a GGUF at the file's own precision (Q4_1 for the embedded model): that is the
+comparison its users make. `peer_files` names the files for the precisions asked for: `file` is the
+file as shipped; `Q8_0` and `BF16` are the same weights, de-quantized and re-written as every matrix
+in that type (the gguf package's writer, norms kept in F32 as llama.cpp's converter does), cached
+outside the repository. The binaries that run them: `llamacpp_binaries` (latency) and
+`llamacpp_server` (throughput), built by `llamacpp_build`.
 """
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
 
 
-_BF16_FILE_TYPE = 32  # LlamaFileType.MOSTLY_BF16
+# general.file_type (llama.cpp's LlamaFileType) of a file whose matrices are all of one type.
+_FILE_TYPES = {"BF16": 32, "Q8_0": 7}
 
 
-def llama_cpp_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("llama_cpp") is not None
+PEER_PRECISIONS = ("file", "Q8_0", "BF16")
 
 
 def why_llamacpp_cannot_run(source: Path) -> str | None:
     """Why llama.cpp cannot be a peer for the model at `source` here (a skip reason), or None."""
-    if not llama_cpp_available():
-        return "llama-cpp-python is not installed (pip install llama-cpp-python)"
+    from cadenza.bench.llamacpp_build import why_binaries_missing
+
     if source.suffix != ".gguf":
         return "needs a .gguf model"
-    return None
+    return why_binaries_missing()
+
+
+def file_precision(source: Path) -> str:
+    """The type most of the file's matrices are stored in (e.g. "Q4_1")."""
+    import collections
+
+    import gguf
+
+    kinds = collections.Counter(t.tensor_type.name for t in gguf.GGUFReader(str(source)).tensors if len(t.shape) > 1)
+    return kinds.most_common(1)[0][0]
+
+
+def peer_files(source: Path, precisions: list[str], cache_dir: Path) -> list[tuple[str, Path]]:
+    """(precision, file) for each of `precisions` ("file" is `source` itself), de-duplicated."""
+    files: dict[str, Path] = {}
+    for precision in precisions:
+        if precision == "file":
+            files.setdefault(file_precision(source), source)
+        elif precision not in files:
+            files[precision] = gguf_as(source, precision, cache_dir)
+    return list(files.items())
 
 
 def write_bf16_gguf(source: Path, target: Path) -> Path:
     """Copy `source` (any supported quantization) to `target` with every matrix in BF16."""
+    return write_gguf_as(source, target, "BF16")
+
+
+def write_gguf_as(source: Path, target: Path, kind: str) -> Path:
+    """Copy `source` to `target` with every matrix re-written as `kind` (BF16 or Q8_0) from its
+    de-quantized values; norms and biases stay F32, as llama.cpp's converter keeps them."""
     import gguf
 
+    if kind not in _FILE_TYPES:
+        raise ValueError(f"can write a GGUF as {', '.join(_FILE_TYPES)}, not {kind!r}")
+    quant_type = gguf.GGMLQuantizationType[kind]
     reader = gguf.GGUFReader(str(source))
     arch = str(reader.fields["general.architecture"].contents())
     writer = gguf.GGUFWriter(str(target), arch)
@@ -44,17 +73,17 @@ def write_bf16_gguf(source: Path, target: Path) -> Path:
             continue
         value_type = f.types[0]
         sub_type = f.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
-        value = _BF16_FILE_TYPE if name == "general.file_type" else f.contents()
+        value = _FILE_TYPES[kind] if name == "general.file_type" else f.contents()
         writer.add_key_value(name, value, value_type, sub_type=sub_type)
     for tensor in reader.tensors:
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         values = np.asarray(values, dtype=np.float32).reshape(shape)
-        if values.ndim == 1:  # norms and biases stay F32, as llama.cpp's converter keeps them
+        if values.ndim == 1:
             writer.add_tensor(tensor.name, values)
         else:
-            bf16 = gguf.quants.quantize(values, gguf.GGMLQuantizationType.BF16)
-            writer.add_tensor(tensor.name, bf16, raw_shape=bf16.shape, raw_dtype=gguf.GGMLQuantizationType.BF16)
+            packed = gguf.quants.quantize(values, quant_type)
+            writer.add_tensor(tensor.name, packed, raw_shape=packed.shape, raw_dtype=quant_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -64,52 +93,22 @@ def write_bf16_gguf(source: Path, target: Path) -> Path:
 
 def bf16_gguf_for(source: Path, cache_dir: Path) -> Path:
     """A BF16 copy of a quantized GGUF, written once into `cache_dir`; a BF16 file is used as it is."""
+    return gguf_as(source, "BF16", cache_dir)
+
+
+def gguf_as(source: Path, kind: str, cache_dir: Path) -> Path:
+    """`source` with every matrix as `kind`, written once into `cache_dir`; used as it is when it
+    already is all `kind`."""
     import gguf
 
     reader = gguf.GGUFReader(str(source))
     kinds = {t.tensor_type for t in reader.tensors if len(t.shape) > 1}
-    if kinds == {gguf.GGMLQuantizationType.BF16}:
+    if kinds == {gguf.GGMLQuantizationType[kind]}:
         return source
-    target = cache_dir / f"{source.stem}.bf16.gguf"
+    target = cache_dir / f"{source.stem}.{kind.lower()}.gguf"
     if not target.exists():
         cache_dir.mkdir(parents=True, exist_ok=True)
         partial = target.with_suffix(".partial")
-        write_bf16_gguf(source, partial)
+        write_gguf_as(source, partial, kind)
         partial.rename(target)
     return target
-
-
-class LlamaCppEngine:
-    name = "llama.cpp"
-
-    def __init__(self, gguf_path: Path, *, num_threads: int | None, max_len: int, seed: int = 0) -> None:
-        from llama_cpp import Llama
-
-        import os
-
-        threads = num_threads or os.cpu_count() or 1
-        self.path = gguf_path
-        self.llm = Llama(
-            model_path=str(gguf_path), n_ctx=max_len, n_batch=512, n_threads=threads,
-            n_threads_batch=threads, seed=seed, verbose=False,
-        )
-
-    def time_prefill(self, prompt: list[int]) -> float:
-        """Seconds to evaluate `prompt` from an empty context (no sampling)."""
-        self.llm.reset()
-        started = time.perf_counter()
-        self.llm.eval(prompt)
-        return time.perf_counter() - started
-
-    def time_decode(self, prompt: list[int], num_tokens: int, temperature: float) -> float:
-        """Seconds per token after the first, batch 1."""
-        self.llm.reset()
-        self.llm.eval(prompt)
-        produced, started = 0, None
-        for _ in self.llm.generate(prompt, temp=temperature, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=False):
-            produced += 1
-            if produced == 1:
-                started = time.perf_counter()
-            if produced == num_tokens + 1:
-                break
-        return (time.perf_counter() - started) / num_tokens

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from cadenza.bench.engines import EngineRun
 from cadenza.bench.quiet import QuietPolicy, run_quietly
@@ -74,6 +74,7 @@ def run_throughput(
     gguf_cache: Path | None = None,
     seed: int = 0,
     llamacpp_parallel: int = 32,
+    llamacpp_precisions: Sequence[str] = ("file", "Q8_0"),
     log: Callable[[str], None] = print,
 ) -> ThroughputResult:
     """`cadenza` is a built `CadenzaEngine`; peers are loaded here, one after another."""
@@ -90,7 +91,8 @@ def run_throughput(
     if "hf" in compare:
         _run_hf(cadenza.source, dtype, hf_batch_size, result, timed, log)
     if "llamacpp" in compare:
-        _run_llamacpp(cadenza, num_threads, gguf_cache, seed, llamacpp_parallel, workload, result, timed, log)
+        _run_llamacpp(cadenza, num_threads, gguf_cache, seed, llamacpp_parallel, llamacpp_precisions, workload,
+                      result, timed, log)
     return result
 
 
@@ -115,25 +117,25 @@ def _run_hf(source: str, dtype: str, batch_size: int, result: ThroughputResult, 
         result.skipped["hf-continuous"] = "this transformers has no generate_batch"
 
 
-def _run_llamacpp(cadenza, num_threads, gguf_cache, seed, parallel, workload, result: ThroughputResult, timed, log) -> None:
-    from cadenza.bench.llamacpp import bf16_gguf_for, why_llamacpp_cannot_run
-    from cadenza.bench.llamacpp_batched import LlamaCppBatchedEngine
+def _run_llamacpp(cadenza, num_threads, gguf_cache, seed, parallel, precisions, workload: Workload,
+                  result: ThroughputResult, timed, log) -> None:
+    import os
+
+    import torch
+
+    from cadenza.bench.llamacpp import peer_files, why_llamacpp_cannot_run
+    from cadenza.bench.llamacpp_server import LlamaServerEngine
 
     source = Path(cadenza.source)
     why = why_llamacpp_cannot_run(source)
     if why is not None:
         result.skipped["llama.cpp"] = why
         return
-    log("preparing the bf16 GGUF for llama.cpp ...")
-    started = time.perf_counter()
-    path = bf16_gguf_for(source, gguf_cache or default_gguf_cache())
+    log("preparing the GGUF files for llama.cpp ...")
+    threads = num_threads or min(os.cpu_count() or 1, torch.get_num_threads())
     max_len = max(len(r.prompt_token_ids) + r.max_tokens for r in workload.requests) + 16
-    engine = LlamaCppBatchedEngine(path, num_threads=num_threads, max_len=max_len, parallel=parallel, seed=seed)
-    result.load_seconds["llama.cpp"] = time.perf_counter() - started
-    try:
-        timed(engine)
-    finally:
-        engine.close()
+    for kind, path in peer_files(source, list(precisions), gguf_cache or default_gguf_cache()):
+        timed(LlamaServerEngine(path, kind, num_threads=threads, parallel=parallel, max_len=max_len, seed=seed))
 
 
 def default_gguf_cache() -> Path:

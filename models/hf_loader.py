@@ -50,6 +50,19 @@ def safetensors_files(directory: Path) -> list[Path]:
     return files
 
 
+def safetensors_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape, read from the files' headers (no tensor is loaded)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                for name in handle.keys():
+                    shapes[name] = tuple(handle.get_slice(name).get_shape())
+        except (SafetensorError, OSError) as exc:
+            raise ModelLoadError(f"{path}: corrupt or unreadable safetensors file: {exc}") from exc
+    return shapes
+
+
 def iter_safetensors(files: list[Path], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     for path in files:
         try:

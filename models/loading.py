@@ -20,7 +20,7 @@ from cadenza.models.tokenizer import Tokenizer, load_hf_tokenizer
 
 log = structlog.get_logger(__name__)
 
-QUANTIZATION_MODES = ("auto", "none")
+QUANTIZATION_MODES = ("auto", "none", "int8")
 
 
 @dataclass
@@ -51,7 +51,8 @@ def load_model(
     `quantization`: "auto" keeps a GGUF's weights of the types cadenza has kernels for as raw
     blocks (`models/quantized_linear.py`) where those kernels run (a CPU, `cpu_kernels` not "off",
     and a 16-bit `dtype`: float32 asks for the exact de-quantized weights); "none" de-quantizes
-    every weight to `dtype`."""
+    every weight to `dtype`; "int8" also quantizes a float checkpoint's linears to Q8_0 blocks on
+    load (`models/int8_weights.py`), and runs a GGUF as "auto" does, whatever `dtype`."""
     if quantization not in QUANTIZATION_MODES:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, not {quantization!r}")
     started = time.perf_counter()
@@ -65,8 +66,10 @@ def load_model(
         why_not, kernels = _why_not_native(quantization, device, dtype, cpu_kernels)
         arch, weights, tokenizer, native = _read_gguf(resolved, dtype, source, why_not)
     elif resolved.is_dir():
-        arch, weights, tokenizer = _read_hf(resolved, dtype)
-        native = frozenset()
+        why_not, kernels = _why_not_native(quantization, device, dtype, cpu_kernels) if quantization == "int8" else (None, None)
+        if why_not is not None:
+            raise ModelLoadError(f"model.quantization int8 cannot run here: {why_not}")
+        arch, weights, tokenizer, native = _read_hf(resolved, dtype, int8=quantization == "int8")
     else:
         raise ModelLoadError(f"{source}: expected a Hugging Face model directory or a .gguf file")
     limit = arch.max_position_embeddings if max_model_len is None else max_model_len
@@ -108,13 +111,19 @@ def load_model(
     return LoadedModel(model, arch, tokenizer, source, limit, dtype, device, model.compute_dtype or dtype)
 
 
-def _read_hf(directory: Path, dtype: torch.dtype):
-    from cadenza.models.hf_loader import iter_safetensors, read_hf_config, safetensors_files
+def _read_hf(directory: Path, dtype: torch.dtype, int8: bool):
+    from cadenza.models.hf_loader import iter_safetensors, read_hf_config, safetensors_files, safetensors_shapes
+    from cadenza.models.int8_weights import iter_int8_weights, plan_int8_weights
 
     arch = read_hf_config(directory)
     files = safetensors_files(directory)
     tokenizer = load_hf_tokenizer(directory, arch.eos_token_ids)
-    return arch, iter_safetensors(files, dtype), tokenizer
+    weights = iter_safetensors(files, dtype)
+    if not int8:
+        return arch, weights, tokenizer, frozenset()
+    native = plan_int8_weights(safetensors_shapes(files))
+    # Quantized from float32 (exact for any checkpoint dtype), not from a bf16 rounding of it.
+    return arch, iter_int8_weights(iter_safetensors(files, torch.float32) if native else weights, native), tokenizer, native
 
 
 def _why_not_native(quantization: str, device: torch.device, dtype: torch.dtype, cpu_kernels: str):
@@ -123,7 +132,7 @@ def _why_not_native(quantization: str, device: torch.device, dtype: torch.dtype,
         return "model.quantization is none", None
     if device.type != "cpu":
         return f"the quantized kernels run on the CPU, not {device.type}", None
-    if dtype == torch.float32:
+    if dtype == torch.float32 and quantization != "int8":
         return "model.dtype float32 asks for the exact de-quantized weights", None
     if cpu_kernels == "off":
         return "model.cpu_kernels is off", None

@@ -7,10 +7,13 @@ per 32 values to int8 on the fly, so outputs differ from the float product of th
 weights by that rounding (what llama.cpp does too). An embedding lookup de-quantizes only the rows
 looked up; a tied LM head multiplies the embedding's own blocks.
 
-Steps of many rows (prefill) are compute-bound, and there a float32 GEMM beats the int8 kernel
-(AVX2: ~2x at 128 rows and more, measured at the default model's shapes): from `GEMM_MIN_ROWS`
-rows on, the weight is de-quantized into a per-thread scratch buffer (one weight at a time, never
-kept) and multiplied by PyTorch, which then also rounds no activation.
+Steps of many rows (prefill) are compute-bound, and there a GEMM beats the int8 kernel (AVX2:
+~2x at 128 rows and more, measured at the default model's shapes): from `GEMM_MIN_ROWS` rows on,
+the weight is de-quantized into a per-thread scratch buffer (one weight at a time, never kept) and
+multiplied by PyTorch. On CPUs that multiply bfloat16 natively (AVX512-BF16, AMX) the scratch
+weight and the activations are bfloat16: that GEMM is 4-5x the float32 one there (M=512, the
+default model's shapes), and the rounding is that of the de-quantized bfloat16 model; elsewhere it
+is float32 and rounds no activation.
 
 A fused projection (q/k/v, gate/up) is its parts' rows one after another; parts of one type are
 concatenated into one tensor (rows are independent), parts of different types each write their
@@ -37,11 +40,19 @@ GEMM_MAX_VALUES = 32 << 20
 _scratch = threading.local()
 
 
-def _scratch_matrix(rows: int, cols: int) -> torch.Tensor:
-    buf = getattr(_scratch, "buf", None)
+def _scratch_matrix(rows: int, cols: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    name = f"buf_{dtype}"
+    buf = getattr(_scratch, name, None)
     if buf is None or buf.numel() < rows * cols:
-        buf = _scratch.buf = torch.empty(rows * cols)
+        buf = torch.empty(rows * cols, dtype=dtype)
+        setattr(_scratch, name, buf)
     return buf[: rows * cols].view(rows, cols)
+
+
+def _gemm_dtype() -> torch.dtype:
+    from cadenza.models.cpu_features import cpu_has_native_bf16
+
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +81,7 @@ class QuantizedLinear(nn.Module):
         self.bias_f32: torch.Tensor | None = None
         # Rows from which a step leaves the fused decoder-layer kernel (DecoderLayer.fuse) for the GEMM.
         self.min_rows = GEMM_MIN_ROWS
+        self.gemm_dtype = torch.float32
 
     @classmethod
     def tied_to(cls, embedding: "QuantizedEmbedding") -> "QuantizedLinear":
@@ -112,6 +124,7 @@ class QuantizedLinear(nn.Module):
     def use_cpu_kernels(self, kernels) -> None:
         self.kernels = kernels
         self.bias_f32 = None if self.bias is None else self.bias.detach().float().contiguous()
+        self.gemm_dtype = _gemm_dtype()
 
     def _checked(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is None:
@@ -123,17 +136,27 @@ class QuantizedLinear(nn.Module):
         return x.shape[0] >= GEMM_MIN_ROWS and self.in_features * self.out_features <= GEMM_MAX_VALUES
 
     def _dequantized(self) -> torch.Tensor:
-        """The weight as float32 [out, in], in this thread's scratch buffer (valid until the next call)."""
+        """The weight as `gemm_dtype` [out, in], in this thread's scratch buffer (valid until the next call)."""
         weight = _scratch_matrix(self.out_features, self.in_features)
         for i, (first, qtype) in enumerate(self.parts):
             blocks = self._blocks(i)
             self.kernels.quant_dequantize_(weight.narrow(0, first, blocks.shape[0]), blocks, qtype)
-        return weight
+        if self.gemm_dtype == torch.float32:
+            return weight
+        return _scratch_matrix(self.out_features, self.in_features, self.gemm_dtype).copy_(weight)
+
+    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T through the de-quantized weight, float32 out, without the bias."""
+        weight = self._dequantized()
+        if weight.dtype == torch.float32:
+            return F.linear(x, weight)
+        return F.linear(x.to(weight.dtype), weight).float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self._checked(x)
         if self._uses_gemm(x):
-            return F.linear(x, self._dequantized(), self.bias_f32)
+            out = self._gemm(x)
+            return out if self.bias_f32 is None else out.add_(self.bias_f32)
         if len(self.parts) == 1:
             return self.kernels.quant_linear(x, self.blocks0, self.parts[0][1], self.bias_f32)
         out = torch.empty(x.shape[0], self.out_features)
@@ -147,7 +170,10 @@ class QuantizedLinear(nn.Module):
         """`residual += self(x)`, in place, fused into the product."""
         x = self._checked(x)
         if self._uses_gemm(x) and residual.dtype == torch.float32:
-            residual.addmm_(x, self._dequantized().t())
+            if self.gemm_dtype == torch.float32:
+                residual.addmm_(x, self._dequantized().t())
+            else:
+                residual.add_(self._gemm(x))
             return residual if self.bias_f32 is None else residual.add_(self.bias_f32)
         if len(self.parts) == 1 and residual.dtype == torch.float32 and residual.stride(-1) == 1:
             return self.kernels.quant_linear_add_(residual, x, self.blocks0, self.parts[0][1], self.bias_f32)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import gguf
 import numpy as np
@@ -12,7 +13,8 @@ import torch
 from cadenza.bench import quiet
 from cadenza.bench.ceilings import Ceilings, ModelCost
 from cadenza.bench.cli import main
-from cadenza.bench.llamacpp import llama_cpp_available, write_bf16_gguf
+from cadenza.bench.llamacpp import write_bf16_gguf
+from cadenza.bench.llamacpp_build import why_binaries_missing
 from cadenza.bench.report import table
 from cadenza.bench.workload import make_workload
 from cadenza.models.config import ModelArchConfig, RopeConfig
@@ -180,24 +182,48 @@ def test_bf16_gguf_keeps_metadata_and_values(tmp_path):
     assert torch.equal(torch.from_numpy(np.asarray(got, dtype=np.float32)).reshape(want.shape), want)
 
 
-@pytest.mark.skipif(not llama_cpp_available(), reason="llama-cpp-python is an optional peer")
-def test_llamacpp_batched_matches_one_sequence_at_a_time(tmp_path):
-    # Slots, positions and freed KV must not leak between sequences: greedy tokens of prompts run
-    # 2 at a time (the third reuses a freed slot) equal those of each prompt alone.
-    from cadenza.bench.llamacpp import bf16_gguf_for
-    from cadenza.bench.llamacpp_batched import LlamaCppBatchedEngine
+def test_q8_0_gguf_is_the_same_weights_requantized(tmp_path):
+    from cadenza.bench.llamacpp import file_precision, peer_files
     from cadenza.models.default_model import default_model_path
 
-    path = bf16_gguf_for(default_model_path(), tmp_path)
-    prompts = [list(range(200, 230)), list(range(500, 510)), list(range(1000, 1050))]
-    lengths = [6, 9, 5]
-    batched = LlamaCppBatchedEngine(path, num_threads=None, max_len=80, parallel=2)
-    single = LlamaCppBatchedEngine(path, num_threads=None, max_len=80, parallel=1)
-    try:
-        together = batched.generate(prompts, lengths, temperature=0.0)
-        alone = [single.generate([p], [n], temperature=0.0)[0] for p, n in zip(prompts, lengths)]
-    finally:
-        batched.close()
-        single.close()
-    assert [len(t) for t in together] == lengths
-    assert together == alone
+    source = default_model_path()
+    files = dict(peer_files(source, ["file", "Q8_0", "file"], tmp_path))
+    assert list(files) == ["Q4_1", "Q8_0"] and files["Q4_1"] == source
+    assert file_precision(files["Q8_0"]) == "Q8_0"
+    before = {t.name: t for t in gguf.GGUFReader(str(source)).tensors}
+    after = {t.name: t for t in gguf.GGUFReader(str(files["Q8_0"])).tensors}
+    assert before.keys() == after.keys()
+    original = before["blk.3.ffn_up.weight"]
+    want = gguf.quants.dequantize(original.data, original.tensor_type)
+    got = gguf.quants.dequantize(after["blk.3.ffn_up.weight"].data, gguf.GGMLQuantizationType.Q8_0)
+    # Q8_0 keeps 8 bits per weight with a scale per 32: within half a step of the block's scale.
+    assert np.abs(got - want).max() <= np.abs(want).max() / 127
+
+
+LLAMACPP_MISSING = why_binaries_missing()
+
+
+@pytest.mark.skipif(LLAMACPP_MISSING is not None, reason=LLAMACPP_MISSING or "")
+def test_llamacpp_binaries_measure_the_default_file():
+    from cadenza.bench.llamacpp_binaries import LlamaBinaryProbe
+    from cadenza.models.default_model import default_model_path
+
+    probe = LlamaBinaryProbe(default_model_path(), "Q4_1", num_threads=2)
+    assert probe.name == "llama.cpp Q4_1"
+    assert 0 < probe.prefill_seconds(16, seed=1) < 60
+    assert probe.decode_tokens_per_second(1, 8, 4, seed=1) > 0
+    assert probe.decode_tokens_per_second(2, 8, 4, seed=1) > 0
+
+
+@pytest.mark.skipif(LLAMACPP_MISSING is not None, reason=LLAMACPP_MISSING or "")
+def test_llama_server_runs_the_workload_and_is_stopped():
+    from cadenza.bench.llamacpp_server import LlamaServerEngine
+    from cadenza.models.default_model import default_model_path
+
+    workload = make_workload(3, (4, 12), (2, 5), seed=0, vocab_size=49152)
+    engine = LlamaServerEngine(default_model_path(), "Q4_1", num_threads=2, parallel=2, max_len=32)
+    run = engine.run(workload)
+    assert run.num_output_tokens == workload.num_output_tokens  # every request ran to its length, EOS ignored
+    assert run.engine == "llama.cpp Q4_1 (llama-server, 2 parallel)"
+    with pytest.raises(ProcessLookupError):  # stopped, and reaped
+        os.kill(engine.last_pid, 0)

@@ -19,6 +19,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from model_forward import prefill_logits
+
 from cadenza.kernels import cpu
 from cadenza.models.cpu_features import cpu_has_avx2_fma
 
@@ -184,22 +186,7 @@ def default_models(kernels):
 
 def last_logits(loaded, token_ids: list[int]) -> torch.Tensor:
     """Logits after a one-sequence prefill of `token_ids` (eager attention, a fresh cache)."""
-    from cadenza.attention_backends.base import AttentionMetadata
-    from cadenza.attention_backends.eager import EagerBackend
-    from cadenza.kv_cache import allocate_kv_caches
-
-    arch, block_size, n = loaded.arch, 16, len(token_ids)
-    blocks = -(-n // block_size)
-    caches = allocate_kv_caches(arch, blocks, block_size, loaded.compute_dtype, torch.device("cpu"))
-    backend = EagerBackend(num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
-                           scale=arch.head_dim**-0.5, block_size=block_size, sliding_window=None)
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor([0, n]), seq_lens=torch.tensor([n]), context_lens=torch.tensor([0]),
-        block_tables=torch.arange(blocks).view(1, -1), slot_mapping=torch.arange(n), query_lens_list=[n],
-        seq_lens_list=[n], max_query_len=n, max_seq_len=n,
-    )  # fmt: skip
-    hidden = loaded.model(torch.tensor(token_ids), torch.arange(n), caches, meta, backend)
-    return loaded.model.compute_logits(hidden[-1:])[0]
+    return prefill_logits(loaded, token_ids)[-1]
 
 
 def test_default_model_runs_its_blocks_natively(default_models):
