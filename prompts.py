@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence, Union
 
 from cadenza.models.tokenizer import Tokenizer
 
-Prompt = Union[str, Sequence[int], Sequence[dict[str, Any]]]
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """Chat messages and the tools the model may call, rendered together by the chat template
+    (`tools=` reaches the template as with Hugging Face's `apply_chat_template`)."""
+
+    messages: Sequence[dict[str, Any]]
+    tools: Sequence[dict[str, Any]] | None = None
+
+
+Prompt = Union[str, Sequence[int], Sequence[dict[str, Any]], ChatPrompt]
 
 
 class PromptError(ValueError):
@@ -15,7 +26,7 @@ class PromptError(ValueError):
 
 def is_single_prompt(prompts: Any) -> bool:
     """A bare string, a list of token ids or a list of chat messages is one prompt, not a batch."""
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, ChatPrompt)):
         return True
     if isinstance(prompts, Sequence) and prompts and all(isinstance(p, int) for p in prompts):
         return True
@@ -28,12 +39,14 @@ def tokenize_prompt(prompt: Prompt, tokenizer: Tokenizer, vocab_size: int) -> tu
         _check_encodable(prompt, "the prompt")
         ids = tokenizer.encode(prompt)
         text: str | None = prompt
-    elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
-        for i, message in enumerate(prompt):
+    elif isinstance(prompt, ChatPrompt) or (isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt)):
+        chat = prompt if isinstance(prompt, ChatPrompt) else ChatPrompt(prompt)
+        for i, message in enumerate(chat.messages):
             if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
                 raise PromptError(f"messages[{i}] needs string 'role' and 'content' fields")
             _check_encodable(message["content"], f"messages[{i}].content")
-        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+        kwargs = {"tools": list(chat.tools)} if chat.tools else {}
+        text = tokenizer.apply_chat_template(chat.messages, add_generation_prompt=True, **kwargs)
         ids = tokenizer.encode(text, add_special_tokens=False)
     elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         ids, text = list(prompt), None

@@ -10,10 +10,20 @@ message that names each field and its allowed range.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    create_model,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 
 _GREEDY_EPSILON = 1e-5
@@ -101,6 +111,81 @@ StopStrings = Annotated[
 ]
 Logprobs = _int("logprobs", "Return the chosen token's log-probability and this many most likely tokens.")
 
+MAX_GRAMMAR_CHARS = 200_000  # a regex or grammar; a JSON schema is bounded by the request body
+MAX_CHOICES = 1024
+
+
+def _json_text(value: Any) -> Any:
+    """A JSON schema may come as JSON text (vLLM's `guided_json` allows it): parse it here."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not valid JSON: {exc.msg} at position {exc.pos}") from None
+    return value
+
+
+_KINDS = {"json": "json_schema", "json_object": "json_object", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+
+
+def _one_kind(schema: dict[str, Any]) -> None:
+    """The OpenAPI document says what validation checks: exactly one kind, not null."""
+    schema["oneOf"] = [
+        {"required": [wire], "properties": {wire: {"not": {"type": "null"}}}} for wire in _KINDS
+    ]
+
+
+class StructuredOutputs(BaseModel):
+    """What the output must match, enforced token by token by the `structured_output` logits processor.
+
+    Exactly one of `json` (a JSON schema), `json_object` (any JSON object), `regex`, `choice` or
+    `grammar` (Lark, llguidance's dialect with `%json{...}`, or GBNF). vLLM's `structured_outputs`
+    names. The grammar itself is checked when the request is admitted (an invalid schema fails the
+    request with `invalid_value`, naming the problem); this model checks only its shape.
+    """
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, json_schema_extra=_one_kind)
+
+    json_schema: Annotated[dict[str, Any] | bool | None, BeforeValidator(_json_text)] = Field(
+        None,
+        validation_alias=AliasChoices("json", "json_schema"),
+        serialization_alias="json",
+        description="A JSON schema (an object, or its JSON text) the output must validate against.",
+    )
+    json_object: Literal[True] | None = Field(None, description="The output is any JSON object (true).")
+    regex: str | None = Field(None, min_length=1, max_length=MAX_GRAMMAR_CHARS, description="A regular expression the whole output matches.")
+    choice: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        None, min_length=1, max_length=MAX_CHOICES, description="The output is exactly one of these strings."
+    )
+    grammar: str | None = Field(
+        None, min_length=1, max_length=MAX_GRAMMAR_CHARS,
+        description="A context-free grammar: Lark (llguidance's dialect, `%json{...}` embeds a schema) or GBNF.",
+    )  # fmt: skip
+    disable_any_whitespace: bool = Field(
+        False, description="JSON without free whitespace between tokens (compact); the default lets the model lay it out."
+    )
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "StructuredOutputs":
+        given = self.kinds()
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of json, json_object, regex, choice, grammar (got {given or 'none'})")
+        return self
+
+    def kinds(self) -> list[str]:
+        """The constraint kinds set, by their wire names."""
+        values = {"json": self.json_schema, "json_object": self.json_object or None, "regex": self.regex,
+                  "choice": self.choice, "grammar": self.grammar}  # fmt: skip
+        return [name for name, value in values.items() if value is not None]
+
+    @property
+    def kind(self) -> str:
+        return self.kinds()[0]
+
+    def key(self) -> str:
+        """The spec as canonical JSON: equal constraints have equal keys (for a compile cache)."""
+        return json.dumps(self.model_dump(mode="json", by_alias=True, exclude_none=True), sort_keys=True, separators=(",", ":"))
+
 
 class SamplingParams(BaseModel):
     """How one request picks its tokens and when it stops.
@@ -133,12 +218,18 @@ class SamplingParams(BaseModel):
     include_stop_str_in_output: bool = Field(False, description="Keep the stop string that ended the output.")
     logprobs: Logprobs | None = None
     skip_special_tokens: bool = Field(True, description="Leave special tokens out of the text.")
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="Constrain the output to a JSON schema, a regex, a choice or a grammar."
+    )
     extra: dict[str, Any] = Field(default_factory=dict, description="Parameters for sampler plugins, by plugin name.")
 
     @model_validator(mode="after")
     def _min_within_max(self) -> "SamplingParams":
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.structured_outputs is not None and (self.ignore_eos or self.min_tokens):
+            # The grammar decides where the output ends: once it is complete only EOS may follow.
+            raise ValueError("structured_outputs cannot be combined with ignore_eos or min_tokens")
         return self
 
     def __init__(self, **values: Any) -> None:
@@ -213,6 +304,10 @@ def merge_sampling(defaults: BaseModel, *overrides: BaseModel | None, **fixed: A
     merged.update(fixed)
     return SamplingParams(**merged)
 
+
+# SamplingParams fields that only a sampling plugin can honour, and the built-in that does: a request
+# setting one in a deployment that does not run that plugin is refused rather than left unconstrained.
+PLUGIN_FIELDS = {"structured_outputs": "structured_output"}
 
 # Protocol fields that carry a sampling field's bounds under another name (OpenAI's chat API).
 SYNONYMS = {"max_completion_tokens": "max_tokens", "top_logprobs": "logprobs"}

@@ -70,6 +70,16 @@ class PromptValidator:
         except ExtraParamsError as exc:
             raise RequestRejected("invalid_extra", str(exc)) from exc
 
+    def needs_preparing(self, params: SamplingParams) -> bool:
+        return self.extra_params is not None and self.extra_params.needs_preparing(params)
+
+    def prepare(self, params: SamplingParams) -> None:
+        """Plugins' slow per-request set-up (compiling a grammar); a refusal names the problem."""
+        try:
+            self.extra_params.prepare(params)
+        except ExtraParamsError as exc:
+            raise RequestRejected(getattr(exc, "code", "invalid_extra"), str(exc)) from exc
+
     def check_token_ids(self, params: SamplingParams) -> None:
         """Token ids in the sampling params must name tokens of this model's vocabulary."""
         for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
@@ -130,6 +140,9 @@ class IngressActor(Actor[IngressMessage]):
             else:
                 prompt_ids = self.validator.tokenize(message.prompt)
             max_tokens = self.validator.max_tokens(prompt_ids, message.params.max_tokens)
+            if self.validator.needs_preparing(message.params):
+                # In a worker thread, before admission: a grammar compiles while steps run on.
+                await anyio.to_thread.run_sync(self.validator.prepare, message.params)
         except RequestRejected as exc:
             await self.detokenizer.send(RequestFailed(request_id, str(exc), exc.code))
             return

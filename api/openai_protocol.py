@@ -12,9 +12,10 @@ these models; `api/openai_schema.py` puts them into the OpenAPI document.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+import json
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, WithJsonSchema, field_validator
 
 from cadenza.api.errors import APIError
 from cadenza.config.schema import SamplingDefaults
@@ -25,6 +26,7 @@ from cadenza.sampling_params import (
     SamplingOverrides,
     SamplingParams,
     SamplingParamsError,
+    StructuredOutputs,
     completion_seed,
     merge_sampling,
 )
@@ -58,12 +60,31 @@ _TEXT_PART = {
     "additionalProperties": False,
 }
 _CONTENT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}, {"type": "null"}]}
-_NO_TOOLS = "Only an empty value: tool calling is not supported."
+_NO_FUNCTIONS = "Only an empty value: the deprecated function calling is not supported; use tools."
+FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$", description="a-z, A-Z, 0-9, _ and -; at most 64.")]
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's; accepted, ignored
+
+
+class JsonSchemaFormat(_Strict):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: FunctionName
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="The JSON schema the output follows.")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+# The ways a request may constrain its output, and the name each goes by in errors.
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
 class _SamplingFields(SamplingOverrides):
@@ -77,15 +98,51 @@ class _SamplingFields(SamplingOverrides):
     # Accepted and ignored: they change nothing about how a local server generates.
     user: str | None = None
     metadata: dict[str, Any] | None = None
-    store: bool | None = None
+    store: StrictBool | None = None
     service_tier: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    # Structured outputs: OpenAI's response_format, or vLLM's guided_* (older) or structured_outputs.
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def check(self) -> None:
         """Rejections that need more than one field, or name a feature cadenza lacks."""
         if self.stream_options is not None and not self.stream:
             raise _invalid("stream_options", "stream_options is only allowed when stream is true")
+        self.structured()
+
+    def structured(self) -> tuple[StructuredOutputs | None, str | None]:
+        """The output constraint the request asks for and the field it came from (for errors)."""
+        given: list[tuple[str, dict[str, Any]]] = []
+        if self.structured_outputs is not None:
+            given.append(("structured_outputs", self.structured_outputs.model_dump(by_alias=True, exclude_none=True)))
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise _invalid("response_format.json_schema", "response_format of type json_schema needs json_schema.schema")
+            given.append(("response_format.json_schema.schema", {"json": fmt.json_schema.schema_}))
+        for name in _GUIDED:
+            value = getattr(self, name)
+            if value is not None:
+                given.append((name, {name.removeprefix("guided_"): value}))
+        if len(given) > 1:
+            names = ", ".join(name.partition(".")[0] for name, _ in given)
+            raise _invalid(given[1][0].partition(".")[0], f"give at most one of response_format, guided_*, structured_outputs (got {names})")
+        if not given:
+            return None, None
+        param, spec = given[0]
+        try:
+            return StructuredOutputs.model_validate(spec), param
+        except ValueError as exc:
+            errors = getattr(exc, "errors", lambda **_: [])(include_url=False)
+            message = errors[0]["msg"].removeprefix("Value error, ") if errors else str(exc)
+            raise _invalid(param, f"{param}: {message}", "invalid_value") from None
 
 
 class CompletionRequest(_SamplingFields):
@@ -112,29 +169,40 @@ class CompletionRequest(_SamplingFields):
         return list(self.prompt)
 
 
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+
+
+class FunctionCall(_Strict):
+    name: FunctionName
+    arguments: str = Field(description="The arguments as JSON text.")
+
+
+class ToolCallParam(_Strict):
+    """A call an earlier assistant turn made (as this API returned it)."""
+
+    id: str = Field(min_length=1, max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(_Strict):
     role: str = Field(json_schema_extra={"enum": list(_ROLES)})
     content: Annotated[str | list[dict[str, Any]] | None, WithJsonSchema(_CONTENT_SCHEMA)] = None
     name: str | None = None
-    # Fields an assistant message round-tripped from a response may carry; they must be empty.
+    # What an assistant turn round-tripped from a response may carry, and a tool result's call id.
     refusal: str | None = None
-    tool_calls: Annotated[
-        list[dict[str, Any]] | None,
-        WithJsonSchema({"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}], "description": _NO_TOOLS}),
-    ] = None
+    tool_calls: list[ToolCallParam] | None = None
+    tool_call_id: str | None = Field(None, min_length=1, max_length=256)
     function_call: Annotated[
         dict[str, Any] | None,
-        WithJsonSchema({"anyOf": [{"type": "object", "maxProperties": 0}, {"type": "null"}], "description": _NO_TOOLS}),
+        WithJsonSchema({"anyOf": [{"type": "object", "maxProperties": 0}, {"type": "null"}], "description": _NO_FUNCTIONS}),
     ] = None
 
     @field_validator("role")
     @classmethod
     def _role(cls, role: str) -> str:
         if role not in _ROLES:
-            raise ValueError(f"role {role!r} is not supported; use one of system, user, assistant (no tool calling)")
+            raise ValueError(f"role {role!r} is not supported; use one of system, developer, user, assistant, tool")
         return _ROLES[role]
 
     @field_validator("content")
@@ -152,25 +220,60 @@ class ChatMessage(_Strict):
             texts.append(part["text"])
         return "\n".join(texts)
 
-    @field_validator("tool_calls", "function_call")
+    @field_validator("function_call")
     @classmethod
-    def _no_tools(cls, value):
+    def _no_functions(cls, value):
         if value:
-            raise ValueError("tool calls are not supported by this server")
+            raise ValueError("function_call is not supported by this server; use tools")
         return value
 
-    def to_engine(self, index: int) -> dict[str, str]:
+    def to_engine(self, index: int) -> dict[str, Any]:
+        """The message as chat templates take it (Hugging Face's convention: a call's arguments
+        as an object, a tool result with its `tool_call_id`)."""
         if self.content is None and self.role != "assistant":
             raise _invalid(f"messages.{index}.content", f"messages[{index}] has no content", "invalid_messages")
-        message = {"role": self.role, "content": self.content or ""}
+        if self.tool_calls and self.role != "assistant":
+            raise _invalid(f"messages.{index}.tool_calls", f"messages[{index}]: only assistant messages carry tool_calls", "invalid_messages")
+        message: dict[str, Any] = {"role": self.role, "content": self.content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                for c in self.tool_calls
+            ]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
-class ResponseFormat(_Strict):
-    type: str
-    json_schema: dict[str, Any] | None = None
+def _arguments(text: str) -> Any:
+    """A call's JSON arguments as an object for the template; text that is not JSON stays text."""
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return text
+
+
+class FunctionDefinition(_Strict):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="A JSON schema of the arguments (an object).")
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class _FunctionName(_Strict):
+    name: FunctionName
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: _FunctionName
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -178,33 +281,55 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False  # type: ignore[assignment]  # chat's logprobs is a switch; top_logprobs the count
     top_logprobs: Logprobs | None = None
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     # Declared so that asking for them is a clear 400 rather than an unknown field.
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
     modalities: list[str] | None = None
 
     def check(self) -> None:
         super().check()
         unsupported = {
-            "tools": bool(self.tools),
-            "tool_choice": self.tool_choice not in (None, "none", "auto"),
             "functions": bool(self.functions),
             "function_call": self.function_call not in (None, "none", "auto"),
-            "response_format": self.response_format is not None and self.response_format.type != "text",
             "modalities": bool(self.modalities) and self.modalities != ["text"],
         }
         for name, asked in unsupported.items():
             if asked:
-                raise _unsupported(name, f"{name} is not supported by this server")
+                raise _unsupported(name, f"{name} is not supported by this server; use tools")
         if self.top_logprobs is not None and not self.logprobs:
             raise _invalid("top_logprobs", "top_logprobs requires logprobs to be true")
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise _invalid("tools", "tool function names must be unique")
+        if self.tool_choice not in (None, "none", "auto"):
+            if not self.tools:
+                raise _invalid("tool_choice", "tool_choice requires tools")
+            if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+                raise _invalid("tool_choice", f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools")
+            if self.structured()[0] is not None:
+                raise _invalid("tool_choice", "a required or named tool_choice cannot be combined with response_format or guided_*")
 
-    def engine_messages(self) -> list[dict[str, str]]:
+    def engine_messages(self) -> list[dict[str, Any]]:
         return [m.to_engine(i) for i, m in enumerate(self.messages)]
+
+    def active_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the model may call (as templates take them), None when it may call none."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def forced_tools(self) -> tuple[list[dict[str, Any]], bool] | None:
+        """(the tools one of which must be called, whether several calls may be made) when
+        tool_choice requires a call, else None."""
+        tools = self.active_tools()
+        if tools is None or self.tool_choice in (None, "auto"):
+            return None
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return [t for t in tools if t["function"]["name"] == self.tool_choice.function.name], False
+        return tools, self.parallel_tool_calls is not False
 
 
 # --- sampling parameters ------------------------------------------------------------------------
@@ -218,15 +343,18 @@ def to_sampling_params(
     logprobs: int | None,
     choice: int,
     rename: dict[str, str],
+    structured: StructuredOutputs | None = None,
 ) -> SamplingParams:
     """The engine's parameters for one choice: what the request set, else the config's defaults.
 
     Choice `i` of a seeded request samples with `seed + i` (wrapping within the seed's range), so
     choices differ yet repeat. `rename` maps SamplingParams names to the request's own, for errors.
+    `structured` is the output constraint, wherever in the request it came from.
     """
     try:
         return merge_sampling(
-            defaults, req, n=1, max_tokens=max_tokens, logprobs=logprobs, seed=completion_seed(req.seed, choice)
-        )
+            defaults, req, n=1, max_tokens=max_tokens, logprobs=logprobs, seed=completion_seed(req.seed, choice),
+            structured_outputs=structured,
+        )  # fmt: skip
     except SamplingParamsError as exc:
         raise _invalid(exc.field(rename), exc.describe(rename), "invalid_value") from exc

@@ -24,8 +24,10 @@ from cadenza.api.http_streaming import Emit, EventStreamResponse, parse_body, ru
 from cadenza.api.openai_protocol import ChatCompletionRequest, CompletionRequest, to_sampling_params
 from cadenza.api.openai_schema import ChatCompletionResponse, CompletionResponse, openapi_request_body
 from cadenza.api.state import ServerState, server_state
+from cadenza.api.tool_parsers import ToolCallStream, ToolParser, parser_for_template
 from cadenza.outputs import TokenLogprob
-from cadenza.sampling_params import SamplingParams
+from cadenza.prompts import ChatPrompt
+from cadenza.sampling_params import SamplingParams, StructuredOutputs
 from cadenza.samplers.vocab import token_bytes_lookup
 from cadenza.streams import GenerationOutput
 
@@ -58,15 +60,17 @@ async def completions(request: Request) -> Response:
     _admit(state, req)
     max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
     prompts = req.prompts()
+    structured, structured_param = req.structured()
     jobs = [
         (prompt, to_sampling_params(req, state.config.sampling.defaults, max_tokens=max_tokens,
-                                    logprobs=req.logprobs, choice=j, rename={}))
+                                    logprobs=req.logprobs, choice=j, rename={}, structured=structured))
         for prompt in prompts
         for j in range(req.n)
     ]  # fmt: skip
     tokenizer = state.engine.runtime.tokenizer
     echo = [_prompt_text(state, p) for p in prompts] if req.echo else None
     shape = _CompletionShape(_TokenTexts(tokenizer), req.n, req.logprobs is not None, echo)
+    shape.structured_param = structured_param
     return await _respond(request, state, shape, jobs, req)
 
 
@@ -80,12 +84,21 @@ async def chat_completions(request: Request) -> Response:
     max_name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     rename = {"logprobs": "top_logprobs", "max_tokens": max_name}
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    messages = req.engine_messages()
+    tokenizer = state.engine.runtime.tokenizer
+    tools = req.active_tools()
+    parser = parser_for_template(tokenizer.chat_template) if tools else None
+    structured, structured_param = req.structured()
+    forced = req.forced_tools()
+    if forced is not None and parser is not None:  # "required" or a named function: the grammar makes the call
+        structured, structured_param = StructuredOutputs(grammar=parser.grammar(*forced)), "tools"
+    prompt = ChatPrompt(req.engine_messages(), tools) if tools else req.engine_messages()
     jobs = [
-        (messages, to_sampling_params(req, defaults, max_tokens=max_tokens, logprobs=logprobs, choice=j, rename=rename))
+        (prompt, to_sampling_params(req, defaults, max_tokens=max_tokens, logprobs=logprobs, choice=j, rename=rename,
+                                    structured=structured))
         for j in range(req.n)
-    ]
-    shape = _ChatShape(_TokenTexts(state.engine.runtime.tokenizer), req.n, req.logprobs)
+    ]  # fmt: skip
+    shape = _ChatShape(_TokenTexts(tokenizer), req.n, req.logprobs, parser)
+    shape.structured_param = structured_param
     return await _respond(request, state, shape, jobs, req)
 
 
@@ -138,13 +151,17 @@ def _engine_param(error: APIError, prompt_param: str) -> str | None:
     return None
 
 
-def _check_finish(out: GenerationOutput | APIError, prompt_param: str) -> GenerationOutput:
+def _check_finish(out: GenerationOutput | APIError, prompt_param: str, structured_param: str | None = None) -> GenerationOutput:
     """The output, or the error a client should see instead of it."""
     if isinstance(out, APIError):
         raise out
     if out.finish_reason == "error":
         error = engine_error(out.error_code, out.error)
         error.param = _engine_param(error, prompt_param)
+        if structured_param not in (None, "structured_outputs") and error.message.startswith("structured_outputs"):
+            # The grammar came from response_format, guided_* or tools: name the field the client sent.
+            error.message = structured_param + error.message.partition(":")[1] + error.message.partition(":")[2]
+            error.param = structured_param
         raise error
     if out.finish_reason == "abort":
         raise APIError(503, "aborted", "the request was aborted (the server may be shutting down)")
@@ -164,7 +181,7 @@ async def _respond(request: Request, state: ServerState, shape: "_Shape", jobs, 
         async def collect() -> None:
             async with run as items:
                 async for index, out in items:
-                    choices[index].add(_check_finish(out, shape.prompt_param))
+                    choices[index].add(_check_finish(out, shape.prompt_param, shape.structured_param))
 
         disconnected, _ = await until_disconnected(request, collect)
         if disconnected:
@@ -187,7 +204,7 @@ async def _respond(request: Request, state: ServerState, shape: "_Shape", jobs, 
             # Wait for every choice's first output, so a rejected request gets its HTTP status.
             buffered, started = [], set()
             async for index, out in items:
-                buffered.append((index, _check_finish(out, shape.prompt_param)))
+                buffered.append((index, _check_finish(out, shape.prompt_param, shape.structured_param)))
                 started.add(index)
                 if len(started) == len(jobs):
                     break
@@ -197,7 +214,7 @@ async def _respond(request: Request, state: ServerState, shape: "_Shape", jobs, 
             for index, out in buffered:
                 await _emit_output(emit, chunk, shape, choices[index], index, out)
             async for index, out in items:
-                await _emit_output(emit, chunk, shape, choices[index], index, _check_finish(out, shape.prompt_param))
+                await _emit_output(emit, chunk, shape, choices[index], index, _check_finish(out, shape.prompt_param, shape.structured_param))
         if include_usage:
             await emit(sse(_json({**chunk_head, "choices": [], "usage": _usage(choices, shape.n)})))
         await emit(sse("[DONE]"))
@@ -237,6 +254,7 @@ class _Shape:
     object: str
     chunk_object: str
     prompt_param: str  # where a prompt the engine rejects came from
+    structured_param: str | None = None  # where the output's grammar came from, for its errors
 
     def __init__(self, tokens: "_TokenTexts", n: int, want_logprobs: bool) -> None:
         self.tokens, self.n, self.want_logprobs = tokens, n, want_logprobs
@@ -252,27 +270,58 @@ class _Shape:
 
 
 class _ChatShape(_Shape):
+    """Chat answers; with a tool parser (the request offered tools), tool calls in the model's
+    format become `tool_calls`, streamed as each call completes: a delta with the call's index,
+    id and function name, then one with its arguments, as OpenAI's SDK accumulates them."""
+
     id_prefix, object, chunk_object = "chatcmpl-", "chat.completion", "chat.completion.chunk"
     prompt_param = "messages"
+
+    def __init__(self, tokens, n, want_logprobs, tool_parser: ToolParser | None = None) -> None:
+        super().__init__(tokens, n, want_logprobs)
+        self.tool_parser = tool_parser
+        self.tool_streams: dict[int, ToolCallStream] = {}
 
     def opening(self, index):
         return [{"index": index, "delta": {"role": "assistant"}, "logprobs": None, "finish_reason": None}]
 
     def deltas(self, index, out):
         bodies = []
-        if out.text or out.logprobs:
+        text, calls, first = out.text, [], 0
+        if self.tool_parser is not None:
+            stream = self.tool_streams.setdefault(index, ToolCallStream(self.tool_parser))
+            first = stream.num_calls
+            text, calls = stream.feed(out.text, final=out.finish_reason is not None)
+        if text or out.logprobs:
             logprobs = self._logprobs(out.logprobs) if self.want_logprobs and out.logprobs else None
-            bodies.append({"index": index, "delta": {"content": out.text}, "logprobs": logprobs, "finish_reason": None})
+            bodies.append({"index": index, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None})
+        for k, call in enumerate(calls):
+            head = {"index": first + k, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+            arguments = {"index": first + k, "function": {"arguments": call.arguments}}
+            for delta in (head, arguments):
+                bodies.append({"index": index, "delta": {"tool_calls": [delta]}, "logprobs": None, "finish_reason": None})
         if out.finish_reason is not None:
-            bodies.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason})
+            reason = out.finish_reason
+            if self.tool_parser is not None and self.tool_streams[index].num_calls and reason == "stop":
+                reason = "tool_calls"
+            bodies.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason})
         return bodies
 
     def choice(self, index, choice):
+        content: str | None = "".join(choice.text)
+        reason = choice.last.finish_reason if choice.last else None
+        message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+        if self.tool_parser is not None:
+            content, calls = self.tool_parser.parse(content)
+            message["content"] = content
+            if calls:
+                message["tool_calls"] = [c.to_openai() for c in calls]
+                reason = "tool_calls" if reason == "stop" else reason
         return {
             "index": index,
-            "message": {"role": "assistant", "content": "".join(choice.text), "refusal": None},
+            "message": message,
             "logprobs": self._logprobs(choice.logprobs) if self.want_logprobs else None,
-            "finish_reason": choice.last.finish_reason if choice.last else None,
+            "finish_reason": reason,
         }
 
     def _logprobs(self, logprobs: list[TokenLogprob]) -> dict[str, Any]:

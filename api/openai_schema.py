@@ -54,6 +54,7 @@ class Usage(BaseModel):
 
 
 _FinishReason = Literal["stop", "length"]
+_ChatFinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class CompletionLogprobs(BaseModel):
@@ -96,17 +97,29 @@ class ChatLogprobs(BaseModel):
     refusal: None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="The arguments as JSON text.")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None = Field(description="The text; null when the answer is tool calls alone.")
     refusal: None
+    tool_calls: list[ToolCall] | None = Field(None, description="Calls of the request's tools, parsed from the model's format.")
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None
-    finish_reason: _FinishReason
+    finish_reason: _ChatFinishReason
 
 
 class ChatCompletionResponse(BaseModel):

@@ -95,6 +95,9 @@ class SamplingComponent:
     name: ClassVar[str]
     params_model: ClassVar[type[BaseModel] | None] = None
     options_model: ClassVar[type[BaseModel] | None] = None
+    # A `SamplingParams` field that switches this component on, as `extra[name]` does for plugins:
+    # a request whose field is not None joins with the field's value (validated by SamplingParams).
+    request_field: ClassVar[str | None] = None
 
     def __init__(self, context: SamplingContext, options: BaseModel | None = None) -> None:
         self.context = context
@@ -102,6 +105,12 @@ class SamplingComponent:
             options = self.options_model()
         self.options = options
         self.request_params: dict[str, Any] = {}
+
+    def prepare_request(self, params: Any) -> None:
+        """Slow per-request set-up (compiling a grammar), done at the ingress in a worker thread
+        before the request is admitted, with the params `on_request_added` will get. It may run
+        while `apply` runs in another thread: touch only thread-safe state. Raising `ValueError`
+        refuses the request (`invalid_value`, the message naming the problem)."""
 
     def on_request_added(self, request_id: str, params: Any) -> None:
         """A request that switched this component on joins: `params` is its validated model

@@ -12,8 +12,10 @@ from cadenza.samplers.logits_processors import (
     TopKTopPProcessor,
 )
 from cadenza.samplers.penalties import PenaltiesProcessor
+from cadenza.samplers.structured import StructuredOutputProcessor
 
 BUILTINS = (
+    StructuredOutputProcessor,
     MinTokensProcessor,
     LogitBiasProcessor,
     PenaltiesProcessor,

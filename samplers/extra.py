@@ -13,6 +13,8 @@ from typing import Any, Iterable
 
 from pydantic import BaseModel, ValidationError
 
+from cadenza.sampling_params import PLUGIN_FIELDS
+
 
 class ExtraParamsError(ValueError):
     """`SamplingParams.extra` names no configured plugin, or a plugin's params are invalid.
@@ -34,11 +36,26 @@ def field_path(loc: Iterable[Any]) -> str:
     return text
 
 
-class ExtraParams:
-    """The plugins a deployment runs that may take per-request params, by name."""
+class RequestParamsError(ExtraParamsError):
+    """A request's plugin-served params (`structured_outputs`, say) were refused when prepared:
+    an invalid grammar, or no plugin here serves the field. The message starts with the field."""
 
-    def __init__(self, components: Mapping[str, type]) -> None:
+    code = "invalid_value"
+
+
+class ExtraParams:
+    """The plugins a deployment runs that may take per-request params, by name.
+
+    With the component instances it also prepares requests at the ingress (`prepare`): plugins that
+    serve a `SamplingParams` field (`request_field`) or do slow set-up (`prepare_request`) get it
+    done there, in a worker thread, before the request is admitted.
+    """
+
+    def __init__(self, components: Mapping[str, type], instances: Iterable[Any] = ()) -> None:
         self.components = dict(components)
+        instances = list(instances)
+        self.fields = {c.request_field: c for c in instances if getattr(c, "request_field", None)}
+        self.preparers = {c.name: c for c in instances if _overrides_prepare(c)}
 
     @property
     def names(self) -> list[str]:
@@ -85,3 +102,43 @@ class ExtraParams:
                 f"{field_path(('extra', name, *err['loc']))}: {err['msg']}" for err in exc.errors(include_url=False)
             ]
             raise ExtraParamsError("; ".join(problems)) from None
+
+    def needs_preparing(self, params: Any) -> bool:
+        """Whether `prepare` has anything to do for these `SamplingParams` (one check per field)."""
+        if any(getattr(params, f, None) is not None for f in (*PLUGIN_FIELDS, *self.fields)):
+            return True
+        return bool(self.preparers) and any(name in self.preparers and is_on(v) for name, v in (params.extra or {}).items())
+
+    def prepare(self, params: Any) -> None:
+        """Run each plugin's `prepare_request` for this request; `RequestParamsError` if one
+        refuses it, or if it sets a field no plugin of this deployment serves."""
+        for field in {*PLUGIN_FIELDS, *self.fields}:
+            value = getattr(params, field, None)
+            if value is None:
+                continue
+            component = self.fields.get(field)
+            if component is None:
+                plugin = PLUGIN_FIELDS.get(field, "?")
+                raise RequestParamsError(
+                    f"{field}: this deployment runs no plugin that serves it; add {plugin!r} to sampling.logits_processors"
+                )
+            if _overrides_prepare(component):
+                _prepare(component, value, field)
+        if self.preparers and params.extra:
+            for name, value in self.validate(params.extra).items():
+                if name in self.preparers:
+                    _prepare(self.preparers[name], value, f"extra.{name}")
+
+
+def _overrides_prepare(component: Any) -> bool:
+    from cadenza.samplers.base import SamplingComponent
+
+    return type(component).prepare_request is not SamplingComponent.prepare_request
+
+
+def _prepare(component: Any, value: Any, field: str) -> None:
+    try:
+        component.prepare_request(value)
+    except ValueError as exc:
+        message = str(exc)
+        raise RequestParamsError(message if message.startswith(field) else f"{field}: {message}") from None

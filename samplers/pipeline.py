@@ -37,7 +37,9 @@ class SamplingPipeline:
         self.processors = list(processors)
         self.sampler = sampler
         self._components: dict[str, SamplingComponent] = {c.name: c for c in (*self.processors, sampler)}
-        self.extra_params = ExtraParams({name: type(c) for name, c in self._components.items()})
+        self.extra_params = ExtraParams({name: type(c) for name, c in self._components.items()}, self._components.values())
+        # Components a SamplingParams field switches on (`request_field`), e.g. structured outputs.
+        self._field_components = [(c.request_field, c) for c in self._components.values() if c.request_field]
         self._joined: dict[str, list[SamplingComponent]] = {}  # request id -> components told of it
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
@@ -88,11 +90,15 @@ class SamplingPipeline:
     def add_requests(self, batch: SamplingBatch) -> dict[int, str]:
         """Join the batch's new requests to the plugins they switch on; failed rows -> why.
 
-        Requests without `extra` are never recorded: the common case costs one check per row.
+        Requests without `extra` or a plugin-served field are never recorded: the common case
+        costs a check or two per row.
         """
         failed: dict[int, str] = {}
         for row, (request_id, params) in enumerate(zip(batch.request_ids, batch.params)):
-            if not params.extra or request_id in self._joined:
+            if request_id in self._joined:
+                continue
+            fields = [(c, getattr(params, f)) for f, c in self._field_components if getattr(params, f, None) is not None]
+            if not params.extra and not fields:
                 continue
             joined = self._joined[request_id] = []
             try:
@@ -100,8 +106,8 @@ class SamplingPipeline:
             except ExtraParamsError as exc:
                 failed[row] = str(exc)
                 continue
-            for name, value in parsed.items():
-                component = self._components[name]
+            for component, value in [*((self._components[n], v) for n, v in parsed.items()), *fields]:
+                name = component.name
                 try:
                     component.on_request_added(request_id, value)
                 except Exception as exc:
@@ -131,6 +137,8 @@ class SamplingPipeline:
         shape = logits.shape
         try:
             result = processor.apply(logits, batch)
+        except SamplingError:
+            raise  # the processor named the rows at fault itself
         except Exception as exc:
             raise SamplingError(f"logits processor {processor.name!r}", _rows(processor, batch), exc) from exc
         if not isinstance(result, torch.Tensor) or result.shape != shape:

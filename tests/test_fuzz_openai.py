@@ -145,7 +145,7 @@ PROMPTS = mostly(
 TEXT_PARTS = st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}), max_size=2)
 OTHER_PARTS = st.lists(st.fixed_dictionaries({"type": st.sampled_from(["image_url", ""])}), min_size=1, max_size=1)
 CONTENT = mostly(TEXT | TEXT_PARTS, st.none() | OTHER_PARTS | WRONG_TYPES)  # no content: only for assistant
-ROLES = mostly(st.sampled_from(["system", "developer", "user", "assistant"]), st.sampled_from(["tool", "", "USER"]))
+ROLES = mostly(st.sampled_from(["system", "developer", "user", "assistant"]), st.sampled_from(["robot", "", "USER"]))
 MESSAGE = st.fixed_dictionaries({"role": ROLES, "content": CONTENT}, optional={"name": TEXT})
 MESSAGES = mostly(
     st.lists(MESSAGE, min_size=1, max_size=3),
@@ -262,7 +262,7 @@ COMPLETION_ONLY = {
 }
 CHAT_ONLY = {
     "messages": [
-        [], "hi", None, [{}], [5], [{"role": "tool", "content": "x"}], [{"role": "user"}],
+        [], "hi", None, [{}], [5], [{"role": "robot", "content": "x"}], [{"role": "user"}],
         [{"role": "user", "content": 5}], [{"role": "user", "content": [{"type": "image_url"}]}],
         [{"role": "user", "content": [{"type": "text"}]}], [{"role": "user", "content": "x", "tool_calls": [{}]}],
         [{"role": "user", "content": "x", "bogus": 1}], [{"role": "user", "content": "x"}, {"role": 5}],
@@ -270,11 +270,11 @@ CHAT_ONLY = {
     "max_completion_tokens": [0, -1, 1.5, *NOT_NUMBERS],
     "logprobs": ["x", 2, [], {}],
     "top_logprobs": [-1, 21, 1.5, "x"],
-    "tools": [[{"type": "function", "function": {"name": "f"}}], "x"],
+    "tools": [[{"type": "function"}], [{"type": "function", "function": {"name": "bad name"}}], "x"],
     "tool_choice": ["required", 5],
     "functions": [[{"name": "f"}]],
     "function_call": ["required"],
-    "response_format": [{"type": "json_object"}, "x", {}],
+    "response_format": [{"type": "json_schema"}, {"type": "xml"}, "x", {}],
     "modalities": [["audio"], "x"],
 }
 SHARED = {

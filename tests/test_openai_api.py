@@ -213,9 +213,9 @@ def test_bad_requests(server, client, model):
     image = [{"type": "image_url", "image_url": {"url": "http://x"}}]
     error = error_of(post(server, "/v1/chat/completions", {"model": model, "messages": chat(image)}), 400)
     assert "only 'text' content parts" in error["message"] and error["param"] == "messages.0.content"
-    tools = [{"type": "function", "function": {"name": "f"}}]
-    error = error_of(post(server, "/v1/chat/completions", {"model": model, "messages": chat("x"), "tools": tools}), 400)
-    assert error["param"] == "tools"
+    functions = [{"name": "f"}]  # the deprecated function calling; tools are supported (tests/test_tool_calls.py)
+    error = error_of(post(server, "/v1/chat/completions", {"model": model, "messages": chat("x"), "functions": functions}), 400)
+    assert error["param"] == "functions"
     error = error_of(httpx.post(server.url + "/v1/completions", content=b"{nope", timeout=10), 400)
     assert error["code"] == "invalid_json"
     huge = json.dumps({"model": model, "prompt": "x" * (9 << 20)})

@@ -1,0 +1,231 @@
+"""Tool calls in a model's own format: parsing them out of its text, and the grammar that forces one.
+
+Each model family writes tool calls its own way. A `ToolParser` knows one format: how to split
+generated text into content and calls (`consume`, which also works on a stream), and a Lark
+grammar (llguidance's dialect, with `%json{...}` for each tool's argument schema) that makes the
+model emit calls in that format, for `tool_choice` "required" or a named function.
+
+Built-in: `hermes` (Qwen 2.5/3, Hermes, many others: `<tool_call>{"name": ..., "arguments": ...}
+</tool_call>`) and `llama3_json` (Llama 3.1+: `{"name": ..., "parameters": ...}`, calls separated
+by `;`). `register_tool_parser` adds another; `parser_for_template` picks one from the chat
+template's text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One parsed call; `arguments` is JSON text, as OpenAI's API carries it."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def to_openai(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True, slots=True)
+class Consumed:
+    """What `consume` made of the text so far: content that is safe to show, the calls complete
+    so far, and the text to keep until more arrives (a call, or what may be the start of one)."""
+
+    content: str
+    calls: list[ToolCall]
+    rest: str
+
+
+class ToolParser(ABC):
+    """One model family's tool-call format."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def consume(self, text: str, final: bool) -> Consumed:
+        """Split `text` (everything not yet consumed) into content, complete calls and a rest.
+        With `final` the text is all there is: nothing is kept back, and text that is not a
+        well-formed call is content."""
+
+    @abstractmethod
+    def grammar(self, tools: Sequence[dict[str, Any]], parallel: bool) -> str:
+        """A Lark grammar whose every sentence is one call (several with `parallel`) to one of
+        `tools` (OpenAI function tools), with arguments valid for that tool's schema."""
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """The whole output: (content or None when there is none, calls)."""
+        done = self.consume(text, final=True)
+        content = done.content.strip() if done.calls else done.content
+        return (content or None), done.calls
+
+
+def _call_schema(tool: dict[str, Any], arguments_key: str) -> dict[str, Any]:
+    function = tool["function"]
+    parameters = function.get("parameters") or {"type": "object", "properties": {}}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": function["name"]}, arguments_key: parameters},
+        "required": ["name", arguments_key],
+        "additionalProperties": False,
+    }
+
+
+def _json_rule(tools: Sequence[dict[str, Any]], arguments_key: str) -> str:
+    schemas = [_call_schema(t, arguments_key) for t in tools]
+    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    return "%json " + json.dumps(schema, ensure_ascii=False)
+
+
+def _lark_string(text: str) -> str:
+    return json.dumps(text)
+
+
+def _call_from_json(text: str, arguments_keys: Sequence[str]) -> ToolCall | None:
+    """A call from its JSON object text, or None when it is not one."""
+    try:
+        body = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    if not isinstance(body, dict) or not isinstance(body.get("name"), str):
+        return None
+    arguments = next((body[k] for k in arguments_keys if k in body), {})
+    if isinstance(arguments, str):  # some models write the arguments as JSON text already
+        return ToolCall(body["name"], arguments)
+    return ToolCall(body["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest end of `text` that is the start of `marker` (to hold back)."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0
+
+
+class HermesToolParser(ToolParser):
+    """`<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`, one block per call."""
+
+    name = "hermes"
+    start, end = "<tool_call>", "</tool_call>"
+
+    def consume(self, text: str, final: bool) -> Consumed:
+        content, calls = [], []
+        while True:
+            begin = text.find(self.start)
+            if begin < 0:
+                keep = 0 if final else _partial_suffix(text, self.start)
+                content.append(text[: len(text) - keep])
+                return Consumed("".join(content), calls, text[len(text) - keep :])
+            content.append(text[:begin])
+            stop = text.find(self.end, begin)
+            if stop < 0:
+                if not final:
+                    return Consumed("".join(content), calls, text[begin:])
+                body, after = text[begin + len(self.start) :], ""  # cut short (max_tokens): try it
+            else:
+                body, after = text[begin + len(self.start) : stop], text[stop + len(self.end) :]
+            call = _call_from_json(body.strip(), ("arguments", "parameters"))
+            if call is None:  # not a call after all: show it as it was written
+                content.append(text[begin : (stop + len(self.end)) if stop >= 0 else len(text)])
+            else:
+                calls.append(call)
+            text = after
+
+    def grammar(self, tools: Sequence[dict[str, Any]], parallel: bool) -> str:
+        call = f'{_lark_string(self.start + chr(10))} call_json {_lark_string(chr(10) + self.end)}'
+        start = 'start: call ("\\n" call)*' if parallel else "start: call"
+        return f"{start}\ncall: {call}\ncall_json: {_json_rule(tools, 'arguments')}\n"
+
+
+class Llama3JsonToolParser(ToolParser):
+    """Llama 3.1+ JSON calls: `{"name": "f", "parameters": {...}}`, several separated by `; `,
+    optionally after `<|python_tag|>`. An output is calls only when it starts with one."""
+
+    name = "llama3_json"
+    tag = "<|python_tag|>"
+
+    def consume(self, text: str, final: bool) -> Consumed:
+        head = text.lstrip()
+        if head.startswith(self.tag):
+            head = head[len(self.tag) :].lstrip()
+        maybe_call = head.startswith("{") or (not head and text) or self.tag.startswith(head)
+        if not maybe_call:
+            return Consumed(text, [], "")
+        if not final:
+            return Consumed("", [], text)
+        calls = []
+        decoder = json.JSONDecoder()
+        position = 0
+        while position < len(head):
+            try:
+                _, end = decoder.raw_decode(head, position)
+            except json.JSONDecodeError:
+                return Consumed(text, [], "")
+            call = _call_from_json(head[position:end], ("parameters", "arguments"))
+            if call is None:
+                return Consumed(text, [], "")
+            calls.append(call)
+            position = end
+            while position < len(head) and head[position] in " \t\n\r;":
+                position += 1
+        return Consumed("", calls, "") if calls else Consumed(text, [], "")
+
+    def grammar(self, tools: Sequence[dict[str, Any]], parallel: bool) -> str:
+        start = 'start: call ("; " call)*' if parallel else "start: call"
+        return f"{start}\ncall: {_json_rule(tools, 'parameters')}\n"
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {}
+
+
+def register_tool_parser(cls: type[ToolParser]) -> type[ToolParser]:
+    """Make a format available by its `name` (usable as a class decorator)."""
+    if cls.name in TOOL_PARSERS and TOOL_PARSERS[cls.name] is not cls:
+        raise ValueError(f"tool parser {cls.name!r} is registered twice")
+    TOOL_PARSERS[cls.name] = cls
+    return cls
+
+
+def get_tool_parser(name: str) -> ToolParser:
+    try:
+        return TOOL_PARSERS[name]()
+    except KeyError:
+        raise ValueError(f"no tool parser named {name!r}; known: {', '.join(sorted(TOOL_PARSERS))}") from None
+
+
+register_tool_parser(HermesToolParser)
+register_tool_parser(Llama3JsonToolParser)
+
+# Markers a chat template's text carries for its family's format, checked in order.
+_TEMPLATE_MARKERS = ((re.compile(r"<tool_call>"), "hermes"), (re.compile(r"<\|python_tag\|>|\"parameters\""), "llama3_json"))
+
+
+def parser_for_template(chat_template: str | None) -> ToolParser:
+    """The format a chat template teaches its model; Hermes (the most common) when it says none."""
+    for pattern, name in _TEMPLATE_MARKERS:
+        if chat_template and pattern.search(chat_template):
+            return get_tool_parser(name)
+    return get_tool_parser("hermes")
+
+
+class ToolCallStream:
+    """Splits a streamed output into content deltas and tool calls as they complete."""
+
+    def __init__(self, parser: ToolParser) -> None:
+        self.parser = parser
+        self.pending = ""
+        self.num_calls = 0
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
+        """Add `text`; the content that may be shown now and the calls completed by it."""
+        done = self.parser.consume(self.pending + text, final)
+        self.pending = done.rest
+        self.num_calls += len(done.calls)
+        return done.content, done.calls

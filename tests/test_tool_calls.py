@@ -1,0 +1,228 @@
+"""Tool calls: the parsers of model formats, tools reaching the chat template, and a round trip
+(call, tool result, answer) with the official `openai` SDK against a real server, streamed or not."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import llguidance
+import openai
+import pytest
+from server_process import running_server
+
+from cadenza.api.tool_parsers import (
+    HermesToolParser,
+    Llama3JsonToolParser,
+    ToolCallStream,
+    get_tool_parser,
+    parser_for_template,
+)
+from cadenza.models.tokenizer import Tokenizer, load_hf_tokenizer
+from cadenza.prompts import ChatPrompt, tokenize_prompt
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Tokyo"]}, "days": {"type": "integer", "minimum": 1, "maximum": 3}},
+                   "required": ["city", "days"], "additionalProperties": False}}}  # fmt: skip
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"], "additionalProperties": False}}}  # fmt: skip
+TOOLS = [WEATHER, TIME]
+
+
+# --- parsers ------------------------------------------------------------------------------------
+
+
+def test_hermes_parses_calls_and_content():
+    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>\n' \
+           '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'  # fmt: skip
+    content, calls = HermesToolParser().parse(text)
+    assert content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {"zone": "UTC"})]
+    assert len({c.id for c in calls}) == 2
+    assert HermesToolParser().parse("no calls here") == ("no calls here", [])
+    # A block that is not a call stays content, as written.
+    assert HermesToolParser().parse("<tool_call>oops</tool_call>") == ("<tool_call>oops</tool_call>", [])
+
+
+@pytest.mark.parametrize("cut", [1, 3, 7, 11])
+def test_hermes_streamed_in_any_pieces_gives_the_same_as_whole(cut):
+    text = 'Hi <tool<tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}</tool_call> bye'
+    stream = ToolCallStream(HermesToolParser())
+    pieces = [text[i : i + cut] for i in range(0, len(text), cut)]
+    content, calls = "", []
+    for i, piece in enumerate(pieces):
+        shown, done = stream.feed(piece, final=i == len(pieces) - 1)
+        content += shown
+        calls += done
+    assert content == "Hi <tool bye"
+    assert [(c.name, c.arguments) for c in calls] == [("get_time", '{"zone": "CET"}')]
+
+
+def test_llama3_json_parses_calls_only_when_the_output_is_calls():
+    parser = Llama3JsonToolParser()
+    content, calls = parser.parse('<|python_tag|>{"name": "get_time", "parameters": {"zone": "UTC"}}; {"name": "get_weather", "parameters": {"city": "Tokyo", "days": 1}}')
+    assert content is None and [c.name for c in calls] == ["get_time", "get_weather"]
+    assert parser.parse("The answer is {not json}") == ("The answer is {not json}", [])
+    assert parser.parse('{"no": "name"}') == ('{"no": "name"}', [])
+
+
+def test_the_parser_follows_the_chat_template():
+    assert parser_for_template("{{ '<tool_call>' }}").name == "hermes"
+    assert parser_for_template("<|python_tag|>").name == "llama3_json"
+    assert parser_for_template(None).name == "hermes"
+    with pytest.raises(ValueError, match="known: hermes, llama3_json"):
+        get_tool_parser("nope")
+
+
+@pytest.mark.parametrize("parser", [HermesToolParser(), Llama3JsonToolParser()])
+def test_the_forcing_grammar_accepts_the_format_and_nothing_else(parser):
+    grammar = llguidance.LLMatcher.grammar_from_lark(parser.grammar(TOOLS, parallel=True))
+    assert llguidance.LLMatcher.validate_grammar(grammar) == ""
+    tokenizer = llguidance.LLTokenizer(_ByteTokenizer(), n_vocab=257, eos_token=256)
+    key = "parameters" if parser.name == "llama3_json" else "arguments"
+    good = json.dumps({"name": "get_weather", key: {"city": "Paris", "days": 3}})
+    text = f"<tool_call>\n{good}\n</tool_call>" if parser.name == "hermes" else good
+    bad = text.replace("Paris", "Rome")
+
+    def accepts(sentence: str) -> bool:
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        return matcher.consume_tokens(list(sentence.encode())) and matcher.is_accepting()
+
+    assert accepts(text) and not accepts(bad)
+    assert parser.parse(text)[1][0].name == "get_weather"
+
+
+class _ByteTokenizer:
+    """One token per byte, and EOS: enough for llguidance to run a grammar on text."""
+
+    is_tokenizer_wrapper = True
+    eos_token_id, bos_token_id, special_token_ids = 256, None, [256]
+    tokens = [bytes([b]) for b in range(256)] + [b"\xff<eos>"]
+
+    def __call__(self, text):
+        return list(text.encode())
+
+
+# --- the chat template sees the tools -----------------------------------------------------------
+
+
+def test_tools_and_tool_messages_reach_the_chat_template(tiny_model_dir):
+    base = load_hf_tokenizer(tiny_model_dir("llama3"), [2])
+    template = (
+        "{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}|{% endif %}"
+        "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}[call {{ c.function.name }} {{ c.function.arguments.city }}]{% endfor %}"
+        "{% if m.tool_call_id %}({{ m.tool_call_id }}){% endif %}|{% endfor %}"
+    )
+    tokenizer = Tokenizer(backend=base.backend, eos_token_ids=(2,), chat_template=template)
+    messages = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
+                                                              "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+    ]  # fmt: skip
+    text, _ = tokenize_prompt(ChatPrompt(messages, TOOLS), tokenizer, 320)
+    assert text == "TOOLS:get_weather;get_time;|user:weather?|assistant:[call get_weather Paris]|tool:sunny(c1)|"
+    text, _ = tokenize_prompt(messages, tokenizer, 320)
+    assert not text.startswith("TOOLS")
+
+
+# --- a round trip through the OpenAI API --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    with running_server(tiny_model_dir("llama3")) as process:
+        yield process
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def _accumulate(chunks):
+    """What the openai SDK's stream helpers do with tool-call deltas: join them by index."""
+    calls: dict[int, dict] = {}
+    content, reason = "", None
+    for chunk in chunks:
+        (choice,) = chunk.choices
+        content += choice.delta.content or ""
+        for delta in choice.delta.tool_calls or ():
+            call = calls.setdefault(delta.index, {"id": None, "name": "", "arguments": ""})
+            call["id"] = delta.id or call["id"]
+            if delta.function is not None:
+                call["name"] += delta.function.name or ""
+                call["arguments"] += delta.function.arguments or ""
+        reason = choice.finish_reason or reason
+    return content, [calls[i] for i in sorted(calls)], reason
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_required_call_round_trip(client, model, stream):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kwargs = dict(model=model, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=300, temperature=1.0)
+    if stream:
+        content, calls, reason = _accumulate(client.chat.completions.create(messages=messages, stream=True, **kwargs))
+    else:
+        (choice,) = client.chat.completions.create(messages=messages, **kwargs).choices
+        reason, content = choice.finish_reason, choice.message.content
+        calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments} for c in choice.message.tool_calls]
+    assert reason == "tool_calls" and not content and len(calls) == 1
+    (call,) = calls
+    arguments = json.loads(call["arguments"])
+    assert call["name"] in ("get_weather", "get_time") and call["id"].startswith("call_")
+    assert arguments in ({"zone": "UTC"}, {"zone": "CET"}) or (arguments["city"] in ("Paris", "Tokyo") and 1 <= arguments["days"] <= 3)
+
+    messages += [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}]},
+        {"role": "tool", "tool_call_id": call["id"], "content": "Sunny, 21 C"},
+    ]  # fmt: skip
+    answer = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, tool_choice="none", max_tokens=8)
+    assert answer.choices[0].message.tool_calls is None and answer.choices[0].finish_reason == "length"
+
+
+def test_a_named_function_is_the_one_called(client, model):
+    completion = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "time?"}], tools=TOOLS, max_tokens=300,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+    )  # fmt: skip
+    (call,) = completion.choices[0].message.tool_calls
+    assert call.function.name == "get_time" and json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
+
+
+def test_auto_leaves_plain_text_as_content(client, model):
+    completion = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], tools=TOOLS,
+                                                max_tokens=6, temperature=0)  # fmt: skip
+    choice = completion.choices[0]
+    assert choice.message.tool_calls is None and choice.finish_reason in ("length", "stop")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [WEATHER, WEATHER]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+])  # fmt: skip
+def test_bad_tool_requests_are_400s(server, model, body, param):
+    response = httpx.post(server.url + "/v1/chat/completions", timeout=30,
+                          json={"model": model, "messages": [{"role": "user", "content": "x"}], **body})  # fmt: skip
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_a_tool_whose_schema_is_invalid_is_a_400_naming_tools(server, model):
+    broken = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "nope"}}}}}
+    response = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+        "model": model, "messages": [{"role": "user", "content": "x"}], "tools": [broken], "tool_choice": "required"})  # fmt: skip
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "tools" and "Invalid type: nope" in error["message"]
