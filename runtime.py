@@ -61,6 +61,9 @@ def resolve_plugins(config: CadenzaConfig, extra_plugins: Iterable[object] = ())
         options={},
     )
     configured = [plugins.attention_backend, plugins.sampler, *plugins.logits_processors, plugins.eviction_policy]
+    # The deployment's default context policy and providers (the sessions' own picks are checked as they make them).
+    configured.append(registries.context_policies.get(config.sessions.context_policy))
+    configured += [registries.context_providers.get(name) for name in config.sessions.context_providers]
     plugins.options = _validate_options(config.plugin_options, registries, configured)
     return plugins
 
@@ -68,7 +71,8 @@ def resolve_plugins(config: CadenzaConfig, extra_plugins: Iterable[object] = ())
 def _validate_options(given: dict[str, dict[str, Any]], registries: Registries, configured: list[type]) -> dict[str, BaseModel | None]:
     registered = {
         name: registry.get(name)
-        for registry in (registries.attention_backends, registries.samplers, registries.logits_processors, registries.eviction_policies)
+        for registry in (registries.attention_backends, registries.samplers, registries.logits_processors,
+                         registries.eviction_policies, registries.context_policies, registries.context_providers)
         for name in registry.names()
     }
     problems = []

@@ -1,4 +1,5 @@
-"""The ASGI app: OpenAI-compatible HTTP, WebSocket sessions, health and metrics, on one port."""
+"""The ASGI app: OpenAI-compatible HTTP (chat, completions, Responses), WebSocket sessions, the
+Responses and Realtime WebSocket APIs, the browser playground at `/`, health and metrics, on one port."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import uuid
 from contextlib import asynccontextmanager
 from typing import Any, Literal
 
+import anyio
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -16,14 +18,16 @@ from pydantic import BaseModel
 from cadenza.api.errors import APIError, error_responses, install_error_handlers
 from cadenza.api.openai_schema import ModelList, openapi_schemas
 from cadenza.api.prometheus import ServerMetrics
+from cadenza.api.session_core import ContextPlugins, SessionCore
 from cadenza.api.state import ServerState, check_api_key, served_model_name, server_state
 from cadenza.engine import AsyncEngine
 from cadenza.runtime import Runtime
 
 log = structlog.get_logger("cadenza.api")
 
-# Paths anyone may call, key or not: liveness probes and scrapers do not carry API keys.
-_OPEN_PATHS = ("/health", "/metrics")
+# Paths anyone may call, key or not: liveness probes and scrapers do not carry API keys, and the
+# playground page holds no data (it asks for the key and sends it on its WebSocket).
+_OPEN_PATHS = ("/health", "/metrics", "/", "/favicon.ico")
 
 
 class Health(BaseModel):
@@ -40,6 +44,9 @@ def create_app(runtime: Runtime, *, shutdown_grace: float = 10.0) -> FastAPI:
             runtime, shutdown_grace=shutdown_grace, max_pending_tokens=config.server.max_pending_tokens
         ) as engine:
             app.state.server = ServerState(engine, config, served_model_name(config), ServerMetrics(engine.metrics))
+            # Context providers build their indexes here, once (a folder of documents, say).
+            context_plugins = await anyio.to_thread.run_sync(ContextPlugins, config, runtime.registries)
+            app.state.session_core = SessionCore(app.state.server, context_plugins)
             log.info("Application startup complete", model=app.state.server.model_name)
             yield
             app.state.server.draining = True
@@ -109,8 +116,11 @@ def create_app(runtime: Runtime, *, shutdown_grace: float = 10.0) -> FastAPI:
             ],
         }
 
-    from cadenza.api import openai_routes, websocket
+    from cadenza.api import openai_routes, playground, realtime, responses, websocket
 
     app.include_router(openai_routes.router)
     app.include_router(websocket.router)
+    app.include_router(responses.router)
+    app.include_router(realtime.router)
+    app.include_router(playground.router)
     return app

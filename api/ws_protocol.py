@@ -19,6 +19,10 @@ class _Message(BaseModel):
 
 
 RequestId = Annotated[str, Field(min_length=1, max_length=128, description="The client's name for a request.")]
+ConversationName = Annotated[
+    str, Field(min_length=1, max_length=64, description="A conversation of the session; 'main' unless forked.")
+]
+MAIN = "main"
 
 
 class SamplingOptions(SamplingOverrides):
@@ -31,10 +35,20 @@ class ChatMessage(_Message):
     content: str
 
 
+class ContextOptions(_Message):
+    """What the session's conversations do when they outgrow the model, and what they retrieve."""
+
+    policy: str | None = Field(None, min_length=1, description="A context policy: error, drop_oldest or a plugin's.")
+    providers: list[Annotated[str, Field(min_length=1)]] | None = Field(
+        None, max_length=16, description="Context providers run before every turn, in this order; [] for none."
+    )
+
+
 class SessionUpdate(_Message):
     type: Literal["session.update"]
     system_prompt: str | None = Field(None, description="Replaces the session's system prompt; '' clears it.")
     sampling: SamplingOptions | None = None
+    context: ContextOptions | None = None
 
 
 class Generate(_Message):
@@ -47,6 +61,7 @@ class Generate(_Message):
     token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
     user: str | None = None
+    conversation: ConversationName | None = Field(None, description="With `user`: which conversation; default 'main'.")
     sampling: SamplingOptions | None = None
 
     @model_validator(mode="after")
@@ -54,6 +69,8 @@ class Generate(_Message):
         given = [k for k in ("prompt", "token_ids", "messages", "user") if getattr(self, k) is not None]
         if len(given) != 1:
             raise ValueError(f"give exactly one of prompt, token_ids, messages, user (got {given or 'none'})")
+        if self.conversation is not None and self.user is None:
+            raise ValueError("conversation goes with user (a conversation turn)")
         return self
 
 
@@ -67,19 +84,57 @@ class Interrupt(_Message):
 
     type: Literal["interrupt"]
     request_id: RequestId | None = None
+    conversation: ConversationName | None = None
 
 
 class SessionGet(_Message):
     type: Literal["session.get"]
+    conversation: ConversationName = MAIN
+
+
+class SessionReset(_Message):
+    """Forget a conversation's history (its system prompt stays)."""
+
+    type: Literal["session.reset"]
+    conversation: ConversationName = MAIN
+
+
+class SessionTruncate(_Message):
+    """Keep a conversation's first `turns` turns."""
+
+    type: Literal["session.truncate"]
+    conversation: ConversationName = MAIN
+    turns: int = Field(ge=0, description="How many turns to keep, from the first.")
+
+
+class SessionFork(_Message):
+    """Copy a conversation (its first `turns` turns when given) under a new name. The copy's
+    prompts begin with the same tokens, so its next turn is served from the cached prefix."""
+
+    type: Literal["session.fork"]
+    conversation: ConversationName = MAIN
+    name: ConversationName
+    turns: int | None = Field(None, ge=0)
+
+
+class SessionDelete(_Message):
+    type: Literal["session.delete"]
+    conversation: ConversationName
 
 
 class Ping(_Message):
     type: Literal["ping"]
 
 
-ClientMessage = Annotated[Union[SessionUpdate, Generate, Cancel, Interrupt, SessionGet, Ping], Field(discriminator="type")]
+ClientMessage = Annotated[
+    Union[SessionUpdate, Generate, Cancel, Interrupt, SessionGet, SessionReset, SessionTruncate, SessionFork, SessionDelete, Ping],
+    Field(discriminator="type"),
+]
 _CLIENT = TypeAdapter(ClientMessage)
-CLIENT_TYPES = ("session.update", "generate", "cancel", "interrupt", "session.get", "ping")
+CLIENT_TYPES = (
+    "session.update", "generate", "cancel", "interrupt", "session.get", "session.reset", "session.truncate",
+    "session.fork", "session.delete", "ping",
+)  # fmt: skip
 
 
 class ProtocolError(Exception):

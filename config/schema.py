@@ -85,14 +85,16 @@ class ModelConfig(_Section):
         "attention. auto uses them where they build and falls back to PyTorch ops otherwise; on "
         "fails start-up if they cannot be built; off always uses PyTorch ops.",
     )
-    quantization: Literal["auto", "none"] = Field(
-        "none", description="How a GGUF's quantized weights run. auto keeps the blocks of every type "
+    quantization: Literal["auto", "none", "int8"] = Field(
+        "auto", description="How quantized weights run. auto keeps a GGUF's blocks of every type "
         "cadenza has CPU kernels for (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) as stored and multiplies them "
-        "natively (activations rounded to int8 per 32 values, as llama.cpp does), where the CPU "
-        "kernels run and model.dtype is 16-bit: about 4x the batch-1 decode speed and a third of "
-        "the weight memory, at slightly different logits. none (the default until the quality check "
-        "against the de-quantized path lands) and float32 dtype, cpu_kernels off or no kernels "
-        "de-quantize every weight to model.dtype on load.",
+        "natively (activations rounded to int8 per 32 values, as llama.cpp does; steps of 64 rows or "
+        "more de-quantize one weight at a time into a scratch GEMM), where the CPU kernels run and "
+        "model.dtype is 16-bit: about 4x the batch-1 decode speed and a third of the weight memory "
+        "of none, at slightly different logits (perplexity within 0.2%). none de-quantizes every "
+        "weight to model.dtype on load, as do float32 dtype, cpu_kernels off or no kernels under "
+        "auto. int8 also quantizes a Hugging Face checkpoint's linears and embedding to int8 per "
+        "32 weights (Q8_0 blocks) on load, weight-only, and runs them on the same kernels.",
     )
 
 
@@ -208,11 +210,12 @@ class SamplingDefaults(_Section):
     frequency_penalty: FrequencyPenalty = 0.0
 
 
-# The built-in processors in the order they should run (vLLM's): bans and biases first, as they
-# decide what may be emitted at all; penalties next, on the biased logits; then temperature, and
-# the truncation filters last, on the tempered distribution a row actually samples from.
+# The built-in processors in the order they should run (vLLM's): the grammar of structured outputs,
+# bans and biases first, as they decide what may be emitted at all; penalties next, on the biased
+# logits; then temperature, and the truncation filters last, on the tempered distribution a row
+# actually samples from.
 DEFAULT_LOGITS_PROCESSORS: tuple[str, ...] = (
-    "min_tokens", "logit_bias", "penalties", "temperature", "min_p", "top_k_top_p",
+    "structured_output", "min_tokens", "logit_bias", "penalties", "temperature", "min_p", "top_k_top_p",
 )  # fmt: skip
 
 
@@ -258,6 +261,34 @@ class ServerConfig(_Section):
     )
 
 
+class SessionsConfig(_Section):
+    """Long-lived conversations (WebSocket sessions, the Responses and Realtime APIs): what a
+    conversation does when it outgrows the model, and what is retrieved before each turn. A
+    session may choose its own policy and providers (`session.update`); these are the defaults."""
+
+    context_policy: str = Field(
+        "error", min_length=1, description="What a conversation turn does when the history and "
+        "the turn would not fit max_model_len minus the turn's max_tokens: 'error' fails the turn "
+        "(prompt_too_long), 'drop_oldest' drops whole turns from the oldest (the system prompt is "
+        "kept), or the name of a context policy plugin.",
+    )
+    context_providers: list[str] = Field(
+        default_factory=list, description="Context provider plugins (retrieval, memory) that add "
+        "messages to every conversation turn, in this order, before it is tokenized.",
+    )
+    provider_timeout: float = Field(
+        5.0, gt=0, description="Seconds the context providers of one turn may take together; past "
+        "it the turn fails with context_provider_timeout (the session carries on).",
+    )
+    max_conversations: int = Field(
+        8, gt=0, description="Most conversations (forks included) one WebSocket session may hold.",
+    )
+    stored_responses: int = Field(
+        1024, ge=0, description="Responses API: most finished responses kept in memory for "
+        "previous_response_id, least recently used dropped first. 0 stores none.",
+    )
+
+
 class LoggingConfig(_Section):
     """Log verbosity and rendering."""
 
@@ -289,6 +320,9 @@ class CadenzaConfig(_Section):
         default_factory=SamplingConfig, description="Token sampling."
     )
     server: ServerConfig = Field(default_factory=ServerConfig, description="The network server.")
+    sessions: SessionsConfig = Field(
+        default_factory=SessionsConfig, description="Long-lived conversations: context policies and providers."
+    )
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logging.")
     plugins: list[str] = Field(
         default_factory=list, description="Module names to load as plugins."
@@ -299,7 +333,7 @@ class CadenzaConfig(_Section):
         "pinned_prefix: {pinned_blocks: 4}); checked at start-up against the plugin's options model.",
     )
 
-    @field_validator("model", "cache", "scheduler", "sampling", "server", "logging", mode="before")
+    @field_validator("model", "cache", "scheduler", "sampling", "server", "sessions", "logging", mode="before")
     @classmethod
     def _empty_section(cls, value: object) -> object:
         # A YAML section whose keys are all commented out reads as null: treat it as empty.

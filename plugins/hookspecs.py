@@ -32,3 +32,13 @@ def register_samplers(register: Register) -> None:
 @hookspec
 def register_eviction_policies(register: Register) -> None:
     """Register KV-cache eviction policies: `register(name, cls)`, cls an `EvictionPolicy`."""
+
+
+@hookspec
+def register_context_policies(register: Register) -> None:
+    """Register context policies for long conversations: `register(name, cls)`, cls a `ContextPolicy`."""
+
+
+@hookspec
+def register_context_providers(register: Register) -> None:
+    """Register context providers (retrieval, memory): `register(name, cls)`, cls a `ContextProvider`."""

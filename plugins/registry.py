@@ -23,6 +23,7 @@ DEFAULT_PLUGINS = (
     "cadenza.attention_backends.builtins",
     "cadenza.samplers.builtins",
     "cadenza.plugins.eviction",
+    "cadenza.plugins.context",
 )
 ENTRY_POINT_GROUP = "cadenza"
 ALLOWLIST_ENV = "CADENZA_PLUGINS"
@@ -71,11 +72,14 @@ class Registries:
     samplers: Registry
     logits_processors: Registry
     eviction_policies: Registry
+    context_policies: Registry
+    context_providers: Registry
     plugin_names: list[str]
 
 
 def _new_registries() -> Registries:
     from cadenza.attention_backends.base import AttentionBackend
+    from cadenza.plugins.context import ContextPolicy, ContextProvider
     from cadenza.plugins.eviction import EvictionPolicy
     from cadenza.samplers.base import LogitsProcessor, Sampler
 
@@ -84,6 +88,8 @@ def _new_registries() -> Registries:
         samplers=Registry("sampler", Sampler),
         logits_processors=Registry("logits processor", LogitsProcessor),
         eviction_policies=Registry("eviction policy", EvictionPolicy),
+        context_policies=Registry("context policy", ContextPolicy),
+        context_providers=Registry("context provider", ContextProvider),
         plugin_names=[],
     )
 
@@ -154,6 +160,8 @@ def collect_registries(pm: pluggy.PluginManager) -> Registries:
         ("register_attention_backends", _checked(registries.attention_backends)),
         ("register_samplers", samplers_router),
         ("register_eviction_policies", _checked(registries.eviction_policies)),
+        ("register_context_policies", _checked(registries.context_policies)),
+        ("register_context_providers", _checked(registries.context_providers)),
     ]
     for hook_name, add in hooks:
         for impl in getattr(pm.hook, hook_name).get_hookimpls():

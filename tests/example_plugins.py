@@ -23,6 +23,8 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "plugins"
 PACKAGES = {  # distribution -> module
     "cadenza-banned-words": "cadenza_banned_words",
     "cadenza-pinned-prefix": "cadenza_pinned_prefix",
+    "cadenza-summarize-context": "cadenza_summarize_context",
+    "cadenza-folder-retrieval": "cadenza_folder_retrieval",
 }
 
 

@@ -10,10 +10,11 @@ import inspect
 
 from cadenza.attention_backends.base import AttentionBackend
 from cadenza.plugins import hookspecs
+from cadenza.plugins.context import ContextPolicy, ContextProvider
 from cadenza.plugins.eviction import EvictionPolicy
 from cadenza.samplers.base import LogitsProcessor, Sampler
 
-CONTRACTS = (LogitsProcessor, Sampler, EvictionPolicy, AttentionBackend)
+CONTRACTS = (LogitsProcessor, Sampler, EvictionPolicy, AttentionBackend, ContextPolicy, ContextProvider)
 _DUNDERS = ("__init__", "__len__")
 
 

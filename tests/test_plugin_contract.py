@@ -144,6 +144,47 @@ def test_ingress_rejects_bad_extra_with_invalid_extra():
     assert info.value.code == "invalid_extra" and str(info.value).startswith("extra.boost.token:")
 
 
+class FieldProcessor(LogitsProcessor):
+    """Switched on by a SamplingParams field rather than `extra`; its set-up runs at the ingress."""
+
+    name = "field_processor"
+    request_field = "structured_outputs"
+
+    def __init__(self, context, options=None):
+        super().__init__(context, options)
+        self.prepared: list = []
+
+    def prepare_request(self, params):
+        if params.regex == "bad":
+            raise ValueError("structured_outputs.regex: bad is not a regex here")
+        self.prepared.append(params.regex)
+
+    def apply(self, logits, batch):
+        for row, params in enumerate(self.params_for(batch)):
+            if params is not None:
+                logits[row, len(params.regex)] += 100.0
+        return logits
+
+
+@covers("SamplingComponent.request_field", "SamplingComponent.prepare_request")
+def test_a_field_switches_a_component_on_and_its_set_up_runs_at_the_ingress():
+    processor = FieldProcessor(make_context())
+    pipeline = make_pipeline(processor)
+    validator = PromptValidator(None, vocab_size=VOCAB, max_model_len=64, max_prompt_tokens=None, capacity_tokens=64,
+                                extra_params=pipeline.extra_params)  # fmt: skip
+    on, off = greedy(structured_outputs={"regex": "abc"}), greedy()
+    assert validator.needs_preparing(on) and not validator.needs_preparing(off)
+    validator.prepare(on)
+    assert processor.prepared == ["abc"]
+    with pytest.raises(RequestRejected) as info:
+        validator.prepare(greedy(structured_outputs={"regex": "bad"}))
+    assert info.value.code == "invalid_value" and str(info.value).startswith("structured_outputs.regex:")
+    assert pipeline(LOGITS.repeat(2, 1), make_batch([on, off], ["a", "b"])).token_ids.tolist() == [3, 1]
+    assert pipeline.num_joined == 1 and processor.request_params["a"].regex == "abc"
+    pipeline.finish_requests(["a", "b"])
+    assert not processor.request_params and pipeline.num_joined == 0
+
+
 # --- join and leave ------------------------------------------------------------------------------
 
 
@@ -315,7 +356,7 @@ def test_on_evict_forgets_a_block_that_left_the_cache_otherwise():
 
 def test_every_contract_member_and_hook_has_a_test():
     covered = set()
-    for module_name in ("test_plugin_contract", "test_plugin_engine"):
+    for module_name in ("test_plugin_contract", "test_plugin_engine", "test_context_plugins"):
         module = importlib.import_module(module_name)
         for test in vars(module).values():
             covered.update(getattr(test, "covers", ()))

@@ -33,7 +33,7 @@ from cadenza.samplers.base import LogitsProcessor, Sampler, SamplerOutput
 
 BUILTIN_BACKENDS = ["eager", "torch_sdpa", "xformers"]
 BUILTIN_SAMPLERS = ["default"]
-BUILTIN_PROCESSORS = ["logit_bias", "min_p", "min_tokens", "penalties", "temperature", "top_k_top_p"]
+BUILTIN_PROCESSORS = ["logit_bias", "min_p", "min_tokens", "penalties", "structured_output", "temperature", "top_k_top_p"]
 BUILTIN_POLICIES = ["fifo", "lfu", "lru"]
 
 
@@ -151,6 +151,7 @@ def test_builtins_are_ordinary_plugins_and_name_their_module():
         "cadenza.attention_backends.builtins": (registries.attention_backends, BUILTIN_BACKENDS),
         "cadenza.samplers.builtins": (registries.samplers, BUILTIN_SAMPLERS),
         "cadenza.plugins.eviction": (registries.eviction_policies, BUILTIN_POLICIES),
+        "cadenza.plugins.context": (registries.context_policies, ["drop_oldest", "error"]),
     }
     assert set(expected) == set(DEFAULT_PLUGINS)
     for module, (registry, names) in expected.items():
@@ -482,6 +483,8 @@ def test_registries_hold_no_plugin_manager():
         "samplers",
         "logits_processors",
         "eviction_policies",
+        "context_policies",
+        "context_providers",
         "plugin_names",
     ]
     assert all(isinstance(name, str) for name in registries.plugin_names)
@@ -528,6 +531,59 @@ def test_a_registered_backend_and_policy_can_be_instantiated():
     assert isinstance(registries.eviction_policies.get("mru_test")(), EvictionPolicy)
 
 
+# --- context policies and providers --------------------------------------------------------------
+
+
+class ContextPluginsPlugin:
+    """Registers a context policy and a context provider, as a session plugin package would."""
+
+    @hookimpl
+    def register_context_policies(self, register):
+        from cadenza.plugins.context import DropOldest
+
+        class KeepNothing(DropOldest):
+            name = "keep_nothing_test"
+
+            async def fit(self, window):
+                return []
+
+        register(KeepNothing.name, KeepNothing)
+
+    @hookimpl
+    def register_context_providers(self, register):
+        from cadenza.plugins.context import ContextProvider
+
+        class Clock(ContextProvider):
+            name = "clock_test"
+
+            async def provide(self, request):
+                return [{"role": "system", "content": "It is noon."}]
+
+        register(Clock.name, Clock)
+
+
+def test_context_policies_and_providers_register_beside_the_builtins():
+    from cadenza.plugins.context import ContextPolicy, ContextProvider
+
+    registries = load(ContextPluginsPlugin())
+    assert registries.context_policies.names() == ["drop_oldest", "error", "keep_nothing_test"]
+    assert registries.context_policies.source_of("drop_oldest") == "cadenza.plugins.context"
+    assert issubclass(registries.context_policies.get("keep_nothing_test"), ContextPolicy)
+    assert issubclass(registries.context_providers.get("clock_test"), ContextProvider)
+    with pytest.raises(UnknownNameError, match="drop_oldest"):
+        registries.context_policies.get("drop_newest")
+
+
+def test_a_context_provider_of_the_wrong_kind_fails_start_up():
+    class Wrong:
+        @hookimpl
+        def register_context_providers(self, register):
+            register("wrong_test", MRUPolicy)
+
+    with pytest.raises(PluginError, match="context provider 'wrong_test'.*not a subclass of ContextProvider"):
+        load(Wrong())
+
+
 # --- meta: every hook is tested and documented ---------------------------------------------------
 
 
@@ -545,6 +601,8 @@ def test_hookspecs_are_found():
         "register_attention_backends",
         "register_samplers",
         "register_eviction_policies",
+        "register_context_policies",
+        "register_context_providers",
     }
 
 

@@ -1,0 +1,374 @@
+"""OpenAI's Responses API: `POST /v1/responses` (whole or streamed as Server-Sent Events), `GET`,
+`DELETE` and `POST .../cancel` of a stored response, and the same API over a WebSocket at
+`/v1/responses` (what `client.responses.connect()` opens: `response.create` in, the streaming
+events out, one response at a time per `stream_id` lane).
+
+A stored response keeps its conversation: `previous_response_id` continues it (a fork: two
+responses may continue the same one), and since the new prompt starts with the old one's tokens,
+the prefix cache serves them. Turns go through `api/session_core.py` like the WebSocket sessions'.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections import OrderedDict
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import anyio
+import structlog
+from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from cadenza.api.conversation import Conversation
+from cadenza.api.errors import APIError, engine_error
+from cadenza.api.http_streaming import EventStreamResponse, parse_body, until_disconnected
+from cadenza.api.responses_protocol import (
+    ResponseCreateBody,
+    engine_overrides,
+    message_item,
+    response_object,
+    text_part,
+    usage,
+)
+from cadenza.api.session_core import ContextSettings, SessionCore, TurnError
+from cadenza.api.state import ServerState, check_api_key, server_state
+from cadenza.engine import EngineClosedError
+from cadenza.sampling_params import SamplingParamsError, describe_error, merge_sampling
+
+log = structlog.get_logger("cadenza.api.responses")
+router = APIRouter()
+
+# The HTTP status of each turn error (the engine's codes have theirs in `ENGINE_CODE_STATUS`).
+TURN_STATUS = {"context_provider_error": 500, "context_provider_timeout": 500, "context_policy_error": 500}
+MAX_FRAME_CHARS = 1 << 20
+
+
+@dataclass
+class _Live:
+    """A response being generated: how to stop it, and when it has ended."""
+
+    engine_id: str
+    cancelled: bool = False
+    preparing: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    ended: anyio.Event = field(default_factory=anyio.Event)
+    final: dict[str, Any] | None = None
+
+
+class ResponseStore:
+    """Finished responses (their objects and conversations), least recently used dropped first,
+    and the responses being generated now, so `cancel` can reach them from any connection."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.stored: OrderedDict[str, tuple[dict[str, Any], Conversation]] = OrderedDict()
+        self.live: dict[str, _Live] = {}
+
+    def put(self, response: dict[str, Any], conversation: Conversation) -> None:
+        if self.capacity == 0:
+            return
+        self.stored[response["id"]] = (response, conversation)
+        self.stored.move_to_end(response["id"])
+        while len(self.stored) > self.capacity:
+            self.stored.popitem(last=False)
+
+    def get(self, response_id: str) -> tuple[dict[str, Any], Conversation]:
+        found = self.stored.get(response_id)
+        if found is None:
+            raise APIError(404, "response_not_found", f"no stored response {response_id!r} (never stored, deleted, or dropped: sessions.stored_responses)", "previous_response_id")
+        self.stored.move_to_end(response_id)
+        return found
+
+    @staticmethod
+    def of(app, state: ServerState) -> "ResponseStore":
+        store = getattr(app.state, "response_store", None)
+        if store is None:
+            store = app.state.response_store = ResponseStore(state.config.sessions.stored_responses)
+        return store
+
+
+def _core(connection) -> SessionCore:
+    return connection.app.state.session_core
+
+
+async def response_events(core: SessionCore, store: ResponseStore, body: ResponseCreateBody, response_id: str) -> AsyncIterator[dict[str, Any]]:
+    """The events of one response, `response.created` first and a final `response.completed`,
+    `response.incomplete` (also for a cancelled one: status "cancelled") or `response.failed`.
+    Raises `APIError` before the first event when the request cannot start."""
+    state = core.state
+    if body.model is not None and body.model != state.model_name:
+        raise APIError(404, "model_not_found", f"the model {body.model!r} does not exist; this server serves {state.model_name!r}", "model")
+    if state.draining or not state.engine.healthy:
+        raise APIError(503, "unavailable", "the server is shutting down or unhealthy")
+    try:
+        params = merge_sampling(state.config.sampling.defaults, body.sampling, **engine_overrides(body))
+    except SamplingParamsError as exc:
+        raise APIError(400, "invalid_request", exc.describe({"max_tokens": "max_output_tokens"}), exc.field()) from None
+    conversation = store.get(body.previous_response_id)[1].fork() if body.previous_response_id else Conversation()
+    conversation.system_prompt = body.instructions  # OpenAI: instructions are not carried over
+    earlier, new_turn = body.turns()
+    conversation.turns += earlier
+    settings = _settings(core, body)
+    live = store.live[response_id] = _Live(f"resp:{response_id}")
+    created = time.time()
+    item_id = f"msg_{uuid.uuid4().hex}"
+    try:
+        prepared = None
+        with live.preparing:
+            try:
+                prepared = await core.prepare(conversation, new_turn, params, settings, session_id=response_id, request_id=live.engine_id)
+            except TurnError as exc:
+                status = TURN_STATUS.get(exc.code, 400)
+                raise APIError(status, exc.code, exc.message, "input" if status == 400 else None) from None
+        if prepared is None:
+            raise APIError(400, "cancelled", "the response was cancelled before it started")
+
+        def snapshot(status: str, **kw) -> dict[str, Any]:
+            return response_object(response_id, body, state.model_name, status, created=created, **kw)
+
+        yield {"type": "response.created", "response": snapshot("in_progress")}
+        yield {"type": "response.in_progress", "response": snapshot("in_progress")}
+        yield {"type": "response.output_item.added", "output_index": 0, "item": message_item(item_id, "", "in_progress")}
+        yield {"type": "response.content_part.added", "item_id": item_id, "output_index": 0, "content_index": 0, "part": text_part("")}
+        text, last = [], None
+        failure = APIError(500, "internal_error", "the request ended without output")
+        try:
+            async for out in state.engine.generate(prepared.token_ids, params, request_id=live.engine_id):
+                if last is None and live.cancelled:
+                    await state.engine.abort(live.engine_id)
+                last = out
+                if out.text:
+                    text.append(out.text)
+                    yield {"type": "response.output_text.delta", "item_id": item_id, "output_index": 0, "content_index": 0, "delta": out.text, "logprobs": []}
+        except EngineClosedError as exc:
+            last = None
+            failure = APIError(503, "unavailable", str(exc))
+        finally:
+            state.metrics.observe_ended("responses", live.engine_id, last)
+        if last is not None and last.finish_reason == "error":
+            failure = engine_error(last.error_code, last.error)
+        if last is None or last.finish_reason == "error":
+            core.settle(conversation, prepared, None)
+            final = live.final = snapshot("failed", error=failure)
+            yield {"type": "response.failed", "response": final}
+            return
+        whole = "".join(text)
+        core.settle(conversation, prepared, {"role": "assistant", "content": whole})
+        yield {"type": "response.output_text.done", "item_id": item_id, "output_index": 0, "content_index": 0, "text": whole, "logprobs": []}
+        yield {"type": "response.content_part.done", "item_id": item_id, "output_index": 0, "content_index": 0, "part": text_part(whole)}
+        status = "cancelled" if last.finish_reason == "abort" else "incomplete" if last.finish_reason == "length" else "completed"
+        item = message_item(item_id, whole, "completed" if status == "completed" else "incomplete")
+        yield {"type": "response.output_item.done", "output_index": 0, "item": item}
+        final = live.final = snapshot(status, output=[item], usage={**usage(last), "context": prepared.report()},
+                                      incomplete="max_output_tokens" if status == "incomplete" else None)  # fmt: skip
+        if body.store:
+            store.put(final, conversation)
+        yield {"type": "response.completed" if status == "completed" else "response.incomplete", "response": final}
+        log.info("access", api="responses", request_id=response_id, status=status, prompt_tokens=last.num_prompt_tokens,
+                 cached_tokens=last.num_cached_tokens, completion_tokens=last.num_output_tokens)  # fmt: skip
+    finally:
+        store.live.pop(response_id, None)
+        live.ended.set()
+
+
+def _settings(core: SessionCore, body: ResponseCreateBody) -> ContextSettings:
+    defaults = core.plugins.defaults
+    if body.truncation == "disabled":
+        return ContextSettings("error", defaults.providers)
+    if body.truncation == "auto" and defaults.policy == "error":
+        return ContextSettings("drop_oldest", defaults.providers)
+    return defaults
+
+
+def _new_id() -> str:
+    return f"resp_{uuid.uuid4().hex}"
+
+
+# --- HTTP ---------------------------------------------------------------------------------------
+
+
+@router.post("/v1/responses", include_in_schema=False)
+async def create_response(request: Request) -> Response:
+    state = server_state(request)
+    body = await parse_body(request, ResponseCreateBody)
+    if body.type is not None or body.stream_id is not None:
+        raise APIError(400, "unknown_field", "type and stream_id belong to the WebSocket's response.create", "type")
+    store, core, response_id = ResponseStore.of(request.app, state), _core(request), _new_id()
+    if not body.stream:
+        final: dict[str, Any] = {}
+
+        async def collect() -> None:
+            async with aclosing(response_events(core, store, body, response_id)) as events:
+                async for event in events:
+                    if "response" in event:
+                        final.update(event["response"])
+
+        disconnected, _ = await until_disconnected(request, collect)
+        if disconnected:
+            return Response(status_code=499)
+        if final.get("status") == "failed":
+            raise APIError(500, final["error"]["code"], final["error"]["message"])
+        return JSONResponse(final)
+
+    async def produce(emit) -> None:
+        sequence = 0
+        async with aclosing(response_events(core, store, body, response_id)) as events:
+            async for event in events:
+                await emit(f"event: {event['type']}\ndata: {json.dumps({**event, 'sequence_number': sequence})}\n\n".encode())
+                sequence += 1
+
+    return EventStreamResponse(produce, request_id=response_id)
+
+
+@router.get("/v1/responses/{response_id}", include_in_schema=False)
+async def get_response(request: Request, response_id: str):
+    state = server_state(request)
+    return ResponseStore.of(request.app, state).get(response_id)[0]
+
+
+@router.delete("/v1/responses/{response_id}", include_in_schema=False)
+async def delete_response(request: Request, response_id: str):
+    store = ResponseStore.of(request.app, server_state(request))
+    store.get(response_id)
+    del store.stored[response_id]
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+@router.post("/v1/responses/{response_id}/cancel", include_in_schema=False)
+async def cancel_response(request: Request, response_id: str):
+    """Stop a response being generated (from any connection) and return it as it ended; a
+    finished one is returned as it is."""
+    state = server_state(request)
+    store = ResponseStore.of(request.app, state)
+    live = store.live.get(response_id)
+    if live is None:
+        return store.get(response_id)[0]
+    await _cancel(state, live)
+    with anyio.move_on_after(30):  # an aborted request ends within a step
+        await live.ended.wait()
+    return live.final or {"id": response_id, "object": "response", "status": "cancelled"}
+
+
+async def _cancel(state: ServerState, live: _Live) -> None:
+    live.cancelled = True
+    live.preparing.cancel()
+    await state.engine.abort(live.engine_id)
+
+
+# --- WebSocket ----------------------------------------------------------------------------------
+
+
+def ws_error(error: APIError, stream_id: str | None = None) -> dict[str, Any]:
+    body = {"type": "error", "status": error.status, "error": {"type": error.error_type, "code": error.code, "message": error.message, "param": error.param}}
+    return {**body, "stream_id": stream_id} if stream_id else body
+
+
+@router.websocket("/v1/responses")
+async def responses_socket(websocket: WebSocket) -> None:
+    try:
+        state = server_state(websocket)
+        check_api_key(websocket, state)
+        if state.draining:
+            raise APIError(503, "unavailable", "the server is shutting down")
+    except APIError as exc:
+        await websocket.close(code=1008 if exc.status == 401 else 1013, reason=exc.message[:120])
+        return
+    await websocket.accept()
+    store, core = ResponseStore.of(websocket.app, state), _core(websocket)
+    outbox_tx, outbox_rx = anyio.create_memory_object_stream[dict](64)
+    lanes: dict[str | None, Any] = {}
+    connection_id = uuid.uuid4().hex[:12]
+    bound = log.bind(connection_id=connection_id)
+    bound.info("Responses socket opened")
+
+    async def run_lane(receive) -> None:
+        async with receive:
+            async for body in receive:  # FIFO within a lane
+                await run_one(body)
+
+    async def run_one(body: ResponseCreateBody) -> None:
+        extra = {"stream_id": body.stream_id} if body.stream_id else {}
+        sequence = 0
+        try:
+            async with aclosing(response_events(core, store, body, _new_id())) as events:
+                async for event in events:
+                    await outbox_tx.send({**event, "sequence_number": sequence, **extra})
+                    sequence += 1
+        except APIError as exc:
+            await outbox_tx.send(ws_error(exc, body.stream_id))
+
+    async with anyio.create_task_group() as tg:
+
+        async def write() -> None:
+            try:
+                async with outbox_rx:
+                    async for message in outbox_rx:
+                        await websocket.send_text(json.dumps(message))
+            except Exception:
+                pass  # the client went away; the reader notices too
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(write)
+        try:
+            while True:
+                frame = await websocket.receive()
+                if frame["type"] == "websocket.disconnect":
+                    break
+                try:
+                    body = _parse_event(frame.get("text"))
+                except APIError as exc:
+                    await outbox_tx.send(ws_error(exc))
+                    continue
+                if body is None:
+                    continue
+                if isinstance(body, str):  # response.cancel: its response_id
+                    live = store.live.get(body)
+                    if live is None:
+                        await outbox_tx.send(ws_error(APIError(400, "response_not_found", f"no response {body!r} is running", "response_id")))
+                    else:
+                        await _cancel(state, live)
+                    continue
+                lane = lanes.get(body.stream_id)
+                if lane is None:
+                    lane, receive = anyio.create_memory_object_stream[ResponseCreateBody](16)
+                    lanes[body.stream_id] = lane
+                    tg.start_soon(run_lane, receive)
+                try:
+                    lane.send_nowait(body)
+                except anyio.WouldBlock:
+                    await outbox_tx.send(ws_error(APIError(429, "too_many_requests", "at most 16 responses may wait on one lane"), body.stream_id))
+        except WebSocketDisconnect:
+            pass
+        finally:
+            bound.info("Responses socket closed")
+            tg.cancel_scope.cancel()
+
+
+def _parse_event(text: str | None) -> ResponseCreateBody | str | None:
+    """A `response.create`'s body, a `response.cancel`'s response id, or an `APIError`."""
+    if text is None:
+        raise APIError(400, "invalid_message", "send JSON text frames, not binary ones")
+    if len(text) > MAX_FRAME_CHARS:
+        raise APIError(400, "message_too_large", f"messages are limited to {MAX_FRAME_CHARS} characters")
+    try:
+        raw = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise APIError(400, "invalid_json", f"not valid JSON: {exc}") from None
+    kind = raw.get("type") if isinstance(raw, dict) else None
+    if kind == "response.cancel":
+        response_id = raw.get("response_id")
+        if not isinstance(response_id, str):
+            raise APIError(400, "invalid_request", "response.cancel needs a response_id", "response_id")
+        return response_id
+    if kind != "response.create":
+        raise APIError(400, "unknown_type", f"unknown event type {kind!r}; this server takes response.create and response.cancel", "type")
+    try:
+        return ResponseCreateBody.model_validate(raw)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        param = ".".join(str(p) for p in errors[0].get("loc", ())) or None
+        raise APIError(400, "invalid_request", "; ".join(describe_error(e) for e in errors), param) from None
