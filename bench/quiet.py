@@ -24,7 +24,7 @@ _PROC_SELF_STAT = "/proc/self/stat"
 class CpuSnapshot:
     total: int  # jiffies of all CPUs, idle included
     busy: int  # jiffies of all CPUs spent running anything
-    own: int  # jiffies this process (every thread) has run
+    own: int  # jiffies this process (every thread) and its waited-for children have run
 
 
 def take_snapshot() -> CpuSnapshot | None:
@@ -39,8 +39,9 @@ def take_snapshot() -> CpuSnapshot | None:
     # user nice system idle iowait irq softirq steal (guest time is already inside user).
     user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
     busy = user + nice + system + irq + softirq + steal
-    # After the ")" of comm: field 3 is the state, so utime and stime are the 12th and 13th.
-    own = int(own_fields[11]) + int(own_fields[12])
+    # After the ")" of comm: field 3 is the state, so utime and stime are the 12th and 13th, and
+    # cutime and cstime (children waited for: a peer's binary the bench ran) the 14th and 15th.
+    own = sum(int(own_fields[i]) for i in (11, 12, 13, 14))
     return CpuSnapshot(total=busy + idle + iowait, busy=busy, own=own)
 
 
