@@ -32,7 +32,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_matmul_", &quant_matmul_, "out (+)= x @ W^T (+ bias) into a [rows, out] view", release());
   m.def("quant_rows", &quant_rows, "rows of raw GGUF blocks, de-quantized to float32", release());
   m.def("quant_dequantize", &quant_dequantize, "raw GGUF blocks [out, bytes], de-quantized to float32 [out, in]", release());
-  m.def("quant_dequantize_", &quant_dequantize_, "raw GGUF blocks, de-quantized into a float32 [out, in] tensor", release());
+  m.def("quant_dequantize_", &quant_dequantize_, "raw GGUF blocks, de-quantized into a float32 or bfloat16 [out, in] tensor", release());
   m.def("quant_in_features", &quant_in_features, "in_features of raw GGUF blocks [out, bytes] of a GGML type");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, float32", release());
   m.def("rotary_", &rotary_, "in-place NeoX rotary embedding from cos/sin tables", release());

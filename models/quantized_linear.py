@@ -11,9 +11,11 @@ Steps of many rows (prefill) are compute-bound, and there a GEMM beats the int8 
 ~2x at 128 rows and more, measured at the default model's shapes): from `GEMM_MIN_ROWS` rows on,
 the weight is de-quantized into a per-thread scratch buffer (one weight at a time, never kept) and
 multiplied by PyTorch. On CPUs that multiply bfloat16 natively (AVX512-BF16, AMX) the scratch
-weight and the activations are bfloat16: that GEMM is 4-5x the float32 one there (M=512, the
-default model's shapes), and the rounding is that of the de-quantized bfloat16 model; elsewhere it
-is float32 and rounds no activation.
+weight (de-quantized straight to bfloat16) and the activations are bfloat16: that GEMM is 4-5x the
+float32 one there (M=512, the default model's shapes), so the crossover moves down to
+`GEMM_MIN_ROWS_BF16` rows (measured on Sapphire Rapids over the default model's layers: the int8
+kernel costs ~1.9 ms a row, de-quantizing every weight and the GEMMs 32-38 ms at 1-32 rows), and the rounding is that of the
+de-quantized bfloat16 model; elsewhere it is float32 and rounds no activation.
 
 A fused projection (q/k/v, gate/up) is its parts' rows one after another; parts of one type are
 concatenated into one tensor (rows are independent), parts of different types each write their
@@ -36,6 +38,7 @@ NATIVE_TYPES = {8: ("Q8_0", 32, 34), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 1
 # Rows from which a product de-quantizes its weight for a GEMM (see above); at most this many
 # weight values (128 MiB of float32 scratch) to do so: a large LM head stays on the kernel.
 GEMM_MIN_ROWS = 64
+GEMM_MIN_ROWS_BF16 = 20
 GEMM_MAX_VALUES = 32 << 20
 _scratch = threading.local()
 
@@ -125,6 +128,7 @@ class QuantizedLinear(nn.Module):
         self.kernels = kernels
         self.bias_f32 = None if self.bias is None else self.bias.detach().float().contiguous()
         self.gemm_dtype = _gemm_dtype()
+        self.min_rows = GEMM_MIN_ROWS_BF16 if self.gemm_dtype == torch.bfloat16 else GEMM_MIN_ROWS
 
     def _checked(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is None:
@@ -133,17 +137,15 @@ class QuantizedLinear(nn.Module):
         return x if x.stride(-1) == 1 else x.contiguous()
 
     def _uses_gemm(self, x: torch.Tensor) -> bool:
-        return x.shape[0] >= GEMM_MIN_ROWS and self.in_features * self.out_features <= GEMM_MAX_VALUES
+        return x.shape[0] >= self.min_rows and self.in_features * self.out_features <= GEMM_MAX_VALUES
 
     def _dequantized(self) -> torch.Tensor:
         """The weight as `gemm_dtype` [out, in], in this thread's scratch buffer (valid until the next call)."""
-        weight = _scratch_matrix(self.out_features, self.in_features)
+        weight = _scratch_matrix(self.out_features, self.in_features, self.gemm_dtype)
         for i, (first, qtype) in enumerate(self.parts):
             blocks = self._blocks(i)
             self.kernels.quant_dequantize_(weight.narrow(0, first, blocks.shape[0]), blocks, qtype)
-        if self.gemm_dtype == torch.float32:
-            return weight
-        return _scratch_matrix(self.out_features, self.in_features, self.gemm_dtype).copy_(weight)
+        return weight
 
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T through the de-quantized weight, float32 out, without the bias."""

@@ -128,9 +128,12 @@ def test_rows_dequantize_exactly(kernels, qtype):
     reference_rows = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float32))
     # Vectorized: q * scale + offset in one fma, where the reference rounds twice.
     assert torch.allclose(whole, reference_rows, rtol=1e-6, atol=1e-6)
+    # Straight to bfloat16 (the GEMM scratch on CPUs with native bf16): rounded as PyTorch rounds.
+    as_bf16 = kernels.quant_dequantize_(torch.empty(whole.shape, dtype=torch.bfloat16), torch.from_numpy(blocks), int(qtype))
+    assert torch.equal(as_bf16, whole.bfloat16())
 
 
-@pytest.mark.parametrize("rows", [3, 70])  # the kernel; the de-quantized GEMM (GEMM_MIN_ROWS)
+@pytest.mark.parametrize("rows", [3, 70])  # the kernel; the de-quantized GEMM (GEMM_MIN_ROWS, any CPU)
 def test_quantized_linear_of_mixed_parts(kernels, rows):
     """A fused projection whose parts differ in type (q/k Q4_K, v Q6_K, as Q4_K_M files have them)."""
     from cadenza.models.quantized_linear import GEMM_MIN_ROWS, QuantizedLinear, QuantizedTensor

@@ -3,10 +3,10 @@ text (tests/data/pride_and_prejudice_ch1.txt, 1,000 tokens), teacher-forced over
 
 The native path (quantization auto, bf16 dtype: the file's Q4_1 blocks through cadenza's kernels)
 must score within 1% of the de-quantized float32 path of the same file (its exact weights). The
-native path is fed 32 tokens a step over its KV cache, as decode steps and small prefill chunks run:
-below GEMM_MIN_ROWS rows every product, LM head included, takes the int8-activation kernels (a longer
-step de-quantizes each weight for a float32 GEMM instead, which rounds no activation and would test
-little). Greedy agreement, the argmax of both paths at every position, is printed; only a floor is
+native path is fed 8 tokens a step over its KV cache, as decode steps and small prefill chunks run:
+below GEMM_MIN_ROWS_BF16 rows every product, LM head included, takes the int8-activation kernels; a
+second run feeds 256 tokens a step, the path prefill takes (each weight de-quantized for a GEMM,
+bfloat16 on CPUs that multiply it natively, which rounds activations to bfloat16). Greedy agreement, the argmax of both paths at every position, is printed; only a floor is
 asserted.
 """
 
@@ -24,7 +24,7 @@ from cadenza.models.cpu_features import cpu_has_avx2_fma
 pytestmark = pytest.mark.skipif(not cpu_has_avx2_fma(), reason="the quantized kernels need x86-64 with AVX2 and FMA")
 
 TEXT = Path(__file__).parent / "data" / "pride_and_prejudice_ch1.txt"
-NATIVE_CHUNK = 32  # below GEMM_MIN_ROWS: the int8 kernels
+NATIVE_CHUNK = 8  # below GEMM_MIN_ROWS_BF16 (and GEMM_MIN_ROWS): the int8 kernels
 EXACT_CHUNK = 256
 
 
@@ -32,12 +32,12 @@ EXACT_CHUNK = 256
 def default_models():
     """The embedded default model native (bf16 dtype, quantization auto) and de-quantized to float32."""
     from cadenza.models.loading import load_model
-    from cadenza.models.quantized_linear import GEMM_MIN_ROWS
+    from cadenza.models.quantized_linear import GEMM_MIN_ROWS_BF16
 
     module, why = cpu._build()
     if module is None:
         pytest.skip(f"the CPU kernels cannot be built here: {why}")
-    assert NATIVE_CHUNK < GEMM_MIN_ROWS
+    assert NATIVE_CHUNK < GEMM_MIN_ROWS_BF16
     native = load_model(None, dtype=torch.bfloat16, cpu_kernels="on", quantization="auto")
     exact = load_model(None, dtype=torch.float32, cpu_kernels="on", quantization="none")
     return native, exact
@@ -77,11 +77,12 @@ def next_token_scores(loaded, ids: list[int], chunk: int) -> tuple[torch.Tensor,
     return torch.cat(logprobs), torch.cat(argmax)
 
 
-def test_native_perplexity_within_one_percent_of_dequantized(default_models):
+@pytest.mark.parametrize("chunk", [NATIVE_CHUNK, EXACT_CHUNK], ids=["int8 kernels", "de-quantized GEMM"])
+def test_native_perplexity_within_one_percent_of_dequantized(default_models, chunk):
     native, exact = default_models
     ids = text_ids(native.tokenizer)
     assert 600 <= len(ids) <= 1000
-    native_lp, native_top = next_token_scores(native, ids, NATIVE_CHUNK)
+    native_lp, native_top = next_token_scores(native, ids, chunk)
     exact_lp, exact_top = next_token_scores(exact, ids, EXACT_CHUNK)
     native_ppl, exact_ppl = math.exp(-native_lp.double().mean()), math.exp(-exact_lp.double().mean())
     relative = native_ppl / exact_ppl - 1
