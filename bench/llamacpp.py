@@ -52,11 +52,6 @@ def peer_files(source: Path, precisions: list[str], cache_dir: Path) -> list[tup
     return list(files.items())
 
 
-def write_bf16_gguf(source: Path, target: Path) -> Path:
-    """Copy `source` (any supported quantization) to `target` with every matrix in BF16."""
-    return write_gguf_as(source, target, "BF16")
-
-
 def write_gguf_as(source: Path, target: Path, kind: str) -> Path:
     """Copy `source` to `target` with every matrix re-written as `kind` (BF16 or Q8_0) from its
     de-quantized values; norms and biases stay F32, as llama.cpp's converter keeps them."""
@@ -89,11 +84,6 @@ def write_gguf_as(source: Path, target: Path, kind: str) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return target
-
-
-def bf16_gguf_for(source: Path, cache_dir: Path) -> Path:
-    """A BF16 copy of a quantized GGUF, written once into `cache_dir`; a BF16 file is used as it is."""
-    return gguf_as(source, "BF16", cache_dir)
 
 
 def gguf_as(source: Path, kind: str, cache_dir: Path) -> Path:

@@ -13,7 +13,7 @@ import torch
 from cadenza.bench import quiet
 from cadenza.bench.ceilings import Ceilings, ModelCost
 from cadenza.bench.cli import main
-from cadenza.bench.llamacpp import write_bf16_gguf
+from cadenza.bench.llamacpp import write_gguf_as
 from cadenza.bench.llamacpp_build import why_binaries_missing
 from cadenza.bench.report import table
 from cadenza.bench.workload import make_workload
@@ -168,7 +168,7 @@ def test_bf16_gguf_keeps_metadata_and_values(tmp_path):
     writer.write_tensors_to_file()
     writer.close()
 
-    write_bf16_gguf(source, target)
+    write_gguf_as(source, target, "BF16")
     before, after = gguf.GGUFReader(str(source)), gguf.GGUFReader(str(target))
     assert after.fields["llama.block_count"].contents() == 1
     assert after.fields["tokenizer.ggml.tokens"].contents() == ["a", "b"]
