@@ -91,6 +91,18 @@ class Browser:
             raise AssertionError(result["exceptionDetails"])
         return result["result"]["value"]
 
+    def navigate(self, url: str) -> None:
+        """Open `url` and return once its document has loaded (Page.navigate returns before: a
+        script evaluated at once could run in the previous document)."""
+        self.call("Page.navigate", url=url)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            state = self.evaluate("JSON.stringify([location.href, document.readyState])")
+            if json.loads(state) == [url, "complete"]:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"{url} did not load within 60 s")
+
     def stop(self):
         try:
             os.killpg(self.proc.pid, signal.SIGTERM)
@@ -202,7 +214,7 @@ def test_playground_chats_interrupts_and_renders(tiny_model_dir, tmp_path):
         browser = Browser(tmp_path)
         try:
             browser.call("Emulation.setDeviceMetricsOverride", width=1000, height=700, deviceScaleFactor=1, mobile=False)
-            browser.call("Page.navigate", url=server.url + "/?api_key=browser-key")
+            browser.navigate(server.url + "/?api_key=browser-key")
             seen = json.loads(browser.evaluate(PLAYGROUND_SCRIPT))
             shot = base64.b64decode(browser.call("Page.captureScreenshot", format="png")["data"])
         finally:
