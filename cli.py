@@ -13,6 +13,8 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--attention-backend")
     parser.add_argument("--num-threads", type=int)
+    parser.add_argument("--tensor-parallel-size", type=int, help="split the model over this many ranks (torch.distributed)")
+    parser.add_argument("--data-parallel-size", type=int, help="serve this many engine replicas behind one port")
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -21,6 +23,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "model.dtype": args.dtype,
         "attention_backend": args.attention_backend,
         "model.num_threads": args.num_threads,
+        "parallel.tensor_parallel_size": args.tensor_parallel_size,
+        "parallel.data_parallel_size": args.data_parallel_size,
         "server.host": getattr(args, "host", None),
         "server.port": getattr(args, "port", None),
         "server.api_key": getattr(args, "api_key", None),
@@ -29,11 +33,22 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def _serve(args: argparse.Namespace) -> int:
     from cadenza.api.server import run_server
-    from cadenza.config import load_config
+    from cadenza.config import ConfigError, load_config
     from cadenza.logging_setup import configure_logging
+    from cadenza.parallel.groups import env_rank, launched_by_torchrun
 
     config = load_config(args.config, overrides=_overrides(args))
     configure_logging(config.logging.level, config.logging.format, secrets=(config.server.api_key,))
+    if launched_by_torchrun() and env_rank()[1] != config.parallel.tensor_parallel_size:
+        raise ConfigError(
+            f"parallel.tensor_parallel_size: torchrun started {env_rank()[1]} ranks, so it must be "
+            f"{env_rank()[1]}, not {config.parallel.tensor_parallel_size}"
+        )
+    if launched_by_torchrun() and env_rank()[0] != 0:
+        # `torchrun ... -m cadenza serve`: rank 0 serves, every other rank runs its model shard.
+        from cadenza.parallel.worker import run_worker
+
+        return run_worker(config, *env_rank())
     run_server(config, ask=args.ask)
     return 0
 
@@ -108,7 +123,10 @@ def _generate(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         return 0
 
-    return anyio.run(stream)
+    try:
+        return anyio.run(stream)
+    finally:
+        runtime.close()  # tensor-parallel ranks end with the command
 
 
 def _config(args: argparse.Namespace) -> int:

@@ -41,6 +41,7 @@ from cadenza.metrics import EngineMetrics
 from cadenza.outputs import TextDelta
 from cadenza.runtime import Runtime
 from cadenza.sampling_params import SamplingParams
+from cadenza.speculative.setup import built_methods
 from cadenza.streams import GenerationOutput, RequestStream
 
 log = structlog.get_logger(__name__)
@@ -86,6 +87,7 @@ class AsyncEngine:
             block_size=rt.block_size,
             eos_token_ids=rt.tokenizer.eos_token_ids,
             max_model_len=rt.max_model_len,
+            speculative=cfg.speculative,
         )
         validator = PromptValidator(
             rt.tokenizer,
@@ -94,6 +96,7 @@ class AsyncEngine:
             max_prompt_tokens=cfg.server.max_prompt_tokens,
             capacity_tokens=rt.num_blocks * rt.block_size,
             extra_params=rt.extra_params,
+            speculative_methods=built_methods(rt.runner),
         )
         self.actors: list[Actor] = [
             IngressActor(
@@ -139,6 +142,8 @@ class AsyncEngine:
         async with anyio.create_task_group() as tg:
             for actor in engine.actors:
                 await tg.start(engine._supervise, actor)
+            if getattr(runtime, "parallel", None) is not None:
+                tg.start_soon(engine._watch_runtime)
             engine._accepting = True
             log.info("Started engine", actors=[a.name for a in engine.actors], kv_blocks=runtime.num_blocks)
             try:
@@ -156,6 +161,12 @@ class AsyncEngine:
             raise
         except Exception as exc:
             self._mark_unhealthy(f"actor {actor.name} failed: {exc!r}")
+
+    async def _watch_runtime(self) -> None:
+        """A tensor-parallel rank that dies fails the engine (health, requests) even while idle."""
+        while (reason := self.runtime.failure()) is None:
+            await anyio.sleep(0.25)
+        self._mark_unhealthy(reason)
 
     def _mark_unhealthy(self, reason: str) -> None:
         if self._unhealthy_reason is not None:

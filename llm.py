@@ -83,7 +83,8 @@ class LLM:
         self.engine: AsyncEngine = self._engine_cm.__enter__()
 
     def close(self) -> None:
-        """Stop the engine, then its event loop thread."""
+        """Stop the engine, then its event loop thread, then what the runtime started beside this
+        process (tensor-parallel ranks)."""
         engine_cm, self._engine_cm = getattr(self, "_engine_cm", None), None
         if engine_cm is None or not self._thread.is_alive():
             return
@@ -92,6 +93,7 @@ class LLM:
         finally:
             self._portal.call(self._portal.stop)
             self._thread.join(timeout=10)
+            self.runtime.close()
 
     def __enter__(self) -> "LLM":
         return self

@@ -13,7 +13,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from cadenza.outputs import TokenLogprob
 from cadenza.sampling_params import SamplingParams
-from cadenza.step import ScheduledChunk
+from cadenza.step import ScheduledChunk, Speculation
 
 # --- to the ingress -------------------------------------------------------------------------------
 
@@ -63,12 +63,14 @@ class SampledToken:
 
 @dataclass(frozen=True, slots=True)
 class StepOutput:
-    """What one step produced: a token per sampling request; requests that failed alone."""
+    """What one step produced: a token per sampling request (a speculating request's accepted
+    guesses first, then its token, in order); requests that failed alone; what speculation did."""
 
     step_id: int
     sampled: tuple[SampledToken, ...]
     failed: tuple[tuple[str, str], ...] = ()  # (request_id, error message)
     seconds: float = 0.0
+    speculated: tuple[Speculation, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass
@@ -35,6 +35,28 @@ class EngineMetrics:
     # runner
     step_seconds_total: float = 0.0
     steps_ready_on_finish: int = 0  # the next step was already queued when one finished (overlap)
+    # runner: speculative decoding, per proposer -> [speculative steps, tokens proposed, accepted]
+    speculation: dict[str, list[int]] = field(default_factory=dict)
+
+    def record_speculation(self, method: str, proposed: int, accepted: int) -> None:
+        counts = self.speculation.setdefault(method, [0, 0, 0])
+        counts[0] += 1
+        counts[1] += proposed
+        counts[2] += accepted
+
+    @property
+    def spec_proposed_tokens(self) -> int:
+        return sum(c[1] for c in self.speculation.values())
+
+    @property
+    def spec_accepted_tokens(self) -> int:
+        return sum(c[2] for c in self.speculation.values())
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted over proposed tokens, all proposers together (0 before any proposal)."""
+        proposed = self.spec_proposed_tokens
+        return self.spec_accepted_tokens / proposed if proposed else 0.0
 
     @property
     def requests_active(self) -> int:
@@ -52,6 +74,10 @@ class EngineMetrics:
 
     def snapshot(self) -> dict[str, float]:
         values = asdict(self)
+        del values["speculation"]  # flat numbers only; the per-proposer counts are in /metrics
+        values["spec_proposed_tokens"] = self.spec_proposed_tokens
+        values["spec_accepted_tokens"] = self.spec_accepted_tokens
+        values["spec_acceptance_rate"] = self.spec_acceptance_rate
         values["requests_active"] = self.requests_active
         values["kv_usage"] = self.kv_usage
         values["kv_unused_at_peak"] = self.kv_unused_at_peak

@@ -6,6 +6,7 @@ scheduler's and cache manager's business. Synchronous; the runner actor calls it
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
@@ -16,7 +17,8 @@ from cadenza.attention_backends.base import AttentionBackend, AttentionMetadata
 from cadenza.models.llama import LlamaForCausalLM
 from cadenza.samplers.base import SamplerOutput, SamplingBatch, SamplingError
 from cadenza.sampling_params import SamplingParams
-from cadenza.step import PENDING_TOKEN, ScheduledChunk
+from cadenza.speculative.speculator import Speculator
+from cadenza.step import PENDING_TOKEN, ScheduledChunk, Speculation
 
 __all__ = ["PENDING_TOKEN", "ModelRunner", "ScheduledChunk", "StepResult"]
 
@@ -36,13 +38,16 @@ class StepResult:
     """Sampled tokens for the chunks with `sample` set, in their order; logits when asked for.
 
     `failed` lists (request_id, message) for requests a failing sampler plugin took down; they
-    are not in `request_ids`.
+    are not in `request_ids`. `accepted[request_id]`: a speculating request's verified guesses,
+    which come before its sampled token; `speculated`: what each speculating request's guesses did.
     """
 
     request_ids: list[str]
     sampled: SamplerOutput | None
     logits: torch.Tensor | None = None
     failed: list[tuple[str, str]] = field(default_factory=list)
+    accepted: dict[str, list[int]] = field(default_factory=dict)
+    speculated: list[Speculation] = field(default_factory=list)
 
 
 class _PackingBuffers:
@@ -75,8 +80,11 @@ class ModelRunner:
         sampling_pipeline,
         block_size: int,
         device: torch.device,
+        speculator: Speculator | None = None,
     ) -> None:
         self.model = model
+        self.speculator = speculator
+        self._methods: dict[str, str] = {}  # this step's speculating requests -> their proposer
         self.kv_caches = kv_caches
         self.backend = backend
         self.sampling_pipeline = sampling_pipeline
@@ -95,8 +103,20 @@ class ModelRunner:
         if not chunks:
             self._last_sampled = {}
             return StepResult([], None, failed=failed)
-        result = self._run(chunks, return_logits)
+        guesses: dict[str, list[int]] = {}
+        self._methods = {}
+        if self.speculator is not None and any(c.num_speculative for c in chunks):
+            chunks, guesses = self._add_guesses(chunks, failed)
+            if not chunks:
+                self._last_sampled = {}
+                return StepResult([], None, failed=failed)
+        result = self._run(chunks, return_logits, guesses)
         result.failed[:0] = failed
+        if len(self._methods) > len(guesses):  # asked, found nothing: the scheduler's policy counts those too
+            sampled_ids = set(result.request_ids)
+            result.speculated.extend(
+                Speculation(r, m, 0, 0) for r, m in self._methods.items() if r not in guesses and r in sampled_ids
+            )
         self._last_sampled = {}
         if result.sampled is not None:
             self._last_sampled = dict(zip(result.request_ids, result.sampled.token_ids.tolist()))
@@ -118,20 +138,112 @@ class ModelRunner:
             resolved.append(replace(chunk, token_ids=ids))
         return resolved, unresolved
 
-    def _run(self, chunks: Sequence[ScheduledChunk], return_logits: bool) -> StepResult:
+    def _run(self, chunks: Sequence[ScheduledChunk], return_logits: bool, guesses: dict[str, list[int]]) -> StepResult:
         input_ids, positions, meta = self._prepare(chunks)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
         sampling_rows = [i for i, c in enumerate(chunks) if c.sample]
         request_ids = [chunks[i].request_id for i in sampling_rows]
         if not sampling_rows:
             return StepResult(request_ids, None)
-        last_hidden = hidden[(meta.query_start_loc[1:] - 1)[sampling_rows]]
+        if guesses:  # a speculating chunk samples first where its guesses start, the position before them
+            ends = (meta.query_start_loc[1:] - 1).tolist()
+            first = [ends[i] - len(guesses.get(chunks[i].request_id, ())) for i in sampling_rows]
+            last_hidden = hidden[first]
+        else:
+            last_hidden = hidden[(meta.query_start_loc[1:] - 1)[sampling_rows]]
         logits = self.model.compute_logits(last_hidden)
         try:
             sampled = self.sampling_pipeline(logits.clone() if return_logits else logits, self._batch(chunks, sampling_rows))
         except SamplingError as exc:
-            return self._resample_without(exc, chunks, sampling_rows, last_hidden)
-        return StepResult(request_ids, sampled, logits if return_logits else None)
+            result = self._resample_without(exc, chunks, sampling_rows, last_hidden)
+        else:
+            result = StepResult(request_ids, sampled, logits if return_logits else None)
+        if guesses and result.sampled is not None:
+            result = self._verify(result, chunks, hidden, dict(zip(request_ids, first)), guesses)
+        return result
+
+    def _add_guesses(self, chunks: Sequence[ScheduledChunk], failed: list) -> tuple[list[ScheduledChunk], dict[str, list[int]]]:
+        """Append each speculating decode's guesses to its chunk (at most `num_speculative`)."""
+        speculator, wanted, out = self.speculator, [], []
+        for chunk in chunks:
+            if not chunk.num_speculative or not chunk.sample:
+                out.append(chunk)
+                continue
+            method = speculator.method_of(chunk.params)
+            if method not in speculator.proposers:
+                failed.append((chunk.request_id, f"speculative.method {method!r} is not built in this deployment; "
+                               f"built: {', '.join(sorted(speculator.proposers)) or 'none'}"))
+                continue
+            record = self._record(chunk)  # cut back first: a proposer reads committed tokens only
+            wanted.append((chunk.request_id, method, [*record.prompt_token_ids, *record.output_token_ids], chunk.num_speculative))
+            out.append(chunk)
+        guesses = speculator.propose(wanted) if wanted else {}
+        out = [replace(c, token_ids=[*c.token_ids, *guesses[c.request_id]]) if c.request_id in guesses else c for c in out]
+        self._methods = {request_id: method for request_id, method, _, _ in wanted}
+        return out, guesses
+
+    def _verify(self, result: StepResult, chunks, hidden, position: dict[str, int], guesses: dict[str, list[int]]) -> StepResult:
+        """Keep each request's guesses while the token sampled before each equals it.
+
+        Round i samples every still-matching request at its i-th guess's position through the
+        whole pipeline, with the guesses accepted so far in its output (appended to the record),
+        so processors and penalties see what they would without speculation. Sampling from the
+        target and keeping a guess only if the sample equals it accepts guess x with probability
+        p(x) and otherwise yields a sample from p without x, renormalised: the rejection rule for
+        a proposer that is a point mass. So the tokens' distribution (greedy: the tokens
+        themselves) is what it would be without speculation.
+        """
+        finals = result.sampled.token_ids.tolist()
+        row_of = {request_id: row for row, request_id in enumerate(result.request_ids)}
+        chunk_of = {c.request_id: i for i, c in enumerate(chunks)}
+        accepted: dict[str, list[int]] = {r: [] for r in guesses if r in row_of}
+        alive = list(accepted)
+        # Every guessed position's logits in one product: one pass over the LM head, however many
+        # rounds follow (rounds take copies: processors edit logits in place).
+        index = [position[r] + 1 + j for r in alive for j in range(len(guesses[r]))]
+        offset = dict(zip(alive, itertools.accumulate([0] + [len(guesses[r]) for r in alive])))
+        all_logits = self.model.compute_logits(hidden[index]) if index else None
+        drop: set[str] = set()
+        failed: list[tuple[str, str]] = []
+        while alive:
+            still = []
+            for request_id in alive:
+                done, guess = accepted[request_id], guesses[request_id]
+                token = finals[row_of[request_id]]
+                if len(done) < len(guess) and token == guess[len(done)] and not self._ends(chunks[chunk_of[request_id]], token):
+                    done.append(token)
+                    self._requests[request_id].output_token_ids.append(token)
+                    still.append(request_id)
+            alive = still
+            while alive:
+                rows = [chunk_of[r] for r in alive]
+                logits = all_logits[[offset[r] + len(accepted[r]) - 1 for r in alive]]
+                try:
+                    sampled = self.sampling_pipeline(logits, self._batch(chunks, rows, cut_back=False))
+                except SamplingError as exc:
+                    blamed = {r for r in exc.rows if 0 <= r < len(alive)} or set(range(len(alive)))
+                    failed += [(alive[r], exc.message_for(r)) for r in sorted(blamed)]
+                    drop |= {alive[r] for r in blamed}
+                    alive = [a for r, a in enumerate(alive) if r not in blamed]
+                    continue
+                for request_id, token in zip(alive, sampled.token_ids.tolist()):
+                    finals[row_of[request_id]] = token
+                break
+        keep = [row for row, r in enumerate(result.request_ids) if r not in drop]
+        sampled = _select_rows(result.sampled, keep) if drop else result.sampled
+        sampled = replace(sampled, token_ids=torch.tensor([finals[i] for i in keep], dtype=sampled.token_ids.dtype))
+        speculated = [Speculation(r, self._methods[r], len(guesses[r]), len(accepted[r])) for r in accepted if r not in drop]
+        return StepResult(
+            [result.request_ids[i] for i in keep], sampled, result.logits, result.failed + failed,
+            {r: a for r, a in accepted.items() if r not in drop}, speculated,
+        )
+
+    def _ends(self, chunk: ScheduledChunk, token: int) -> bool:
+        """A guess that ends the request (EOS, a stop token id) is its last token: nothing after
+        it is worth verifying."""
+        params = chunk.params or SamplingParams()
+        eos = token in self.sampling_pipeline.context.eos_token_ids and not params.ignore_eos
+        return eos or token in params.stop_token_ids
 
     def finish_requests(self, request_ids: Sequence[str]) -> None:
         """The scheduler reports these requests gone: their records and the sampling plugins'
@@ -140,6 +252,8 @@ class ModelRunner:
             for request_id in request_ids:
                 self._requests.pop(request_id, None)
             self.sampling_pipeline.finish_requests(request_ids)
+            if self.speculator is not None:
+                self.speculator.finish_requests(request_ids)
 
     def _record(self, chunk: ScheduledChunk) -> _RequestRecord:
         """The request's record, made the first time it samples (its generator seeded then, as
@@ -153,9 +267,21 @@ class ModelRunner:
             record = self._requests[chunk.request_id] = _RequestRecord(chunk.prompt_token_ids, generator=generator)
         elif chunk.num_output_tokens is not None and len(record.output_token_ids) > chunk.num_output_tokens:
             del record.output_token_ids[chunk.num_output_tokens :]
+            if self.speculator is not None:  # a proposer's index of the dropped tokens is stale
+                self.speculator.reset(chunk.request_id)
         return record
 
-    def _batch(self, chunks: Sequence[ScheduledChunk], rows: list[int]) -> SamplingBatch:
+    def _batch(self, chunks: Sequence[ScheduledChunk], rows: list[int], cut_back: bool = True) -> SamplingBatch:
+        """`cut_back=False`: the records as they are (verification has appended accepted guesses)."""
+        if not cut_back:
+            records = [self._requests[chunks[i].request_id] for i in rows]
+            return SamplingBatch(
+                params=[chunks[i].params or SamplingParams() for i in rows],
+                prompt_token_ids=[r.prompt_token_ids for r in records],
+                output_token_ids=[r.output_token_ids for r in records],
+                generators=[r.generator for r in records],
+                request_ids=[chunks[i].request_id for i in rows],
+            )
         records, failed = [], {}
         for row, i in enumerate(rows):
             try:
@@ -239,3 +365,13 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
         )
         return torch.from_numpy(ids).to(device), torch.from_numpy(positions).to(device), meta
+
+
+def _select_rows(output: SamplerOutput, rows: list[int]) -> SamplerOutput:
+    index = torch.tensor(rows, dtype=torch.long)
+    top = output.top_logprobs
+    return SamplerOutput(
+        output.token_ids.index_select(0, index),
+        None if output.logprobs is None else output.logprobs.index_select(0, index),
+        None if top is None else (top[0].index_select(0, index), top[1].index_select(0, index)),
+    )

@@ -8,7 +8,7 @@ known names, and a bad option with its key path.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable
 
 import structlog
@@ -25,6 +25,7 @@ from cadenza.plugins.registry import Registries, load_registries
 from cadenza.samplers.base import SamplingContext
 from cadenza.samplers.extra import ExtraParams
 from cadenza.samplers.pipeline import SamplingPipeline
+from cadenza.speculative.setup import build_speculator, proposer_classes
 
 log = structlog.get_logger(__name__)
 
@@ -64,6 +65,7 @@ def resolve_plugins(config: CadenzaConfig, extra_plugins: Iterable[object] = ())
     # The deployment's default context policy and providers (the sessions' own picks are checked as they make them).
     configured.append(registries.context_policies.get(config.sessions.context_policy))
     configured += [registries.context_providers.get(name) for name in config.sessions.context_providers]
+    configured += proposer_classes(config, registries)
     plugins.options = _validate_options(config.plugin_options, registries, configured)
     return plugins
 
@@ -72,7 +74,8 @@ def _validate_options(given: dict[str, dict[str, Any]], registries: Registries, 
     registered = {
         name: registry.get(name)
         for registry in (registries.attention_backends, registries.samplers, registries.logits_processors,
-                         registries.eviction_policies, registries.context_policies, registries.context_providers)
+                         registries.eviction_policies, registries.context_policies, registries.context_providers,
+                         registries.proposers)
         for name in registry.names()
     }
     problems = []
@@ -108,6 +111,8 @@ class Runtime:
     # A zero-argument factory: the configured policy class with its `plugin_options` bound.
     eviction_policy_cls: Callable[[], EvictionPolicy]
     extra_params: ExtraParams | None = None  # what `SamplingParams.extra` may name; for the ingress
+    # Rank 0's handle on the tensor-parallel group (`parallel/launch.py`); None on one device.
+    parallel: Any = None
 
     @property
     def tokenizer(self):
@@ -119,6 +124,15 @@ class Runtime:
 
     def make_eviction_policy(self) -> EvictionPolicy:
         return self.eviction_policy_cls()
+
+    def failure(self) -> str | None:
+        """Why the runtime can no longer run steps (a tensor-parallel rank died), or None."""
+        return None if self.parallel is None else self.parallel.failure()
+
+    def close(self) -> None:
+        """Stop what the runtime started beside this process (tensor-parallel ranks); idempotent."""
+        if self.parallel is not None:
+            self.parallel.close()
 
 
 def resolve_device(name: str) -> torch.device:
@@ -159,28 +173,61 @@ def build_runtime(config: CadenzaConfig, extra_plugins=()) -> Runtime:
     return compute_thread.run_sync(_build_runtime, config, extra_plugins)
 
 
-def _build_runtime(config: CadenzaConfig, extra_plugins=()) -> Runtime:
-    plugins = resolve_plugins(config, extra_plugins)
-    backend_cls = plugins.attention_backend
+@dataclass
+class ModelShard:
+    """What one rank computes with: its model (the whole one without tensor parallelism), the KV
+    cache for its heads, and the attention backend over them."""
 
-    device = resolve_device(config.model.device)
+    loaded: LoadedModel
+    model: torch.nn.Module
+    kv_caches: list
+    backend: Any
+    num_blocks: int
+    kv_dtype: torch.dtype
+
+
+def set_rank_threads(config: CadenzaConfig, world_size: int = 1) -> None:
+    """torch's intra-op threads: `model.num_threads`, else the cores shared by the ranks on this
+    machine (two ranks of two threads on two cores would fight over them)."""
+    import os
+
+    if config.model.num_threads:
+        torch.set_num_threads(config.model.num_threads)
+    elif world_size > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+
+
+def build_model_shard(config: CadenzaConfig, plugins: Plugins, ctx=None) -> ModelShard:
+    """Load the model (cut to rank `ctx.rank`'s shard when `ctx`, a tensor-parallel
+    `ParallelContext`, is given), size and allocate its KV cache, build the attention backend."""
+    backend_cls = plugins.attention_backend
+    device = ctx.device if ctx is not None else resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype)
     backend_cls.check_available(device)
     if config.cache.dtype == "int8" and not backend_cls.supports_int8_kv_cache:
         raise ConfigError(f"cache.dtype: attention backend {config.attention_backend!r} cannot read an int8 KV cache")
-    if config.model.num_threads:
-        torch.set_num_threads(config.model.num_threads)
     torch.manual_seed(config.model.seed)
+    transform = None
+    if ctx is not None:
+        from cadenza.parallel.tensor_parallel import shard_model
 
+        transform = functools.partial(shard_model, ctx=ctx)
     loaded = load_model(config.model.path, dtype=dtype, device=device, max_model_len=config.model.max_model_len,
-                        cpu_kernels=config.model.cpu_kernels, quantization=config.model.quantization)
-    arch = loaded.arch
+                        cpu_kernels=config.model.cpu_kernels, quantization=config.model.quantization,
+                        transform=transform)  # fmt: skip
+    arch = cache_arch = loaded.arch
+    if ctx is not None:
+        from cadenza.parallel.tensor_parallel import local_arch, max_local_kv_heads, rank_partition
+
+        arch = local_arch(loaded.arch, rank_partition(loaded.arch, ctx))
+        # Every rank sizes its cache alike, so all agree on the block count without a message.
+        cache_arch = replace(arch, num_kv_heads=max_local_kv_heads(loaded.arch, ctx.world_size))
     block_size = config.cache.block_size
     # By default the cache holds keys and values in the dtype attention computes in (float32 where
     # bf16 weights run on a CPU without native bf16): no per-layer conversion of the whole context.
     kv_dtype = resolve_kv_dtype(config.cache.dtype, loaded.compute_dtype)
     num_blocks = choose_num_blocks(
-        arch,
+        cache_arch,
         block_size,
         kv_dtype,
         num_blocks=config.cache.num_blocks,
@@ -200,21 +247,62 @@ def _build_runtime(config: CadenzaConfig, extra_plugins=()) -> Runtime:
         device=device,
     )
     backend.use_cpu_kernels(_attention_kernels(config, loaded, kv_dtype, device))
-    context = SamplingContext(
-        vocab_size=arch.vocab_size, eos_token_ids=loaded.tokenizer.eos_token_ids, device=device, tokenizer=loaded.tokenizer
-    )
-    pipeline = SamplingPipeline(
+    return ModelShard(loaded, loaded.model, kv_caches, backend, num_blocks, kv_dtype)
+
+
+def _build_runtime(config: CadenzaConfig, extra_plugins=()) -> Runtime:
+    if config.parallel.data_parallel_size > 1:
+        raise ConfigError(
+            "parallel.data_parallel_size: replicas are served by `cadenza serve` (parallel/replicas.py); "
+            "a runtime is one engine"
+        )
+    plugins = resolve_plugins(config, extra_plugins)
+    size = config.parallel.tensor_parallel_size
+    set_rank_threads(config, size)
+    if size == 1:
+        return _assemble(config, plugins, build_model_shard(config, plugins), None)
+    from cadenza.parallel.groups import loaded_barrier
+    from cadenza.parallel.launch import start_group
+
+    device = resolve_device(config.model.device)
+    if device.type == "cpu" and config.model.cpu_kernels != "off":
+        from cadenza.kernels import cpu
+
+        cpu.configure(config.model.cpu_kernels)  # built (or found cached) once, before the ranks load
+    group = start_group(config, device)
+    try:
+        shard = build_model_shard(config, plugins, group.ctx)
+        loaded_barrier(group.ctx)  # every rank has its shard
+        shard.model = group.wrap(shard.model, config.parallel.timeout_seconds)
+        return _assemble(config, plugins, shard, group)
+    except BaseException:
+        group.close()
+        raise
+
+
+def build_sampling_pipeline(plugins: Plugins, vocab_size: int, tokenizer, device: torch.device) -> SamplingPipeline:
+    context = SamplingContext(vocab_size=vocab_size, eos_token_ids=tokenizer.eos_token_ids, device=device, tokenizer=tokenizer)
+    return SamplingPipeline(
         context, [plugins.build(cls, context) for cls in plugins.logits_processors], plugins.build(plugins.sampler, context)
     )
-    runner = ModelRunner(loaded.model, kv_caches, backend, pipeline, block_size, device)
+
+
+def _assemble(config: CadenzaConfig, plugins: Plugins, shard: ModelShard, group) -> Runtime:
+    loaded, device = shard.loaded, shard.loaded.device
+    block_size = config.cache.block_size
+    pipeline = build_sampling_pipeline(plugins, loaded.arch.vocab_size, loaded.tokenizer, device)
+    speculator = build_speculator(config, plugins, loaded, device)
+    runner = ModelRunner(shard.model, shard.kv_caches, shard.backend, pipeline, block_size, device, speculator=speculator)
     log.info(
         "Runtime ready",
         attention_backend=config.attention_backend,
-        kv_blocks=num_blocks,
-        kv_dtype=str(kv_dtype).removeprefix("torch."),
-        kv_capacity_tokens=num_blocks * block_size,
+        kv_blocks=shard.num_blocks,
+        kv_dtype=str(shard.kv_dtype).removeprefix("torch."),
+        kv_capacity_tokens=shard.num_blocks * block_size,
         block_size=block_size,
         device=str(device),
+        tensor_parallel_size=config.parallel.tensor_parallel_size,
     )
     eviction_policy = functools.partial(plugins.build, plugins.eviction_policy)
-    return Runtime(config, plugins.registries, loaded, runner, num_blocks, block_size, eviction_policy, pipeline.extra_params)
+    return Runtime(config, plugins.registries, loaded, runner, shard.num_blocks, block_size, eviction_policy,
+                   pipeline.extra_params, parallel=group)  # fmt: skip

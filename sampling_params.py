@@ -187,6 +187,25 @@ class StructuredOutputs(BaseModel):
         return json.dumps(self.model_dump(mode="json", by_alias=True, exclude_none=True), sort_keys=True, separators=(",", ":"))
 
 
+MAX_SPECULATIVE_TOKENS = 16
+
+
+class SpeculativeParams(BaseModel):
+    """One request's speculative decoding, over the deployment's `speculative` section.
+
+    `num_tokens: 0` switches it off for this request; a smaller number caps how many tokens are
+    proposed a step. `method` picks another proposer the deployment built (`ngram`, `suffix`, or
+    its configured one); a name it did not build fails the request.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: str | None = Field(None, min_length=1, description="Proposer for this request; null: the deployment's.")
+    num_tokens: int | None = Field(
+        None, ge=0, le=MAX_SPECULATIVE_TOKENS, description="Most tokens proposed a step; 0: no speculation; null: the deployment's."
+    )
+
+
 class SamplingParams(BaseModel):
     """How one request picks its tokens and when it stops.
 
@@ -220,6 +239,9 @@ class SamplingParams(BaseModel):
     skip_special_tokens: bool = Field(True, description="Leave special tokens out of the text.")
     structured_outputs: StructuredOutputs | None = Field(
         None, description="Constrain the output to a JSON schema, a regex, a choice or a grammar."
+    )
+    speculative: SpeculativeParams | None = Field(
+        None, description="Speculative decoding for this request: switch it off, cap it or pick the proposer."
     )
     extra: dict[str, Any] = Field(default_factory=dict, description="Parameters for sampler plugins, by plugin name.")
 

@@ -32,6 +32,10 @@ class ScheduledChunk:
     samples, counting the ones steps in flight are sampling. The runner drops any it holds beyond
     that (sampled before a preemption, and discarded by the scheduler); None trusts the runner's
     record as it is (for callers that drive the model runner directly).
+
+    `num_speculative` (a decode only): the most tokens the runner may guess after `token_ids` and
+    verify in the same pass; `block_table` covers them too. The step then returns up to that many
+    accepted guesses and one token more (see docs/speculative.md).
     """
 
     request_id: str
@@ -42,3 +46,15 @@ class ScheduledChunk:
     params: SamplingParams | None = None
     prompt_token_ids: Sequence[int] = ()
     num_output_tokens: int | None = None
+    num_speculative: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Speculation:
+    """What one request's speculative step did: the `method` that guessed, how many tokens it
+    `proposed`, and how many of them the model `accepted` (they lead the request's sampled tokens)."""
+
+    request_id: str
+    method: str
+    proposed: int
+    accepted: int

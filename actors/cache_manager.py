@@ -123,7 +123,7 @@ class KVCacheManager:
             self.free(request_id)
         grants = []
         for need in running[:kept]:
-            self._grow(need.request_id, need.num_tokens)
+            self._fit(need.request_id, need.num_tokens)
             grants.append(BlockGrant(need.request_id, self.block_table(need.request_id)))
         admitted: list[BlockGrant] = []
         if not preempted:
@@ -241,6 +241,27 @@ class KVCacheManager:
             block = self._take_block()
             self._ref[block] = 1
             table.blocks.append(block)
+
+    def _fit(self, request_id: str, num_tokens: int) -> None:
+        """Cover exactly `num_tokens`: grow, or give back tail blocks left empty once a request's
+        rejected guesses are rolled back (speculative decoding reserves slots it may not keep)."""
+        table = self._tables.get(request_id)
+        keep = -(-num_tokens // self.block_size)
+        if table is None or len(table.blocks) <= keep:
+            self._grow(request_id, num_tokens)
+            return
+        if num_tokens < len(table.tokens):
+            raise ValueError(
+                f"request {request_id}: cannot shrink its blocks to {num_tokens} tokens, {len(table.tokens)} are computed"
+            )
+        # Tail blocks hold no computed token, so none is hashed or shared: straight back to the free list.
+        for block in reversed(table.blocks[keep:]):
+            self._ref[block] -= 1
+            if self._ref[block] or block in self._hash_of:
+                raise RuntimeError(f"request {request_id}: tail block {block} is shared or cached")
+            self._free.append(block)
+        del table.blocks[keep:]
+        table.reserved = num_tokens
 
     def _take_block(self) -> int:
         if self._free:

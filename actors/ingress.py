@@ -53,6 +53,7 @@ class PromptValidator:
         max_prompt_tokens: int | None,
         capacity_tokens: int,
         extra_params: ExtraParams | None = None,
+        speculative_methods: frozenset[str] | None = None,
     ):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -60,6 +61,15 @@ class PromptValidator:
         self.max_prompt_tokens = max_prompt_tokens
         self.capacity_tokens = capacity_tokens  # the whole KV cache, in tokens
         self.extra_params = extra_params
+        self.speculative_methods = speculative_methods  # proposers built; None: the runner checks
+
+    def check_speculative(self, params: SamplingParams) -> None:
+        """A request may pick only a proposer the deployment built."""
+        override, built = params.speculative, self.speculative_methods
+        if built is None or override is None or override.method is None or override.method in built:
+            return
+        names = ", ".join(sorted(built)) or "none"
+        raise RequestRejected("invalid_value", f"speculative.method: {override.method!r} is not built here; built: {names}")
 
     def check_extra(self, params: SamplingParams) -> None:
         """Reject `extra` naming no configured plugin, or with params its plugin's model refuses."""
@@ -135,6 +145,7 @@ class IngressActor(Actor[IngressMessage]):
         try:
             self.validator.check_extra(message.params)
             self.validator.check_token_ids(message.params)
+            self.validator.check_speculative(message.params)
             if isinstance(message.prompt, str) and len(message.prompt) > OFF_LOOP_PROMPT_CHARS:
                 prompt_ids = await anyio.to_thread.run_sync(self.validator.tokenize, message.prompt)
             else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cadenza.sampling_params import SamplingParams
+from cadenza.speculative.policy import SpeculationState
 from cadenza.step import PENDING_TOKEN
 
 
@@ -25,6 +26,8 @@ class Request:
     sequence_number: int = 0  # admission order, breaks ties in the queue
     num_pending: int = 0  # tokens being sampled by steps in flight
     epoch: int = 0  # bumped on preemption: results of steps planned before it are stale
+    num_draft_slots: int = 0  # guesses the step in flight may verify past num_computed_tokens
+    speculation: SpeculationState | None = None  # its recent speculation, once it has decoded
 
     @property
     def num_tokens(self) -> int:

@@ -61,8 +61,10 @@ class RunnerActor(Actor[RunnerMessage]):
         self.metrics.step_seconds_total += seconds
         if self.inbox.statistics().current_buffer_used:
             self.metrics.steps_ready_on_finish += 1
+        for outcome in result.speculated:
+            self.metrics.record_speculation(outcome.method, outcome.proposed, outcome.accepted)
         await self.scheduler.send(
-            StepOutput(message.step_id, sampled_tokens(result, message), tuple(result.failed), seconds)
+            StepOutput(message.step_id, sampled_tokens(result, message), tuple(result.failed), seconds, tuple(result.speculated))
         )
 
 
@@ -82,5 +84,7 @@ def sampled_tokens(result: StepResult, step: ExecuteStep) -> tuple[SampledToken,
         if n is not None and chosen is not None:
             top = tuple(zip(top_ids[row][:n], top_values[row][:n])) if top_ids is not None else ()
             logprob = TokenLogprob(token, chosen[row], top)
+        # Accepted guesses come first, in order (speculation is off for requests with logprobs).
+        out += [SampledToken(request_id, guess) for guess in result.accepted.get(request_id, ())]
         out.append(SampledToken(request_id, token, logprob))
     return tuple(out)

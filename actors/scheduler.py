@@ -117,8 +117,11 @@ class SchedulerActor(Actor[SchedulerMessage]):
         for request_id, error in output.failed:
             for request in self.core.fail([request_id]):
                 await self._fail(request, error, "sampler_error")
+        events = self.core.update_from_output(output.sampled, plan, output.speculated, output.seconds)
+        if plan.accepted:  # verified guesses; before a finished request's FreeBlocks, so its full blocks are cached
+            await self.cache.send(CommitTokens(plan.step_id, tuple(self.core.accepted_tokens(plan))))
         now = self.clock()
-        for event in self.core.update_from_output(output.sampled, plan):
+        for event in events:
             request, token = event.request, event.token
             first = len(request.output_token_ids) == 1
             self.metrics.generation_tokens += 1

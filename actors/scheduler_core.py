@@ -18,8 +18,10 @@ from dataclasses import dataclass, field
 
 from cadenza.actors.request_state import Request
 from cadenza.config import SchedulerConfig
+from cadenza.config.schema import SpeculativeConfig
 from cadenza.messages import BlockNeed, Candidate, SampledToken, StepAllocation
-from cadenza.step import ScheduledChunk
+from cadenza.speculative.policy import SpeculationPolicy
+from cadenza.step import ScheduledChunk, Speculation
 
 
 class QueueFullError(Exception):
@@ -35,11 +37,17 @@ class StepPlan:
     unschedulable: Request | None = None  # nothing runs and the queue's head did not fit: failed
     chunks: list[tuple[Request, int, int, tuple[int, ...]]] = field(default_factory=list)  # (request, start, count, blocks)
     epochs: dict[str, int] = field(default_factory=dict)  # each chunk's request epoch when planned
+    speculative: dict[str, int] = field(default_factory=dict)  # decodes' guess slots, by request id
+    accepted: dict[str, int] = field(default_factory=dict)  # guesses kept, once the step is back
 
     def allocation_request(self) -> tuple[tuple[BlockNeed, ...], tuple[Candidate, ...]]:
         """What to ask the cache manager: every running request with the tokens its blocks must
-        cover after this step, then the candidates with their tokens for prefix matching."""
-        running = tuple(BlockNeed(r.request_id, r.num_computed_tokens + n) for r, n in self.running)
+        cover after this step (guess slots included: of this step, or of its step in flight, whose
+        blocks must stay), then the candidates with their tokens for prefix matching."""
+        running = tuple(
+            BlockNeed(r.request_id, r.num_computed_tokens + n + r.num_draft_slots + self.speculative.get(r.request_id, 0))
+            for r, n in self.running
+        )
         waiting = tuple(Candidate(r.request_id, r.all_tokens(), n) for r, n in self.candidates)
         return running, waiting
 
@@ -59,8 +67,18 @@ class SchedulerCore:
     runner is done `finish_step`, `computed_tokens` and `update_from_output` take its results.
     """
 
-    def __init__(self, config: SchedulerConfig, *, block_size: int, eos_token_ids: tuple[int, ...], max_model_len: int):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        *,
+        block_size: int,
+        eos_token_ids: tuple[int, ...],
+        max_model_len: int,
+        speculative: SpeculativeConfig | None = None,
+    ):
         self.config = config
+        # None: no proposer was built, nothing speculates.
+        self.speculation = SpeculationPolicy(speculative) if speculative is not None else None
         self.block_size = block_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
@@ -115,10 +133,17 @@ class SchedulerCore:
         for request in self.running:
             n = 0
             remaining = request.num_planned_tokens - request.num_computed_tokens
-            # 0 when waiting on the token a step in flight samples, or done once it lands.
-            if budget > 0 and remaining > 0 and not self._will_be_done(request):
+            # 0 when waiting on the token a step in flight samples, or done once it lands; or while
+            # a step in flight verifies guesses: how many tokens it keeps is unknown until it lands
+            # (so a speculating request gives up async overlap for that step).
+            if budget > 0 and remaining > 0 and not request.num_draft_slots and not self._will_be_done(request):
                 n = min(remaining, chunk, budget)
                 budget -= n
+                if self.speculation is not None and remaining == 1 and request.num_computed_tokens >= request.num_prompt_tokens:
+                    k = self.speculation.num_tokens(request, len(self.running), self._guess_room(request, budget))
+                    if k:
+                        plan.speculative[request.request_id] = k
+                        budget -= k
             plan.running.append((request, n))
         seats = self.config.max_num_seqs - len(self.running)
         for request in self.waiting:
@@ -171,6 +196,8 @@ class SchedulerCore:
         request.num_computed_tokens = start + n
         sample = request.num_computed_tokens == request.num_planned_tokens
         plan.epochs[request.request_id] = request.epoch
+        num_speculative = plan.speculative.get(request.request_id, 0) if sample else 0
+        request.num_draft_slots = num_speculative
         if sample:
             request.num_pending += 1
         return ScheduledChunk(
@@ -182,6 +209,7 @@ class SchedulerCore:
             request.params,
             request.prompt_token_ids,
             num_output_tokens,
+            num_speculative,
         )
 
     # --- results --------------------------------------------------------------------------------
@@ -202,16 +230,53 @@ class SchedulerCore:
             if self.requests.get(r.request_id) is r and self._is_current(r, plan)
         ]
 
-    def update_from_output(self, sampled: tuple[SampledToken, ...], plan: StepPlan | None = None) -> list[TokenEvent]:
-        """Append each sampled token (`plan`: the step that sampled them, to spot stale ones)."""
+    def accepted_tokens(self, plan: StepPlan) -> list[tuple[str, tuple[int, ...]]]:
+        """The guesses each request kept (after `update_from_output`): their K/V are in its
+        blocks too, after the tokens `computed_tokens` named; rejected ones never enter the cache."""
+        return [
+            (r.request_id, tuple(r.tokens(start + n, start + n + plan.accepted[r.request_id])))
+            for r, start, n, _ in plan.chunks
+            if plan.accepted.get(r.request_id)
+        ]
+
+    def update_from_output(
+        self,
+        sampled: tuple[SampledToken, ...],
+        plan: StepPlan | None = None,
+        speculated: tuple[Speculation, ...] = (),
+        seconds: float = 0.0,
+    ) -> list[TokenEvent]:
+        """Append each sampled token (`plan`: the step that sampled them, to spot stale ones).
+
+        A speculating request has several, its accepted guesses first: each token after its first
+        means the one before it was computed in the step too. Stop conditions and `max_tokens`
+        are checked per token, so nothing past the end is emitted. `seconds`: how long the step
+        ran (the speculation policy's cost estimate).
+        """
         events = []
+        seen: set[str] = set()
+        if self.speculation is not None and plan is not None and seconds:
+            guesses = sum(o.proposed for o in speculated)
+            self.speculation.observe_step(sum(n for _, _, n, _ in plan.chunks) + guesses, seconds)
+        for outcome in speculated:
+            request = self.requests.get(outcome.request_id)
+            if self.speculation is not None and request is not None and (plan is None or self._is_current(request, plan)):
+                self.speculation.record(request, outcome.proposed, outcome.accepted)
         for token in sampled:
             request = self.requests.get(token.request_id)
             if request is None or request not in self.running:
                 continue  # aborted, finished or preempted while its step ran
             if plan is not None and not self._is_current(request, plan):
                 continue  # sampled before a preemption: the request recomputes instead
-            request.num_pending = max(0, request.num_pending - 1)
+            if token.request_id in seen:  # the guess before this token was verified: its K/V stays
+                request.num_computed_tokens += 1
+                if plan is not None:
+                    plan.accepted[token.request_id] = plan.accepted.get(token.request_id, 0) + 1
+            else:
+                seen.add(token.request_id)
+                request.num_pending = max(0, request.num_pending - 1)
+                if plan is None or token.request_id in plan.speculative:  # this step's guesses are in
+                    request.num_draft_slots = 0
             request.output_token_ids.append(token.token_id)
             reason = self._finish_reason(request, token.token_id)
             if reason is not None:
@@ -239,6 +304,12 @@ class SchedulerCore:
     def _is_current(request: Request, plan: StepPlan) -> bool:
         return plan.epochs.get(request.request_id, request.epoch) == request.epoch
 
+    def _guess_room(self, request: Request, budget: int) -> int:
+        """Guesses a decode may carry: within the budget, never a token past `max_tokens` (the
+        step returns one token more than it keeps guesses) nor a position past the context."""
+        produced = len(request.output_token_ids) + request.num_pending
+        return min(budget, request.max_tokens - produced - 1, self.max_model_len - request.num_planned_tokens)
+
     def _will_be_done(self, request: Request) -> bool:
         """Its steps in flight already sample its last token (length limit): nothing to plan."""
         if not request.num_pending:
@@ -258,6 +329,7 @@ class SchedulerCore:
         for request, _ in reversed(preempted):
             request.num_computed_tokens = 0
             request.num_pending = 0
+            request.num_draft_slots = 0
             request.epoch += 1
             request.num_preemptions += 1
             self.num_preemptions += 1

@@ -40,10 +40,14 @@ def create_app(runtime: Runtime, *, shutdown_grace: float = 10.0) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        async with AsyncEngine.serve(
+        # A data-parallel runtime serves its own engine (parallel/dp_engine.py), with the same interface.
+        serve_engine = getattr(runtime, "serve_engine", None) or AsyncEngine.serve
+        async with serve_engine(
             runtime, shutdown_grace=shutdown_grace, max_pending_tokens=config.server.max_pending_tokens
         ) as engine:
             app.state.server = ServerState(engine, config, served_model_name(config), ServerMetrics(engine.metrics))
+            if hasattr(engine, "register_metrics"):
+                engine.register_metrics(app.state.server.metrics.registry)
             # Context providers build their indexes here, once (a folder of documents, say).
             context_plugins = await anyio.to_thread.run_sync(ContextPlugins, config, runtime.registries)
             app.state.session_core = SessionCore(app.state.server, context_plugins)

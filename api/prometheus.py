@@ -88,3 +88,20 @@ class _EngineCollector:
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
+        yield from _speculation_families(m)
+
+
+def _speculation_families(m: EngineMetrics):
+    """Speculative decoding per proposer: steps, tokens proposed and accepted, acceptance rate."""
+    steps = CounterMetricFamily("cadenza_spec_decode_steps", "Speculative request-steps, by proposer.", labels=["method"])
+    proposed = CounterMetricFamily("cadenza_spec_decode_proposed_tokens", "Tokens proposed, by proposer.", labels=["method"])
+    accepted = CounterMetricFamily(
+        "cadenza_spec_decode_accepted_tokens", "Proposed tokens the model accepted, by proposer.", labels=["method"]
+    )
+    rate = GaugeMetricFamily("cadenza_spec_decode_acceptance_ratio", "Accepted over proposed tokens, by proposer.", labels=["method"])
+    for method, (n, p, a) in sorted(m.speculation.items()):
+        steps.add_metric([method], n)
+        proposed.add_metric([method], p)
+        accepted.add_metric([method], a)
+        rate.add_metric([method], a / p if p else 0.0)
+    yield from (steps, proposed, accepted, rate)

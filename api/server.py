@@ -150,7 +150,19 @@ async def _ask_over_websocket(url: str, question: str, app) -> None:
 
 def run_server(config: CadenzaConfig, ask: str | None = None) -> None:
     """Load the model, then listen; the port opens only once the engine can serve."""
-    runtime = build_runtime(config)
+    if config.parallel.data_parallel_size > 1:
+        from cadenza.parallel.replicas import start_replicas
+
+        runtime = start_replicas(config)
+    else:
+        runtime = build_runtime(config)
+    try:
+        _serve(config, runtime, ask)
+    finally:
+        runtime.close()  # tensor-parallel ranks or data-parallel replicas end with the server
+
+
+def _serve(config: CadenzaConfig, runtime, ask: str | None) -> None:
     server = config.server
     app = create_app(runtime, shutdown_grace=server.shutdown_grace)
     uv_config = uvicorn.Config(

@@ -289,6 +289,76 @@ class SessionsConfig(_Section):
     )
 
 
+class ParallelConfig(_Section):
+    """Scale-out: tensor parallelism (one model split over ranks) and data parallelism (engine
+    replicas behind one server). See docs/scale-out.md."""
+
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="Ranks one model is split over (Megatron-style: attention heads, MLP "
+        "columns and the vocabulary). 1: no split. `cadenza serve` spawns the ranks on this machine, "
+        "or runs as one rank of a `torchrun` launch.",
+    )
+    data_parallel_size: int = Field(
+        1, ge=1, description="Engine replicas (processes) behind one server port; a router sends "
+        "each request to the replica whose prefix cache holds the longest part of its prompt, else "
+        "to the least loaded one.",
+    )
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="torch.distributed backend for tensor parallelism: auto is nccl on CUDA "
+        "and gloo on the CPU.",
+    )
+    timeout_seconds: float = Field(
+        60.0, gt=0, description="Longest a collective operation (a step's all-reduce, the wait for "
+        "the next step) may take before the rank that waits gives up: a dead rank fails the engine "
+        "within this, never hangs it.",
+    )
+    launcher: Literal["local", "ray"] = Field(
+        "local", description="Where data-parallel replicas run: local starts them as processes on "
+        "this machine; ray starts each as a Ray actor on the cluster this process is connected to "
+        "(the cadenza[ray] extra).",
+    )
+    router: Literal["prefix", "round_robin", "least_loaded"] = Field(
+        "prefix", description="How data parallelism picks a replica: prefix (longest cached prompt "
+        "prefix by block hashes, else least loaded), round_robin, or least_loaded.",
+    )
+
+
+class SpeculativeConfig(_Section):
+    """Speculative decoding: a proposer guesses the next tokens of a decoding request and the model
+    checks them all in one pass, keeping the longest prefix it would have produced itself (exact:
+    greedy output is unchanged, sampled output keeps its distribution). See docs/speculative.md."""
+
+    method: str = Field(
+        "none", min_length=1, description="Proposer: none (off), ngram (prompt lookup), suffix (a "
+        "suffix automaton over the request's tokens), draft (a smaller model, plugin_options.draft) "
+        "or a proposer plugin's name. A request may switch it off or pick another built proposer "
+        "(SamplingParams.speculative).",
+    )
+    num_tokens: int = Field(
+        4, ge=1, le=16, description="Most tokens proposed for a request in one step; adapted per "
+        "request from its recent acceptance, between 1 and this.",
+    )
+    max_batch_size: int = Field(
+        4, ge=1, description="No speculation in a step that decodes more requests than this: a big "
+        "batch is compute-bound, so verifying guesses costs what it saves.",
+    )
+    min_acceptance: float = Field(
+        0.3, ge=0, le=1, description="A request whose recent share of accepted proposed tokens falls "
+        "below this (or whose proposer keeps finding nothing) stops speculating for a while, then "
+        "tries again.",
+    )
+    cooldown_steps: int = Field(
+        16, ge=1, description="Decode steps a request waits before speculating again after it was "
+        "switched off; doubles each time it is switched off again (at most 16x).",
+    )
+    token_cost: float | None = Field(
+        None, ge=0, le=1, description="What one more token costs a step, relative to a one-token "
+        "step: near 0 where steps are bound by reading the weights (a GPU at batch 1), near 1 where "
+        "bound by compute (a small CPU). The number of tokens proposed is chosen from it and the "
+        "request's acceptance. null: measured from the steps the engine runs.",
+    )
+
+
 class LoggingConfig(_Section):
     """Log verbosity and rendering."""
 
@@ -323,6 +393,12 @@ class CadenzaConfig(_Section):
     sessions: SessionsConfig = Field(
         default_factory=SessionsConfig, description="Long-lived conversations: context policies and providers."
     )
+    parallel: ParallelConfig = Field(
+        default_factory=ParallelConfig, description="Tensor and data parallelism (scale-out)."
+    )
+    speculative: SpeculativeConfig = Field(
+        default_factory=SpeculativeConfig, description="Speculative decoding (several tokens a step)."
+    )
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logging.")
     plugins: list[str] = Field(
         default_factory=list, description="Module names to load as plugins."
@@ -333,7 +409,7 @@ class CadenzaConfig(_Section):
         "pinned_prefix: {pinned_blocks: 4}); checked at start-up against the plugin's options model.",
     )
 
-    @field_validator("model", "cache", "scheduler", "sampling", "server", "sessions", "logging", mode="before")
+    @field_validator("model", "cache", "scheduler", "sampling", "server", "sessions", "parallel", "speculative", "logging", mode="before")
     @classmethod
     def _empty_section(cls, value: object) -> object:
         # A YAML section whose keys are all commented out reads as null: treat it as empty.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import structlog
 import torch
@@ -43,6 +44,7 @@ def load_model(
     cpu_fp32_matmul: str = "auto",
     cpu_kernels: str = "off",
     quantization: str = "none",
+    transform: Callable[[LlamaForCausalLM], object] | None = None,
 ) -> LoadedModel:
     """`cpu_fp32_matmul`: "auto" keeps a float32 copy of bf16/fp16 linear weights for batched
     matmuls when the CPU has no native bf16 (see `models/dual_linear.py`); "on" always, "off" never.
@@ -52,7 +54,9 @@ def load_model(
     blocks (`models/quantized_linear.py`) where those kernels run (a CPU, `cpu_kernels` not "off",
     and a 16-bit `dtype`: float32 asks for the exact de-quantized weights); "none" de-quantizes
     every weight to `dtype`; "int8" also quantizes a float checkpoint's linears to Q8_0 blocks on
-    load (`models/int8_weights.py`), and runs a GGUF as "auto" does, whatever `dtype`."""
+    load (`models/int8_weights.py`), and runs a GGUF as "auto" does, whatever `dtype`.
+    `transform`: called with the model once its weights are in, before dual-precision copies and
+    kernels are set up (tensor parallelism cuts the model to a rank's shard there)."""
     if quantization not in QUANTIZATION_MODES:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, not {quantization!r}")
     started = time.perf_counter()
@@ -86,6 +90,8 @@ def load_model(
     model.rotary = RotaryEmbedding(arch.rope, arch.head_dim, limit).to(device)
     model.load_weights(weights, source)
     model.eval()
+    if transform is not None:
+        transform(model)
     dual = 0
     wants_dual = cpu_fp32_matmul == "on" or (cpu_fp32_matmul == "auto" and not cpu_has_native_bf16())
     # Quantized linears take float32 activations: the rest of the model then computes in float32 too.
@@ -109,6 +115,21 @@ def load_model(
         seconds=round(time.perf_counter() - started, 2),
     )
     return LoadedModel(model, arch, tokenizer, source, limit, dtype, device, model.compute_dtype or dtype)
+
+
+def load_tokenizer(path: str | Path | None, max_model_len: int | None = None) -> tuple[ModelArchConfig, Tokenizer, int]:
+    """(architecture, tokenizer, context limit) of a model without loading its weights: what a
+    server that only routes requests to engine replicas needs."""
+    resolved = default_model_path() if path is None else Path(path).expanduser()
+    if not resolved.exists():
+        raise ModelLoadError(f"model path {str(resolved)!r} does not exist")
+    if resolved.is_file() and resolved.suffix == ".gguf":
+        arch, _, tokenizer, _ = _read_gguf(resolved, torch.float32, str(resolved), "only the tokenizer is needed")
+    elif resolved.is_dir():
+        arch, _, tokenizer, _ = _read_hf(resolved, torch.float32, int8=False)
+    else:
+        raise ModelLoadError(f"{resolved}: expected a Hugging Face model directory or a .gguf file")
+    return arch, tokenizer, arch.max_position_embeddings if max_model_len is None else max_model_len
 
 
 def _read_hf(directory: Path, dtype: torch.dtype, int8: bool):

@@ -42,3 +42,8 @@ def register_context_policies(register: Register) -> None:
 @hookspec
 def register_context_providers(register: Register) -> None:
     """Register context providers (retrieval, memory): `register(name, cls)`, cls a `ContextProvider`."""
+
+
+@hookspec
+def register_proposers(register: Register) -> None:
+    """Register speculative-decoding proposers: `register(name, cls)`, cls a `Proposer` subclass."""

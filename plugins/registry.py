@@ -24,6 +24,7 @@ DEFAULT_PLUGINS = (
     "cadenza.samplers.builtins",
     "cadenza.plugins.eviction",
     "cadenza.plugins.context",
+    "cadenza.speculative.builtins",
 )
 ENTRY_POINT_GROUP = "cadenza"
 ALLOWLIST_ENV = "CADENZA_PLUGINS"
@@ -74,6 +75,7 @@ class Registries:
     eviction_policies: Registry
     context_policies: Registry
     context_providers: Registry
+    proposers: Registry
     plugin_names: list[str]
 
 
@@ -82,6 +84,7 @@ def _new_registries() -> Registries:
     from cadenza.plugins.context import ContextPolicy, ContextProvider
     from cadenza.plugins.eviction import EvictionPolicy
     from cadenza.samplers.base import LogitsProcessor, Sampler
+    from cadenza.speculative.base import Proposer
 
     return Registries(
         attention_backends=Registry("attention backend", AttentionBackend),
@@ -90,6 +93,7 @@ def _new_registries() -> Registries:
         eviction_policies=Registry("eviction policy", EvictionPolicy),
         context_policies=Registry("context policy", ContextPolicy),
         context_providers=Registry("context provider", ContextProvider),
+        proposers=Registry("proposer", Proposer),
         plugin_names=[],
     )
 
@@ -162,6 +166,7 @@ def collect_registries(pm: pluggy.PluginManager) -> Registries:
         ("register_eviction_policies", _checked(registries.eviction_policies)),
         ("register_context_policies", _checked(registries.context_policies)),
         ("register_context_providers", _checked(registries.context_providers)),
+        ("register_proposers", _checked(registries.proposers)),
     ]
     for hook_name, add in hooks:
         for impl in getattr(pm.hook, hook_name).get_hookimpls():

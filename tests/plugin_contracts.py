@@ -13,8 +13,9 @@ from cadenza.plugins import hookspecs
 from cadenza.plugins.context import ContextPolicy, ContextProvider
 from cadenza.plugins.eviction import EvictionPolicy
 from cadenza.samplers.base import LogitsProcessor, Sampler
+from cadenza.speculative.base import Proposer
 
-CONTRACTS = (LogitsProcessor, Sampler, EvictionPolicy, AttentionBackend, ContextPolicy, ContextProvider)
+CONTRACTS = (LogitsProcessor, Sampler, EvictionPolicy, AttentionBackend, ContextPolicy, ContextProvider, Proposer)
 _DUNDERS = ("__init__", "__len__")
 
 

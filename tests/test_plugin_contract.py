@@ -356,7 +356,7 @@ def test_on_evict_forgets_a_block_that_left_the_cache_otherwise():
 
 def test_every_contract_member_and_hook_has_a_test():
     covered = set()
-    for module_name in ("test_plugin_contract", "test_plugin_engine", "test_context_plugins"):
+    for module_name in ("test_plugin_contract", "test_plugin_engine", "test_context_plugins", "test_speculative"):
         module = importlib.import_module(module_name)
         for test in vars(module).values():
             covered.update(getattr(test, "covers", ()))

@@ -152,6 +152,7 @@ def test_builtins_are_ordinary_plugins_and_name_their_module():
         "cadenza.samplers.builtins": (registries.samplers, BUILTIN_SAMPLERS),
         "cadenza.plugins.eviction": (registries.eviction_policies, BUILTIN_POLICIES),
         "cadenza.plugins.context": (registries.context_policies, ["drop_oldest", "error"]),
+        "cadenza.speculative.builtins": (registries.proposers, ["draft", "ngram", "suffix"]),
     }
     assert set(expected) == set(DEFAULT_PLUGINS)
     for module, (registry, names) in expected.items():
@@ -485,6 +486,7 @@ def test_registries_hold_no_plugin_manager():
         "eviction_policies",
         "context_policies",
         "context_providers",
+        "proposers",
         "plugin_names",
     ]
     assert all(isinstance(name, str) for name in registries.plugin_names)
@@ -584,6 +586,35 @@ def test_a_context_provider_of_the_wrong_kind_fails_start_up():
         load(Wrong())
 
 
+def test_proposers_register_beside_the_builtins_and_must_be_proposers():
+    from cadenza.speculative.base import Proposer
+
+    class Plugin:
+        @hookimpl
+        def register_proposers(self, register):
+            class Echo(Proposer):
+                name = "echo_test"
+
+                def propose(self, requests):
+                    return [list(r.token_ids[-r.num_tokens :]) for r in requests]
+
+            register(Echo.name, Echo)
+
+    registries = load(Plugin())
+    assert registries.proposers.names() == ["draft", "echo_test", "ngram", "suffix"]
+    assert registries.proposers.source_of("ngram") == "cadenza.speculative.builtins"
+    with pytest.raises(UnknownNameError, match="suffix"):
+        registries.proposers.get("medusa")
+
+    class Wrong:
+        @hookimpl
+        def register_proposers(self, register):
+            register("wrong_test", MRUPolicy)
+
+    with pytest.raises(PluginError, match="proposer 'wrong_test'.*not a subclass of Proposer"):
+        load(Wrong())
+
+
 # --- meta: every hook is tested and documented ---------------------------------------------------
 
 
@@ -603,6 +634,7 @@ def test_hookspecs_are_found():
         "register_eviction_policies",
         "register_context_policies",
         "register_context_providers",
+        "register_proposers",
     }
 
 

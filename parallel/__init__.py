@@ -1,0 +1,15 @@
+"""Scale-out: tensor parallelism over torch.distributed and data-parallel engine replicas.
+
+- `groups.py`: the process group (backend, timeout, env:// rendezvous) and a rank's place in it.
+- `partition.py`: which heads, MLP columns and vocabulary rows each rank holds (torch-free).
+- `tensor_parallel.py`: slicing a loaded model to a rank's shard; the layers that all-reduce.
+- `step_codec.py`: a step's inputs as one flat int tensor plus a header of shapes.
+- `tp_runner.py`: rank 0's side: the model the `ModelRunner` drives, which sends every step first.
+- `worker.py`: the loop ranks other than 0 run.
+- `launch.py`: spawning the ranks on one machine, watching them, stopping them.
+- `errors.py`: the typed errors.
+- `router.py`: data parallelism's choice of replica (longest cached prefix by block hashes, else least loaded).
+- `replicas.py`, `replica_server.py`, `ray_replicas.py`: starting replica processes (locally or as Ray
+  actors), and what each runs.
+- `dp_engine.py`, `wire.py`: the server's `AsyncEngine`-like view of the replicas, and its frames.
+"""

@@ -1,0 +1,115 @@
+"""A data-parallel replica: one whole engine in its own process, serving one router connection.
+
+`python -m cadenza.parallel.replica_server` (the config as JSON in the environment) builds its
+runtime, starts an `AsyncEngine`, listens on a TCP port and prints `cadenza replica ready on
+HOST:PORT blocks N`. It serves one router connection at a time (a reconnecting server finds its
+cache warm) until it is terminated; started locally, it also ends when its parent dies
+(PR_SET_PDEATHSIG), so a replica never outlives its server. Messages in: ("generate", id, prompt, params,
+priority), ("abort", id), ("metrics",). Out: ("out", [(id, GenerationOutput), ...]),
+("metrics", snapshot).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import anyio
+import structlog
+from anyio.abc import SocketAttribute
+
+from cadenza.config import CadenzaConfig
+from cadenza.engine import AsyncEngine
+from cadenza.parallel.wire import FrameStream
+from cadenza.streams import GenerationOutput
+
+log = structlog.get_logger(__name__)
+
+CONFIG_ENV = "CADENZA_REPLICA_CONFIG"
+INDEX_ENV = "CADENZA_REPLICA_INDEX"
+HOST_ENV = "CADENZA_REPLICA_HOST"  # where to listen: loopback unless a remote server connects
+OUTBOX_CAPACITY = 1024
+
+
+def error_output(request_id: str, code: str, message: str) -> GenerationOutput:
+    return GenerationOutput(request_id, "", (), None, "error", 0, 0, 0, error=message, error_code=code)
+
+
+async def serve_router(engine: AsyncEngine, frames: FrameStream) -> None:
+    """Run the router's requests on `engine` until the connection closes."""
+    # Bounded: when the connection is slow, `run` waits here and the engine's streams coalesce.
+    outbox_tx, outbox_rx = anyio.create_memory_object_stream[tuple[str, GenerationOutput]](OUTBOX_CAPACITY)
+    running: dict[str, anyio.CancelScope] = {}
+
+    async def run(request_id: str, prompt, params, priority: int) -> None:
+        with anyio.CancelScope() as scope:
+            running[request_id] = scope
+            try:
+                async for out in engine.generate(prompt, params, request_id=request_id, priority=priority):
+                    await outbox_tx.send((request_id, out))
+            except Exception as exc:  # refused before any output (engine closed, id in use)
+                await outbox_tx.send((request_id, error_output(request_id, "engine_failed", str(exc))))
+        running.pop(request_id, None)
+
+    async def write() -> None:
+        async for item in outbox_rx:
+            batch = [item]
+            while True:
+                try:
+                    batch.append(outbox_rx.receive_nowait())
+                except anyio.WouldBlock:
+                    break
+            await frames.send(("out", batch))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(write)
+        try:
+            while True:
+                message = await frames.receive()
+                match message:
+                    case ("generate", request_id, prompt, params, priority):
+                        tg.start_soon(run, request_id, prompt, params, priority)
+                    case ("abort", request_id):
+                        if request_id in running:
+                            running[request_id].cancel()
+                    case ("metrics",):
+                        await frames.send(("metrics", engine.metrics.snapshot(), engine.healthy))
+                    case _:
+                        raise ValueError(f"replica got an unknown message {message!r}")
+        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, ConnectionError):
+            log.info("Router disconnected; replica stopping")
+        finally:
+            tg.cancel_scope.cancel()
+
+
+async def _main(config: CadenzaConfig, index: int) -> None:
+    from cadenza.runtime import build_runtime
+
+    runtime = build_runtime(config)
+    try:
+        async with AsyncEngine.serve(runtime, max_pending_tokens=config.server.max_pending_tokens) as engine:
+            listener = await anyio.create_tcp_listener(local_host=os.environ.get(HOST_ENV, "127.0.0.1"), local_port=0)
+            socket_listener = listener.listeners[0]
+            host, port = socket_listener.extra(SocketAttribute.local_address)[:2]
+            print(f"cadenza replica ready on {host}:{port} blocks {runtime.num_blocks}", flush=True)
+            async with listener:
+                while True:  # one router at a time; a server that reconnects finds the cache warm
+                    stream = await socket_listener.accept()
+                    log.info("Replica serving a router", replica=index)
+                    await serve_router(engine, FrameStream(stream))
+    finally:
+        runtime.close()
+
+
+def main() -> int:
+    from cadenza.logging_setup import configure_logging
+
+    config = CadenzaConfig.model_validate_json(os.environ[CONFIG_ENV])
+    configure_logging(config.logging.level, config.logging.format)
+    structlog.contextvars.bind_contextvars(replica=int(os.environ.get(INDEX_ENV, 0)))
+    anyio.run(_main, config, int(os.environ.get(INDEX_ENV, 0)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""`ngram`: prompt lookup. The request's last n tokens are searched for earlier in its own tokens
+(prompt and output); the tokens that followed the latest earlier match are the guess.
+
+Edits, summaries, code changes and answers that quote the prompt repeat long runs of it, which is
+where this pays. Stateless: nothing is kept between steps.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+from pydantic import BaseModel, Field, model_validator
+
+from cadenza.speculative.base import ProposalRequest, Proposer
+
+
+class NgramOptions(BaseModel):
+    """`plugin_options.ngram`: the n-gram lengths tried, longest first."""
+
+    min_n: int = Field(2, ge=1, le=16, description="Shortest suffix matched.")
+    max_n: int = Field(4, ge=1, le=16, description="Longest suffix matched (tried first).")
+    window: int = Field(4096, ge=16, description="Only the last this many tokens are searched.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "NgramOptions":
+        if self.min_n > self.max_n:
+            raise ValueError(f"min_n ({self.min_n}) must not exceed max_n ({self.max_n})")
+        return self
+
+
+def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, num_tokens: int) -> list[int]:
+    """The tokens after the latest earlier occurrence of `tokens`' last n tokens, n from `max_n`
+    down to `min_n`; [] when no suffix of those lengths occurred before."""
+    length = tokens.shape[0]
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        # Windows starting before length - n, so a match never is the suffix itself.
+        windows = sliding_window_view(tokens[: length - 1], n)
+        hits = np.flatnonzero((windows == tokens[length - n :]).all(axis=1))
+        if hits.size:
+            return copy_forward(tokens.tolist(), int(hits[-1]) + n, num_tokens)
+    return []
+
+
+def copy_forward(tokens: list[int], start: int, num_tokens: int) -> list[int]:
+    """`num_tokens` tokens copied from `start` on, reading past the end into the copy itself (as
+    LZ77 does): a match close behind the end is a repeating loop, and this continues the loop
+    instead of stopping at the end."""
+    out: list[int] = []
+    length = len(tokens)
+    for i in range(start, start + num_tokens):
+        out.append(tokens[i] if i < length else out[i - length])
+    return out
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup decoding (vLLM's `ngram`, llama.cpp's lookup)."""
+
+    name = "ngram"
+    options_model = NgramOptions
+
+    def propose(self, requests: Sequence[ProposalRequest]) -> list[Sequence[int]]:
+        options = self.options
+        guesses = []
+        for request in requests:
+            tokens = np.asarray(request.token_ids[-options.window :], dtype=np.int64)
+            guesses.append(ngram_lookup(tokens, options.min_n, options.max_n, request.num_tokens))
+        return guesses
