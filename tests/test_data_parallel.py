@@ -103,26 +103,23 @@ def test_every_request_finishes_exactly_once_across_replicas(replicas: FrontendR
 
 
 def multi_turn_hit_rate(runtime: FrontendRuntime, policy: str, first_token: int) -> float:
-    """4 sessions x 4 turns, each turn's prompt the last prompt, its reply and a new user turn:
-    the share of prompt tokens the replicas found in their prefix caches."""
+    """3 sessions x 4 turns, each turn's prompt the last prompt, its reply and a new user turn:
+    the share of prompt tokens the replicas found in their prefix caches. Turns go one at a time,
+    session after session in each round: with an odd number of sessions, round-robin moves every
+    session to the other replica at each turn (with an even number in lockstep it would keep each on
+    one replica by chance, and concurrent turns make it depend on timing)."""
 
     async def scenario() -> float:
         cached = total = 0
         async with DataParallelEngine.serve(runtime) as engine:
             engine.router = Router(2, runtime.block_size, policy, capacity_blocks=runtime.num_blocks)
-
-            async def session(s: int):
-                nonlocal cached, total
-                prompt = [first_token + s] * 40
-                for turn in range(4):
+            prompts = {s: [first_token + s] * 40 for s in range(3)}
+            for turn in range(4):
+                for s, prompt in prompts.items():
                     reply, outs = await generate(engine, prompt, 8)
                     cached += outs[-1].num_cached_tokens
                     total += outs[-1].num_prompt_tokens
-                    prompt = prompt + reply + [turn + 10] * 20
-
-            async with anyio.create_task_group() as tg:
-                for s in range(4):
-                    tg.start_soon(session, s)
+                    prompts[s] = prompt + reply + [turn + 10] * 20
         return cached / total
 
     return anyio.run(scenario)
