@@ -25,7 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from cadenza.api.conversation import Conversation
 from cadenza.api.errors import APIError
 from cadenza.api.session_core import ContextSettings, SessionCore, TurnError
-from cadenza.api.state import ServerState, check_api_key, server_state
+from cadenza.api.state import ServerState
+from cadenza.api.ws_connection import admit, write_outbox
 from cadenza.api.ws_protocol import SamplingOptions
 from cadenza.engine import EngineClosedError
 from cadenza.sampling_params import MaxTokens, SamplingParamsError, describe_error, merge_sampling
@@ -326,33 +327,20 @@ def _parse(text: str | None) -> dict[str, Any]:
 
 @router.websocket("/v1/realtime")
 async def realtime(websocket: WebSocket) -> None:
-    try:
-        state = server_state(websocket)
-        check_api_key(websocket, state)
-        if state.draining:
-            raise APIError(503, "unavailable", "the server is shutting down")
+    def served_model(state: ServerState) -> None:
         model = websocket.query_params.get("model")
         if model not in (None, state.model_name):
             raise APIError(404, "model_not_found", f"this server serves {state.model_name!r}")
-    except APIError as exc:
-        await websocket.close(code=1008 if exc.status in (401, 404) else 1013, reason=exc.message[:120])
+
+    state = await admit(websocket, served_model)
+    if state is None:
         return
-    await websocket.accept()
     outbox_tx, outbox_rx = anyio.create_memory_object_stream[dict](64)
     async with anyio.create_task_group() as tg:
         session = RealtimeSession(state, websocket.app.state.session_core, outbox_tx, tg)
         session.log.info("Realtime session opened")
 
-        async def write() -> None:
-            try:
-                async with outbox_rx:
-                    async for message in outbox_rx:
-                        await websocket.send_text(json.dumps(message))
-            except Exception:
-                pass  # the client went away; the reader notices too
-            tg.cancel_scope.cancel()
-
-        tg.start_soon(write)
+        tg.start_soon(write_outbox, websocket, outbox_rx, tg.cancel_scope)
         await session.send({"type": "session.created", "session": session.session_object()})
         try:
             while True:

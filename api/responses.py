@@ -36,7 +36,8 @@ from cadenza.api.responses_protocol import (
     usage,
 )
 from cadenza.api.session_core import ContextSettings, SessionCore, TurnError
-from cadenza.api.state import ServerState, check_api_key, server_state
+from cadenza.api.state import ServerState, server_state
+from cadenza.api.ws_connection import admit, write_outbox
 from cadenza.engine import EngineClosedError
 from cadenza.sampling_params import SamplingParamsError, describe_error, merge_sampling
 
@@ -269,15 +270,9 @@ def ws_error(error: APIError, stream_id: str | None = None) -> dict[str, Any]:
 
 @router.websocket("/v1/responses")
 async def responses_socket(websocket: WebSocket) -> None:
-    try:
-        state = server_state(websocket)
-        check_api_key(websocket, state)
-        if state.draining:
-            raise APIError(503, "unavailable", "the server is shutting down")
-    except APIError as exc:
-        await websocket.close(code=1008 if exc.status == 401 else 1013, reason=exc.message[:120])
+    state = await admit(websocket)
+    if state is None:
         return
-    await websocket.accept()
     store, core = ResponseStore.of(websocket.app, state), _core(websocket)
     outbox_tx, outbox_rx = anyio.create_memory_object_stream[dict](64)
     lanes: dict[str | None, Any] = {}
@@ -302,17 +297,7 @@ async def responses_socket(websocket: WebSocket) -> None:
             await outbox_tx.send(ws_error(exc, body.stream_id))
 
     async with anyio.create_task_group() as tg:
-
-        async def write() -> None:
-            try:
-                async with outbox_rx:
-                    async for message in outbox_rx:
-                        await websocket.send_text(json.dumps(message))
-            except Exception:
-                pass  # the client went away; the reader notices too
-            tg.cancel_scope.cancel()
-
-        tg.start_soon(write)
+        tg.start_soon(write_outbox, websocket, outbox_rx, tg.cancel_scope)
         try:
             while True:
                 frame = await websocket.receive()

@@ -13,7 +13,6 @@ sends their errors and then closes the connection with 1001 (going away), idle s
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,9 +23,9 @@ from anyio.streams.memory import MemoryObjectSendStream
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
 from cadenza.api.conversation import Conversation
-from cadenza.api.errors import APIError
 from cadenza.api.session_core import ContextSettings, PreparedTurn, SessionCore, TurnError
-from cadenza.api.state import ServerState, check_api_key, server_state
+from cadenza.api.state import ServerState
+from cadenza.api.ws_connection import CLOSE, admit, write_outbox
 from cadenza.api.ws_protocol import (
     MAIN,
     Cancel,
@@ -54,8 +53,6 @@ router = APIRouter()
 # tokens instead; a client that stays too slow is cut off per request by the engine's bound.
 OUTBOX_MESSAGES = 64
 MAX_FRAME_CHARS = 1 << 20
-GOING_AWAY = 1001  # the close code of a server that is shutting down
-_CLOSE: dict[str, Any] = {}  # queued after a closing session's last message: the writer closes then
 
 
 @dataclass
@@ -364,7 +361,7 @@ class Session:
         the writer close the connection with 1001. No request starts meanwhile: the server is draining."""
         for running in list(self.running.values()):
             await running.ended.wait()
-        await self.outbox.send(_CLOSE)
+        await self.outbox.send(CLOSE)
 
 
 class Sessions:
@@ -415,39 +412,20 @@ def _ms(seconds: float | None) -> float | None:
 
 @router.websocket("/v1/sessions")
 async def sessions(websocket: WebSocket) -> None:
-    try:
-        state = server_state(websocket)
-        check_api_key(websocket, state)
-        if state.draining:
-            raise APIError(503, "unavailable", "the server is shutting down")
-    except APIError as exc:
-        # Refused before the handshake completes: the client sees the HTTP status (403 for a close).
-        await websocket.close(code=1008 if exc.status == 401 else 1013, reason=exc.message[:120])
+    state = await admit(websocket)
+    if state is None:
         return
-    await websocket.accept()
     outbox_tx, outbox_rx = anyio.create_memory_object_stream[dict](OUTBOX_MESSAGES)
     open_sessions = Sessions.of(websocket.app)
     async with anyio.create_task_group() as tg:
         session = Session(state, session_core(websocket), websocket, outbox_tx, tg)
         session.log.info("Session opened")
 
-        async def write() -> None:
-            try:
-                async with outbox_rx:
-                    async for message in outbox_rx:
-                        if message is _CLOSE:
-                            await websocket.close(GOING_AWAY, "the server is shutting down")
-                            break
-                        await websocket.send_text(json.dumps(message))
-            except Exception:
-                pass  # the client went away; the reader notices too
-            tg.cancel_scope.cancel()
-
         async def go_away() -> None:
             await session.going_away.wait()
             await session.close_when_ended()
 
-        tg.start_soon(write)
+        tg.start_soon(write_outbox, websocket, outbox_rx, tg.cancel_scope)
         tg.start_soon(go_away)
         open_sessions.add(session)
         await session.send({"type": "session.created", **session.describe(), "available": session.available()})
