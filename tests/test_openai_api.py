@@ -9,27 +9,12 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest
+from openai_fixtures import client, model, server  # noqa: F401 (fixtures)
 from server_process import running_server, wait_for
 
 from cadenza import LLM, SamplingParams
 from cadenza.engine import EngineClosedError
 from cadenza.streams import GenerationOutput
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    with running_server(tiny_model_dir("llama3")) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 def post(server, path, body, **kw):

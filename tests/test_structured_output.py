@@ -9,13 +9,12 @@ from typing import Literal
 
 import httpx
 import jsonschema
-import openai
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
-from server_process import running_server
+from openai_fixtures import client, model, server  # noqa: F401 (fixtures)
 
 from cadenza import LLM, SamplingParams
 from cadenza.models.tokenizer import load_hf_tokenizer
@@ -260,22 +259,6 @@ def test_generated_schemas_always_validate(llm, schemas, compact):
 
 
 # --- the OpenAI API -----------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    with running_server(tiny_model_dir("llama3")) as process:
-        yield process
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 class Weather(BaseModel):

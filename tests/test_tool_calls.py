@@ -7,9 +7,8 @@ import json
 
 import httpx
 import llguidance
-import openai
 import pytest
-from server_process import running_server
+from openai_fixtures import client, model, server  # noqa: F401 (fixtures)
 
 from cadenza.api.tool_parsers import (
     HermesToolParser,
@@ -129,22 +128,6 @@ def test_tools_and_tool_messages_reach_the_chat_template(tiny_model_dir):
 
 
 # --- a round trip through the OpenAI API --------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    with running_server(tiny_model_dir("llama3")) as process:
-        yield process
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 def _accumulate(chunks):
