@@ -23,6 +23,18 @@ def _restore_logging():
     configure_logging("warning", "console", stream=sys.__stderr__)
 
 
+@pytest.fixture
+def anyio_backend():
+    """The async tests (`pytest.mark.anyio`) run on asyncio, as the server does."""
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_model_dir):
+    """The tiny Llama-3 checkpoint most engine tests run on."""
+    return tiny_model_dir("llama3")
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """build(arch) -> directory of a tiny random HF checkpoint, built once per session."""

@@ -15,11 +15,6 @@ URL = "ws://127.0.0.1:8000/v1/sessions"
 DELTAS = ["The capital", " of France\nis", " Paris", ".\n\nIt is", " big."]
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 class FakeSession:
     """The server's side of one `--ask` turn: session.created, the deltas, done."""
 

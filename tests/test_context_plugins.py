@@ -23,11 +23,6 @@ DOCS = {
 }
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
     install_example_plugins()

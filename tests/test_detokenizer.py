@@ -71,11 +71,6 @@ def tokenizer(request):
     return request.getfixturevalue(request.param)
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 def make_detokenizer(tokenizer, request_id="r", **params):
     detok = IncrementalDetokenizer(tokenizer)
     detok.start(request_id, SamplingParams(**params))

@@ -16,20 +16,10 @@ from cadenza.sampling_params import SamplingParams
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 def make_runtime(path, extra_plugins=(), **overrides):
     settings = {"model.path": str(path), "model.dtype": "float32", "cache.block_size": 8, "cache.num_blocks": 512}
     settings.update(overrides)
     return build_runtime(load_config(None, overrides=settings, env={}), extra_plugins=extra_plugins)
-
-
-@pytest.fixture(scope="module")
-def model_path(tiny_model_dir):
-    return tiny_model_dir("llama3")
 
 
 def greedy(n, **kw):

@@ -28,16 +28,6 @@ def installed():
     return install_example_plugins()
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def model_path(tiny_model_dir):
-    return tiny_model_dir("llama3")
-
-
 def make_runtime(path, **overrides):
     settings = {"model.path": str(path), "model.dtype": "float32", "cache.block_size": 8, "cache.num_blocks": 256}
     settings.update(overrides)

@@ -12,16 +12,6 @@ from test_engine import assert_no_block_leaked, collect, greedy, make_runtime, r
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def model_path(tiny_model_dir):
-    return tiny_model_dir("llama3")
-
-
 async def run_with_bystanders(engine, bad_prompt, bad_params, n_bystanders=4):
     """Bystanders are running (mid-decode) when the bad request arrives."""
     prompts = random_prompts(n_bystanders, seed=3, low=5, high=30)

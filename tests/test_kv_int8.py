@@ -154,16 +154,6 @@ def test_same_budget_holds_about_twice_bfloat16_and_four_times_float32():
     assert used == 4 * bytes_per_block(arch, 16, torch.int8)
 
 
-@pytest.fixture(scope="module")
-def model_path(tiny_model_dir):
-    return tiny_model_dir("llama3")
-
-
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 def int8_runtime(path, **overrides):
     return make_runtime(path, **{"cache.dtype": "int8", **overrides})
 

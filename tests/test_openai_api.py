@@ -304,11 +304,6 @@ def scripted_app(*script):
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 @pytest.mark.anyio
 async def test_error_mid_stream_is_an_sse_error_event():
     async with scripted_app(output("he"), output("llo", "error", "engine_failed")) as http:

@@ -26,16 +26,6 @@ pytestmark = pytest.mark.anyio
 DEFAULT_PROCESSORS = ["min_tokens", "logit_bias", "penalties", "temperature", "min_p", "top_k_top_p"]
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def model_path(tiny_model_dir):
-    return tiny_model_dir("llama3")
-
-
 class Tag(BaseModel):
     model_config = ConfigDict(extra="forbid")
     label: str = "on"

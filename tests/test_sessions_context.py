@@ -19,11 +19,6 @@ SYSTEM = "You are careful. Paged attention keeps keys and values in blocks."
 TURN = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     env = {"CADENZA_MODEL__MAX_MODEL_LEN": str(MAX_MODEL_LEN)}

@@ -33,11 +33,6 @@ EXIT_BOUND = GRACE + 5.0  # the process is gone this long after the signal
 LONG = {"max_tokens": 12000, "ignore_eos": True}  # outlasts the grace on any machine
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 @pytest.fixture(scope="module")
 def long_model(tmp_path_factory):
     """The tiny llama3 with room for 16k positions, so that a request can outlast the grace."""

@@ -22,16 +22,6 @@ from test_engine import assert_no_block_leaked, collect, make_runtime, run_all
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def model_path(tiny_model_dir):
-    return tiny_model_dir("llama3")
-
-
 class OracleProposer(Proposer):
     """Guesses a request's known greedy continuation, wrong on purpose every few guesses, so both
     the accept and the reject paths run many times (the tiny random model rarely repeats itself)."""

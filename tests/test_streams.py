@@ -12,11 +12,6 @@ from cadenza.streams import RequestStream
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 def make_delta(text="", token_ids=(), finish_reason=None, logprobs=None, request_id="r", **kw):
     return TextDelta(request_id, text, tuple(token_ids), logprobs, finish_reason, **kw)
 

@@ -15,11 +15,6 @@ from server_process import running_server
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     with running_server(tiny_model_dir("llama3")) as process:
