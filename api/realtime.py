@@ -13,7 +13,6 @@ WebSocket sessions' and the Responses API's.
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Any, Literal
 
@@ -26,14 +25,13 @@ from cadenza.api.conversation import Conversation
 from cadenza.api.errors import APIError
 from cadenza.api.session_core import ContextSettings, SessionCore, TurnError
 from cadenza.api.state import ServerState
-from cadenza.api.ws_connection import admit, write_outbox
+from cadenza.api.ws_connection import admit, parse_frame, write_outbox
 from cadenza.api.ws_protocol import SamplingOptions
 from cadenza.engine import EngineClosedError
 from cadenza.sampling_params import MaxTokens, SamplingParamsError, describe_error, merge_sampling
 
 log = structlog.get_logger("cadenza.api.realtime")
 router = APIRouter()
-MAX_FRAME_CHARS = 1 << 20
 
 
 class _Model(BaseModel):
@@ -312,14 +310,7 @@ def _item(message: dict[str, str], status: str) -> dict[str, Any]:
 
 
 def _parse(text: str | None) -> dict[str, Any]:
-    if text is None:
-        raise APIError(400, "invalid_message", "send JSON text frames, not binary ones")
-    if len(text) > MAX_FRAME_CHARS:
-        raise APIError(400, "message_too_large", f"events are limited to {MAX_FRAME_CHARS} characters")
-    try:
-        raw = json.loads(text)
-    except (ValueError, RecursionError) as exc:
-        raise APIError(400, "invalid_json", f"not valid JSON: {exc}") from None
+    raw = parse_frame(text, "events")
     if not isinstance(raw, dict):
         raise APIError(400, "invalid_message", "an event is a JSON object with a 'type'")
     return raw

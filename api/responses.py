@@ -37,7 +37,7 @@ from cadenza.api.responses_protocol import (
 )
 from cadenza.api.session_core import ContextSettings, SessionCore, TurnError
 from cadenza.api.state import ServerState, server_state
-from cadenza.api.ws_connection import admit, write_outbox
+from cadenza.api.ws_connection import admit, parse_frame, write_outbox
 from cadenza.engine import EngineClosedError
 from cadenza.sampling_params import SamplingParamsError, describe_error, merge_sampling
 
@@ -46,7 +46,6 @@ router = APIRouter()
 
 # The HTTP status of each turn error (the engine's codes have theirs in `ENGINE_CODE_STATUS`).
 TURN_STATUS = {"context_provider_error": 500, "context_provider_timeout": 500, "context_policy_error": 500}
-MAX_FRAME_CHARS = 1 << 20
 
 
 @dataclass
@@ -335,14 +334,7 @@ async def responses_socket(websocket: WebSocket) -> None:
 
 def _parse_event(text: str | None) -> ResponseCreateBody | str | None:
     """A `response.create`'s body, a `response.cancel`'s response id, or an `APIError`."""
-    if text is None:
-        raise APIError(400, "invalid_message", "send JSON text frames, not binary ones")
-    if len(text) > MAX_FRAME_CHARS:
-        raise APIError(400, "message_too_large", f"messages are limited to {MAX_FRAME_CHARS} characters")
-    try:
-        raw = json.loads(text)
-    except (ValueError, RecursionError) as exc:
-        raise APIError(400, "invalid_json", f"not valid JSON: {exc}") from None
+    raw = parse_frame(text)
     kind = raw.get("type") if isinstance(raw, dict) else None
     if kind == "response.cancel":
         response_id = raw.get("response_id")

@@ -25,7 +25,7 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from cadenza.api.conversation import Conversation
 from cadenza.api.session_core import ContextSettings, PreparedTurn, SessionCore, TurnError
 from cadenza.api.state import ServerState
-from cadenza.api.ws_connection import CLOSE, admit, write_outbox
+from cadenza.api.ws_connection import CLOSE, MAX_FRAME_CHARS, admit, write_outbox
 from cadenza.api.ws_protocol import (
     MAIN,
     Cancel,
@@ -52,7 +52,6 @@ router = APIRouter()
 # Messages waiting for the writer. Past it, request tasks wait, so their engine streams merge
 # tokens instead; a client that stays too slow is cut off per request by the engine's bound.
 OUTBOX_MESSAGES = 64
-MAX_FRAME_CHARS = 1 << 20
 
 
 @dataclass

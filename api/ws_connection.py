@@ -1,5 +1,6 @@
 """What every WebSocket endpoint (sessions, Responses, Realtime) does around its own protocol:
-admit or refuse the connection before the handshake, and write its outbox to the socket."""
+admit or refuse the connection before the handshake, read a frame's JSON, and write its outbox to
+the socket."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from fastapi import WebSocket
 from cadenza.api.errors import APIError
 from cadenza.api.state import ServerState, check_api_key, server_state
 
+MAX_FRAME_CHARS = 1 << 20  # the longest text frame any endpoint reads
 GOING_AWAY = 1001  # the close code of a server that is shutting down
 CLOSE: dict[str, Any] = {}  # queued after a closing connection's last message: the writer closes then
 
@@ -49,3 +51,16 @@ async def write_outbox(websocket: WebSocket, outbox: MemoryObjectReceiveStream[d
     except Exception:
         pass  # the client went away; the reader notices too
     scope.cancel()
+
+
+def parse_frame(text: str | None, noun: str = "messages") -> Any:
+    """A text frame's JSON value; `APIError` 400 for a binary frame, one over `MAX_FRAME_CHARS`
+    (`noun` names what the endpoint calls its frames) or one that is not JSON."""
+    if text is None:
+        raise APIError(400, "invalid_message", "send JSON text frames, not binary ones")
+    if len(text) > MAX_FRAME_CHARS:
+        raise APIError(400, "message_too_large", f"{noun} are limited to {MAX_FRAME_CHARS} characters")
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise APIError(400, "invalid_json", f"not valid JSON: {exc}") from None
