@@ -273,23 +273,17 @@ class ModelRunner:
 
     def _batch(self, chunks: Sequence[ScheduledChunk], rows: list[int], cut_back: bool = True) -> SamplingBatch:
         """`cut_back=False`: the records as they are (verification has appended accepted guesses)."""
-        if not cut_back:
+        if cut_back:
+            records, failed = [], {}
+            for row, i in enumerate(rows):
+                try:
+                    records.append(self._record(chunks[i]))
+                except Exception as exc:  # a seed torch refuses: that request fails, the step goes on
+                    failed[row] = f"the runner could not set up sampling for this request: {exc!r}"
+            if failed:
+                raise SamplingError("the runner", sorted(failed), "request setup failed", failed)
+        else:
             records = [self._requests[chunks[i].request_id] for i in rows]
-            return SamplingBatch(
-                params=[chunks[i].params or SamplingParams() for i in rows],
-                prompt_token_ids=[r.prompt_token_ids for r in records],
-                output_token_ids=[r.output_token_ids for r in records],
-                generators=[r.generator for r in records],
-                request_ids=[chunks[i].request_id for i in rows],
-            )
-        records, failed = [], {}
-        for row, i in enumerate(rows):
-            try:
-                records.append(self._record(chunks[i]))
-            except Exception as exc:  # a seed torch refuses: that request fails, the step goes on
-                failed[row] = f"the runner could not set up sampling for this request: {exc!r}"
-        if failed:
-            raise SamplingError("the runner", sorted(failed), "request setup failed", failed)
         return SamplingBatch(
             params=[chunks[i].params or SamplingParams() for i in rows],
             prompt_token_ids=[r.prompt_token_ids for r in records],
