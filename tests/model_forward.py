@@ -5,9 +5,20 @@ from __future__ import annotations
 import torch
 
 
+def chunk_metadata(start: int, end: int, blocks: int):
+    """Attention metadata for positions [start, end) of one sequence whose cache is blocks 0 .. blocks - 1."""
+    from cadenza.attention_backends.base import AttentionMetadata
+
+    return AttentionMetadata(
+        query_start_loc=torch.tensor([0, end - start]), seq_lens=torch.tensor([end]),
+        context_lens=torch.tensor([start]), block_tables=torch.arange(blocks).view(1, -1),
+        slot_mapping=torch.arange(start, end), query_lens_list=[end - start], seq_lens_list=[end],
+        max_query_len=end - start, max_seq_len=end,
+    )  # fmt: skip
+
+
 def prefill_logits(loaded, token_ids: list[int]) -> torch.Tensor:
     """Logits [len(token_ids), vocab] of a one-sequence prefill of `token_ids`; `loaded` a `LoadedModel`."""
-    from cadenza.attention_backends.base import AttentionMetadata
     from cadenza.attention_backends.eager import EagerBackend
     from cadenza.kv_cache import allocate_kv_caches
 
@@ -16,11 +27,6 @@ def prefill_logits(loaded, token_ids: list[int]) -> torch.Tensor:
     caches = allocate_kv_caches(arch, blocks, block_size, loaded.compute_dtype, torch.device("cpu"))
     backend = EagerBackend(num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
                            scale=arch.head_dim**-0.5, block_size=block_size, sliding_window=None)
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor([0, n]), seq_lens=torch.tensor([n]), context_lens=torch.tensor([0]),
-        block_tables=torch.arange(blocks).view(1, -1), slot_mapping=torch.arange(n), query_lens_list=[n],
-        seq_lens_list=[n], max_query_len=n, max_seq_len=n,
-    )  # fmt: skip
     with torch.no_grad():
-        hidden = loaded.model(torch.tensor(token_ids), torch.arange(n), caches, meta, backend)
+        hidden = loaded.model(torch.tensor(token_ids), torch.arange(n), caches, chunk_metadata(0, n, blocks), backend)
         return loaded.model.compute_logits(hidden).float()

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from model_forward import chunk_metadata
 from test_attention_backends import BLOCK, DIM, HEADS, KV_HEADS, NUM_BLOCKS, _kernels, dense_reference, make_step
 from test_engine import assert_no_block_leaked, greedy, make_runtime, random_prompts, run_all
 
@@ -205,7 +206,6 @@ async def test_engine_on_int8_cache_prefix_caching_preemption_and_chunks(model_p
 def test_default_model_perplexity_with_int8_cache_within_one_percent_of_float32():
     from test_quantized_quality import text_ids
 
-    from cadenza.attention_backends.base import AttentionMetadata
     from cadenza.models.loading import load_model
 
     loaded = load_model(None, dtype=torch.float32, cpu_kernels="auto", quantization="none")
@@ -224,12 +224,7 @@ def test_default_model_perplexity_with_int8_cache_within_one_percent_of_float32(
         while start < n:
             # A 64-token chunk, then 16 single-token decode steps: both attention paths read the cache.
             end = min(start + (64 if start % 80 == 0 else 1), n)
-            meta = AttentionMetadata(
-                query_start_loc=torch.tensor([0, end - start]), seq_lens=torch.tensor([end]),
-                context_lens=torch.tensor([start]), block_tables=torch.arange(blocks).view(1, -1),
-                slot_mapping=torch.arange(start, end), query_lens_list=[end - start], seq_lens_list=[end],
-                max_query_len=end - start, max_seq_len=end,
-            )  # fmt: skip
+            meta = chunk_metadata(start, end, blocks)
             backend.begin_step(meta)
             with torch.inference_mode():
                 hidden = loaded.model(tokens[start:end], torch.arange(start, end), caches, meta, backend)

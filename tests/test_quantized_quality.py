@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from model_forward import chunk_metadata
+
 from cadenza.kernels import cpu
 from cadenza.models.cpu_features import cpu_has_avx2_fma
 
@@ -51,7 +53,6 @@ def text_ids(tokenizer) -> list[int]:
 def next_token_scores(loaded, ids: list[int], chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probability of each actual next token, the argmax there) at positions 0 .. len(ids) - 2,
     the text fed `chunk` tokens a step over one sequence's cache (eager attention)."""
-    from cadenza.attention_backends.base import AttentionMetadata
     from cadenza.attention_backends.eager import EagerBackend
     from cadenza.kv_cache import allocate_kv_caches
 
@@ -64,12 +65,7 @@ def next_token_scores(loaded, ids: list[int], chunk: int) -> tuple[torch.Tensor,
     logprobs, argmax = [], []
     for start in range(0, n, chunk):
         end = min(start + chunk, n)
-        meta = AttentionMetadata(
-            query_start_loc=torch.tensor([0, end - start]), seq_lens=torch.tensor([end]),
-            context_lens=torch.tensor([start]), block_tables=torch.arange(blocks).view(1, -1),
-            slot_mapping=torch.arange(start, end), query_lens_list=[end - start], seq_lens_list=[end],
-            max_query_len=end - start, max_seq_len=end,
-        )  # fmt: skip
+        meta = chunk_metadata(start, end, blocks)
         hidden = loaded.model(tokens[start:end], torch.arange(start, end), caches, meta, backend)
         scores = loaded.model.compute_logits(hidden).log_softmax(-1)
         logprobs.append(scores.gather(1, tokens[start + 1 : end + 1, None])[:, 0])
