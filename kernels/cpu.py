@@ -6,9 +6,12 @@ PyTorch's ops (with a warning naming why) otherwise; "on" raises `KernelUnavaila
 of falling back; "off" never builds them. It returns the compiled module, or None where the PyTorch
 path runs; each model keeps the module it was given.
 
-The build (about 25 s) goes to PyTorch's extension cache (`TORCH_EXTENSIONS_DIR`, by default
+The build (about 30 s) goes to PyTorch's extension cache (`TORCH_EXTENSIONS_DIR`, by default
 ~/.cache/torch_extensions) and is reused until the source changes; concurrent processes wait on
-PyTorch's build lock instead of building twice.
+PyTorch's build lock instead of building twice. It targets AVX2 and FMA, plus AVX-512 VNNI where
+the CPU has it (the packed quantized kernels, kernels/quant_packed.h); `CADENZA_CPU_ISA=avx2`
+builds the AVX2-only variant on such a CPU (tests use it to check that path). Each variant is its
+own extension, so both stay cached.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from types import ModuleType
 
 import structlog
 
-from cadenza.models.cpu_features import cpu_flags, cpu_has_avx2_fma
+from cadenza.models.cpu_features import cpu_flags, cpu_has_avx2_fma, cpu_has_avx512_vnni
 from cadenza.models.errors import ModelLoadError
 
 log = structlog.get_logger(__name__)
@@ -32,6 +35,8 @@ log = structlog.get_logger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 HEADERS = sorted(SOURCE.parent.glob("*.h"))
 MODES = ("auto", "on", "off")
+ISA_ENV = "CADENZA_CPU_ISA"
+ISAS = ("avx2", "avx512vnni")
 
 
 class KernelUnavailableError(ModelLoadError):
@@ -80,6 +85,20 @@ def _build() -> tuple[ModuleType | None, str | None]:
         return _built, None
 
 
+def isa() -> str:
+    """The instruction set the kernels are built for: the best this CPU has, or `CADENZA_CPU_ISA`'s."""
+    best = "avx512vnni" if cpu_has_avx512_vnni() else "avx2"
+    wanted = os.environ.get(ISA_ENV, "").strip().lower() or best
+    if wanted not in ISAS:
+        raise ValueError(f"{ISA_ENV} must be one of {', '.join(ISAS)}, not {wanted!r}")
+    if ISAS.index(wanted) > ISAS.index(best):
+        raise ValueError(f"{ISA_ENV}={wanted} but this CPU lacks it (it has {best})")
+    return wanted
+
+
+ISA_FLAGS = {"avx2": [], "avx512vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]}
+
+
 def _compile() -> ModuleType:
     from torch.utils.cpp_extension import load
 
@@ -91,10 +110,11 @@ def _compile() -> ModuleType:
     # PyTorch rebuilds when a listed source changes; the headers the source includes are not
     # listed, so their digest goes into the flags, which PyTorch also compares.
     headers = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
+    target = isa()
     return load(
-        name="cadenza_cpu_kernels",
+        name="cadenza_cpu_kernels" if target == "avx2" else f"cadenza_cpu_kernels_{target}",
         sources=[str(SOURCE)],
-        extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", f"-DCADENZA_HEADERS_DIGEST={headers}"],
+        extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", *ISA_FLAGS[target], "-fopenmp", f"-DCADENZA_HEADERS_DIGEST={headers}"],
         extra_ldflags=["-fopenmp"],
         verbose=False,
     )

@@ -10,7 +10,8 @@
 // built with the same OpenMP runtime PyTorch ships, so no second thread team appears.
 //
 // The kernels live in the headers beside this file (one translation unit, built once):
-// simd.h (AVX2 helpers), linear.h, small_ops.h, paged_attention.h, decode_layer.h, quant.h (GGUF blocks).
+// simd.h (AVX2 helpers), linear.h, small_ops.h, paged_attention.h, decode_layer.h, quant.h (GGUF blocks),
+// quant_common.h and quant_packed.h (GGUF blocks re-laid for AVX-512 VNNI, built where the CPU has it).
 
 #include <torch/extension.h>
 
@@ -34,6 +35,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_dequantize", &quant_dequantize, "raw GGUF blocks [out, bytes], de-quantized to float32 [out, in]", release());
   m.def("quant_dequantize_", &quant_dequantize_, "raw GGUF blocks, de-quantized into a float32 or bfloat16 [out, in] tensor", release());
   m.def("quant_in_features", &quant_in_features, "in_features of raw GGUF blocks [out, bytes] of a GGML type");
+  m.def("quant_pack", &quant_pack, "GGUF blocks re-laid 16 rows at a time for the AVX-512 VNNI kernels", release());
+  m.def("packed_kernels_built", &packed_kernels_built, "whether this build has the packed (AVX-512 VNNI) kernels");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, float32", release());
   m.def("rotary_", &rotary_, "in-place NeoX rotary embedding from cos/sin tables", release());
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up for a fused [rows, 2 * I] gate_up", release());

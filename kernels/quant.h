@@ -24,18 +24,11 @@
 #include <vector>
 
 #include "linear.h"
+#include "quant_common.h"
+#include "quant_packed.h"
 #include "simd.h"
 
 namespace cadenza {
-
-// GGML's type ids (enum ggml_type), as gguf.GGMLQuantizationType numbers them.
-enum QuantTypeId : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
-
-inline float half_at(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
 
 // 16 bytes of packed nibbles -> 32 bytes: low nibbles first (values 0..15), then the high ones.
 inline __m256i nibbles32(const uint8_t* p) {
@@ -47,17 +40,6 @@ inline __m256i nibbles32(const uint8_t* p) {
 // Eight int32 partial sums of u (unsigned bytes) * x (signed bytes).
 inline __m256i dot_u8_i8(__m256i u, __m256i x) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
-}
-
-// y[i] = q[i] * scale + offset for 32 int8 values q (signed; unsigned ones are below 128).
-inline void store_affine32(__m256i q, float scale, float offset, float* y) {
-  const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
-  const __m256 sv = _mm256_set1_ps(scale), ov = _mm256_set1_ps(offset);
-  for (int h = 0; h < 2; ++h)
-    for (int e = 0; e < 2; ++e) {
-      const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(e ? _mm_srli_si128(halves[h], 8) : halves[h]));
-      _mm256_storeu_ps(y + 16 * h + 8 * e, _mm256_fmadd_ps(f, sv, ov));
-    }
 }
 
 // One 32-value sub-block of a weight row: values, and how its integer dot product is scaled:
@@ -82,6 +64,7 @@ struct SubBlock6 {
 
 struct BlockQ8_0 {  // d (f16), 32 x int8: x = d * q
   static constexpr int64_t kElems = 32, kBytes = 34, kSubs = 1;
+  static constexpr int64_t kType = kQ8_0;
   static constexpr bool kHasMin = false;
   using Sub = SubBlock;
   static void decode(const uint8_t* b, Sub* s) {
@@ -101,6 +84,7 @@ struct BlockQ8_0 {  // d (f16), 32 x int8: x = d * q
 
 struct BlockQ4_0 {  // d (f16), 16 bytes of nibbles: x = d * (q - 8)
   static constexpr int64_t kElems = 32, kBytes = 18, kSubs = 1;
+  static constexpr int64_t kType = kQ4_0;
   static constexpr bool kHasMin = true;
   using Sub = SubBlock;
   static void decode(const uint8_t* b, Sub* s) {
@@ -120,6 +104,7 @@ struct BlockQ4_0 {  // d (f16), 16 bytes of nibbles: x = d * (q - 8)
 
 struct BlockQ4_1 {  // d, m (f16), 16 bytes of nibbles: x = d * q + m
   static constexpr int64_t kElems = 32, kBytes = 20, kSubs = 1;
+  static constexpr int64_t kType = kQ4_1;
   static constexpr bool kHasMin = true;
   using Sub = SubBlock;
   static void decode(const uint8_t* b, Sub* s) {
@@ -150,6 +135,7 @@ inline void q4k_scale_min(const uint8_t* q, int j, int& sc, int& m) {
 
 struct BlockQ4_K {  // d, dmin (f16), 12 bytes of scales/mins, 128 bytes of nibbles; 8 sub-blocks
   static constexpr int64_t kElems = 256, kBytes = 144, kSubs = 8;
+  static constexpr int64_t kType = kQ4_K;
   static constexpr bool kHasMin = true;
   using Sub = SubBlock;
   static void decode(const uint8_t* b, Sub* s) {
@@ -185,6 +171,7 @@ struct BlockQ4_K {  // d, dmin (f16), 12 bytes of scales/mins, 128 bytes of nibb
 
 struct BlockQ6_K {  // 128 bytes low 4 bits, 64 bytes high 2 bits, 16 int8 scales, d (f16): x = d * sc * (q - 32)
   static constexpr int64_t kElems = 256, kBytes = 210, kSubs = 8;
+  static constexpr int64_t kType = kQ6_K;
   static constexpr bool kHasMin = false;
   using Sub = SubBlock6;
   static void decode(const uint8_t* b, Sub* s) {
@@ -245,57 +232,6 @@ inline auto with_block_type(int64_t qtype, F&& f) {
   }
   TORCH_CHECK(false, "no kernel for GGML quantization type ", qtype, " (supported: Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)");
   return f(BlockQ8_0{});  // not reached
-}
-
-// Activations x [M, K] as int8 per 32 values: q[M*K], scale d and d * sum(q) per block.
-struct QuantizedActivations {
-  std::vector<int8_t> q;
-  std::vector<float> d, s;
-  int64_t K = 0, blocks = 0;  // blocks per row
-};
-
-inline void quantize_row_q8(const float* x, int64_t K, int8_t* q, float* d, float* s) {
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  for (int64_t b = 0; b < K / 32; ++b) {
-    const float* xb = x + 32 * b;
-    const __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8), v2 = _mm256_loadu_ps(xb + 16),
-                 v3 = _mm256_loadu_ps(xb + 24);
-    const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
-                                   _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
-    const float amax = hmax(a);
-    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-    // Round to nearest (MXCSR's default mode): |q| <= 127.
-    const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, inv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, inv)),
-                  i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, inv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, inv));
-    const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-    // The packs interleave 128-bit lanes: 4-value groups come out in the order 0 2 4 6 1 3 5 7.
-    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * b), _mm256_permutevar8x32_epi32(packed, order));
-    d[b] = amax / 127.0f;
-    s[b] = d[b] * static_cast<float>(_mm_cvtsi128_si32(s4));
-  }
-}
-
-inline void quantize_activations(const torch::Tensor& x, QuantizedActivations& a) {
-  const int64_t M = x.size(0), K = x.size(1), xs = x.stride(0);
-  a.K = K;
-  a.blocks = K / 32;
-  if (static_cast<int64_t>(a.q.size()) < M * K) a.q.resize(M * K);
-  if (static_cast<int64_t>(a.d.size()) < M * a.blocks) {
-    a.d.resize(M * a.blocks);
-    a.s.resize(M * a.blocks);
-  }
-  const float* xp = x.data_ptr<float>();
-  auto rows = [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
-      quantize_row_q8(xp + m * xs, K, a.q.data() + m * K, a.d.data() + m * a.blocks, a.s.data() + m * a.blocks);
-  };
-  if (M * K < 65536) rows(0, M);
-  else at::parallel_for(0, M, 16, rows);
 }
 
 // R weight rows at a time share each activation load; M activation rows share each decoded block.
@@ -375,12 +311,29 @@ inline void quant_matmul_impl(const QuantizedActivations& a, int64_t M, const to
 inline int64_t quant_in_features(const torch::Tensor& w, int64_t qtype) {
   TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(),
               "quantized weight must be a contiguous uint8 CPU tensor [out_features, bytes_per_row]");
-  return with_block_type(qtype, [&](auto block) {
+  if (is_packed(qtype)) {
+    TORCH_CHECK(packed_kernels_built(), "packed weights (type ", qtype, ") need the AVX-512 VNNI build of the kernels");
+    TORCH_CHECK(w.size(0) % kPackRows == 0, "a packed weight has a multiple of ", kPackRows, " rows, not ", w.size(0));
+    with_packed_type(unpacked_type(qtype), [](auto) { return 0; });  // a type with a packed layout
+  }
+  return with_block_type(unpacked_type(qtype), [&](auto block) {
     using T = decltype(block);
     TORCH_CHECK(w.size(1) % T::kBytes == 0, "bytes per row (", w.size(1), ") is not a whole number of ",
                 T::kBytes, "-byte blocks");
     return w.size(1) / T::kBytes * T::kElems;
   });
+}
+
+// Block b of row n of w [N, row_bytes] as the file stores it: in place, or (packed) re-assembled
+// into `raw`.
+template <class B>
+inline const uint8_t* file_block(const uint8_t* w, int64_t row_bytes, bool packed, int64_t n, int64_t b, uint8_t* raw) {
+  if (!packed) return w + n * row_bytes + b * B::kBytes;
+  with_packed_type(B::kType, [&](auto pack) {
+    using P = decltype(pack);
+    packed_raw_block<P>(w + (n / kPackRows) * kPackRows * row_bytes + b * kPackRows * P::kBytes, n % kPackRows, raw);
+  });
+  return raw;
 }
 
 // out [M, N] (+)= x [M, K] @ W^T (+ bias); out may be a column slice of a wider tensor.
@@ -400,6 +353,15 @@ inline void quant_matmul_(torch::Tensor out, const torch::Tensor& x, const torch
   thread_local QuantizedActivations act;
   quantize_activations(x, act);
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+#ifdef CADENZA_PACKED_KERNELS
+  if (is_packed(qtype)) {
+    with_packed_type(unpacked_type(qtype), [&](auto pack) {
+      packed_matmul<decltype(pack)>(act, M, w.data_ptr<uint8_t>(), N, w.size(1), bp, out.data_ptr<float>(),
+                                    out.stride(0), accumulate);
+    });
+    return;
+  }
+#endif
   with_block_type(qtype, [&](auto block) {
     quant_matmul_impl<decltype(block)>(act, M, w, bp, out.data_ptr<float>(), out.stride(0), accumulate);
   });
@@ -431,23 +393,17 @@ inline torch::Tensor quant_rows(const torch::Tensor& w, int64_t qtype, const tor
   auto out = torch::empty({T, K}, torch::dtype(torch::kFloat32));
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  with_block_type(qtype, [&](auto block) {
+  const bool packed = is_packed(qtype);
+  with_block_type(unpacked_type(qtype), [&](auto block) {
     using B = decltype(block);
     at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+      uint8_t raw[B::kBytes];
       for (int64_t t = t0; t < t1; ++t)
         for (int64_t b = 0; b < row_bytes / B::kBytes; ++b)
-          B::dequant(wp + ip[t] * row_bytes + b * B::kBytes, op + t * K + b * B::kElems);
+          B::dequant(file_block<B>(wp, row_bytes, packed, ip[t], b, raw), op + t * K + b * B::kElems);
     });
   });
   return out;
-}
-
-// 8 floats to bfloat16, rounded to nearest even as PyTorch's conversion does (weights: no NaN).
-inline __m128i to_bf16x8(__m256 f) {
-  const __m256i x = _mm256_castps_si256(f);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7FFF)), lsb), 16);
-  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
 
 // The whole weight de-quantized into out, float32 or bfloat16 [N, in_features] (for batched
@@ -462,14 +418,16 @@ inline torch::Tensor quant_dequantize_(torch::Tensor out, const torch::Tensor& w
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = bf16 ? nullptr : out.data_ptr<float>();
   uint16_t* hp = bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
-  with_block_type(qtype, [&](auto block) {
+  const bool packed = is_packed(qtype);
+  with_block_type(unpacked_type(qtype), [&](auto block) {
     using B = decltype(block);
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
       typename B::Sub sub[B::kSubs];
       alignas(32) float tmp[32];
+      uint8_t raw[B::kBytes];
       for (int64_t n = n0; n < n1; ++n)
         for (int64_t b = 0; b < row_bytes / B::kBytes; ++b) {
-          B::decode(wp + n * row_bytes + b * B::kBytes, sub);
+          B::decode(file_block<B>(wp, row_bytes, packed, n, b, raw), sub);
           for (int j = 0; j < B::kSubs; ++j) {
             const int64_t at = n * K + (b * B::kSubs + j) * 32;
             if (!bf16) {

@@ -32,3 +32,12 @@ def cpu_has_native_bf16() -> bool:
 def cpu_has_avx2_fma() -> bool:
     """True on x86-64 CPUs with AVX2 and FMA: what cadenza's own CPU kernels need."""
     return platform.machine().lower() in ("x86_64", "amd64") and {"avx2", "fma"} <= cpu_flags()
+
+
+AVX512_VNNI_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
+
+
+def cpu_has_avx512_vnni() -> bool:
+    """True where the CPU has AVX-512 (F, BW, VL) and its VNNI int8 dot products: the packed
+    quantized kernels (kernels/quant_packed.h) need them."""
+    return AVX512_VNNI_FLAGS <= cpu_flags()

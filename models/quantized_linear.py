@@ -20,6 +20,12 @@ de-quantized bfloat16 model; elsewhere it is float32 and rounds no activation.
 A fused projection (q/k/v, gate/up) is its parts' rows one after another; parts of one type are
 concatenated into one tensor (rows are independent), parts of different types each write their
 columns of the output.
+
+Where the kernels are built for AVX-512 VNNI, Q4_0, Q4_1 and Q8_0 weights of a multiple of 16
+rows are re-laid on `use_cpu_kernels` 16 rows at a time (kernels/quant_packed.h; same bytes, the
+old tensor freed): batch-1 products run about 2x faster, and a step of 4 rows costs 1.5x one row
+instead of 2.5x. A packed part's type id is its GGML id plus `PACKED_FLAG`; a tied LM head packs
+once, with its embedding.
 """
 
 from __future__ import annotations
@@ -33,6 +39,26 @@ from torch import nn
 
 # GGML type ids (gguf.GGMLQuantizationType) with a kernel: name, values and bytes per block.
 NATIVE_TYPES = {8: ("Q8_0", 32, 34), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 12: ("Q4_K", 256, 144), 14: ("Q6_K", 256, 210)}
+
+
+# Type ids of packed weights (kernels/quant_packed.h): the GGML id plus this flag.
+PACKED_FLAG = 256
+PACKABLE_TYPES = frozenset({2, 3, 8})  # Q4_0, Q4_1, Q8_0
+PACK_ROWS = 16
+
+
+def ggml_type(qtype: int) -> int:
+    """The GGML type id of a weight's blocks, packed or not."""
+    return qtype & ~PACKED_FLAG
+
+
+def pack_for_kernels(kernels, blocks: torch.Tensor, qtype: int) -> tuple[torch.Tensor, int]:
+    """(blocks, type id) re-laid for the packed kernels where this build, the type and the rows
+    allow it; as given otherwise."""
+    packable = kernels is not None and qtype in PACKABLE_TYPES and blocks.shape[0] % PACK_ROWS == 0
+    if not packable or not kernels.packed_kernels_built():
+        return blocks, qtype
+    return kernels.quant_pack(blocks, qtype), qtype | PACKED_FLAG
 
 
 # Rows from which a product de-quantizes its weight for a GEMM (see above); at most this many
@@ -85,12 +111,15 @@ class QuantizedLinear(nn.Module):
         # Rows from which a step leaves the fused decoder-layer kernel (DecoderLayer.fuse) for the GEMM.
         self.min_rows = GEMM_MIN_ROWS
         self.gemm_dtype = torch.float32
+        # A tied head's embedding, in a tuple so that it is not registered as a submodule.
+        self.tied: tuple[QuantizedEmbedding, ...] = ()
 
     @classmethod
     def tied_to(cls, embedding: "QuantizedEmbedding") -> "QuantizedLinear":
         """The LM head that multiplies `embedding`'s own blocks."""
         head = cls(embedding.embedding_dim, embedding.num_embeddings, bias=False)
         head._set_parts([(0, embedding.qtype, embedding.blocks)])
+        head.tied = (embedding,)
         return head
 
     def load_rows(self, first_row: int, tensor: QuantizedTensor) -> None:
@@ -129,6 +158,15 @@ class QuantizedLinear(nn.Module):
         self.bias_f32 = None if self.bias is None else self.bias.detach().float().contiguous()
         self.gemm_dtype = _gemm_dtype()
         self.min_rows = GEMM_MIN_ROWS_BF16 if self.gemm_dtype == torch.bfloat16 else GEMM_MIN_ROWS
+        for embedding in self.tied:  # the embedding's blocks, packed once for both
+            embedding.use_cpu_kernels(kernels)
+            self._set_parts([(0, embedding.qtype, embedding.blocks)])
+            return
+        parts = []
+        for i, (first, qtype) in enumerate(self.parts):
+            blocks, qtype = pack_for_kernels(kernels, self._blocks(i), qtype)
+            parts.append((first, qtype, blocks))
+        self._set_parts(parts)
 
     def _checked(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is None:
@@ -182,7 +220,7 @@ class QuantizedLinear(nn.Module):
         return residual.add_(self(x))
 
     def extra_repr(self) -> str:
-        types = "+".join(NATIVE_TYPES[q][0] for _, q in self.parts)
+        types = "+".join(NATIVE_TYPES[ggml_type(q)][0] + ("x16" if q & PACKED_FLAG else "") for _, q in self.parts)
         return f"in_features={self.in_features}, out_features={self.out_features}, blocks={types or 'pending'}"
 
 
@@ -207,6 +245,8 @@ class QuantizedEmbedding(nn.Module):
 
     def use_cpu_kernels(self, kernels) -> None:
         self.kernels = kernels
+        if not self.qtype & PACKED_FLAG:
+            self.blocks, self.qtype = pack_for_kernels(kernels, self.blocks, self.qtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.kernels is None:
@@ -215,4 +255,5 @@ class QuantizedEmbedding(nn.Module):
         return rows.view(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, blocks={NATIVE_TYPES.get(self.qtype, ('pending',))[0]}"
+        name = NATIVE_TYPES.get(ggml_type(self.qtype), ("pending",))[0] + ("x16" if self.qtype & PACKED_FLAG else "")
+        return f"{self.num_embeddings}, {self.embedding_dim}, blocks={name}"

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cadenza.models.config import ModelArchConfig
-from cadenza.models.quantized_linear import NATIVE_TYPES, QuantizedEmbedding, QuantizedLinear, QuantizedTensor
+from cadenza.models.quantized_linear import NATIVE_TYPES, PACKED_FLAG, QuantizedEmbedding, QuantizedLinear, QuantizedTensor
 from cadenza.parallel.groups import ParallelContext
 from cadenza.parallel.partition import RankPartition, partition
 
@@ -205,10 +205,16 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
     return linear
 
 
+def _file_layout(module: QuantizedLinear) -> None:
+    if any(qtype & PACKED_FLAG for _, qtype in module.parts):
+        raise ValueError("shard a quantized linear before use_cpu_kernels: its blocks are packed for the kernels")
+
+
 def _rows(module: nn.Module, ranges: list[tuple[int, int]]) -> nn.Module:
     """Output rows `ranges` of a linear, one after another (column-parallel)."""
     bias = None if module.bias is None else torch.cat([module.bias[a:b] for a, b in ranges])
     if isinstance(module, QuantizedLinear):
+        _file_layout(module)
         out = QuantizedLinear(module.in_features, sum(b - a for a, b in ranges), bias is not None)
         row = 0
         for a, b in ranges:
@@ -231,6 +237,7 @@ def _cols(module: nn.Module, cols: tuple[int, int], keep_bias: bool, name: str) 
     bias = module.bias if keep_bias else None
     if not isinstance(module, QuantizedLinear):
         return _linear(module.weight[:, a:b], bias)
+    _file_layout(module)
     misaligned = [NATIVE_TYPES[q][0] for _, q in module.parts if a % NATIVE_TYPES[q][1] or b % NATIVE_TYPES[q][1]]
     if misaligned:
         log.info(

@@ -270,14 +270,14 @@ def test_torchrun_makes_rank_0_the_server_and_rank_1_a_model_worker(tiny_model_d
 # --- splitting GGUF blocks, without processes -------------------------------------------------------
 
 
-def _q8_linear(out_features: int, in_features: int, kernels):
+def _q8_linear(out_features: int, in_features: int):
+    """A Q8_0 linear as loaded: sharded before `use_cpu_kernels` (which may re-lay its blocks)."""
     from cadenza.models.int8_weights import quantize_q8_0
     from cadenza.models.quantized_linear import QuantizedLinear
 
     linear = QuantizedLinear(in_features, out_features, bias=False)
     linear.load_rows(0, quantize_q8_0(torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(0))))
     linear.finish_loading()
-    linear.use_cpu_kernels(kernels)
     return linear
 
 
@@ -295,15 +295,14 @@ def test_row_parallel_blocks_split_at_block_boundaries_sum_to_the_whole(kernels)
     from cadenza.models.quantized_linear import QuantizedLinear
     from cadenza.parallel.tensor_parallel import _cols, _rows
 
-    whole = _q8_linear(48, 128, kernels)
+    whole = _q8_linear(48, 128)
     x = torch.randn(3, 128)
     halves = [_cols(whole, (0, 64), True, "t"), _cols(whole, (64, 128), False, "t")]
     assert all(isinstance(h, QuantizedLinear) for h in halves)  # native blocks, cut between them
-    for half in halves:
-        half.use_cpu_kernels(kernels)
-    torch.testing.assert_close(halves[0](x[:, :64]) + halves[1](x[:, 64:]), whole(x), atol=1e-4, rtol=1e-5)
     rows = _rows(whole, [(8, 16), (40, 48)])
-    rows.use_cpu_kernels(kernels)
+    for linear in (*halves, rows, whole):
+        linear.use_cpu_kernels(kernels)
+    torch.testing.assert_close(halves[0](x[:, :64]) + halves[1](x[:, 64:]), whole(x), atol=1e-4, rtol=1e-5)
     full = whole(x)
     assert torch.equal(rows(x), torch.cat([full[:, 8:16], full[:, 40:48]], dim=1))
 
@@ -311,7 +310,7 @@ def test_row_parallel_blocks_split_at_block_boundaries_sum_to_the_whole(kernels)
 def test_a_row_parallel_split_inside_a_block_falls_back_to_float(kernels):
     from cadenza.parallel.tensor_parallel import _cols, _dequantize
 
-    whole = _q8_linear(16, 96, kernels)
+    whole = _q8_linear(16, 96)
     part = _cols(whole, (0, 48), True, "t")  # 48 is not a multiple of Q8_0's 32 values
     assert isinstance(part, torch.nn.Linear) and part.weight.dtype == torch.float32
     assert torch.equal(part.weight, _dequantize(whole)[:, :48])

@@ -1,0 +1,101 @@
+// What cadenza's kernels over GGUF blocks share, whatever the weights' layout (quant.h: the
+// file's own blocks; quant_packed.h: blocks interleaved 16 rows at a time): float16 scales,
+// de-quantized stores, bfloat16 rounding, and the int8 quantization of the activations.
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "simd.h"
+
+namespace cadenza {
+
+// GGML's type ids (enum ggml_type), as gguf.GGMLQuantizationType numbers them.
+enum QuantTypeId : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// y[i] = q[i] * scale + offset for 32 int8 values q (signed; unsigned ones are below 128).
+inline void store_affine32(__m256i q, float scale, float offset, float* y) {
+  const __m128i halves[2] = {_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)};
+  const __m256 sv = _mm256_set1_ps(scale), ov = _mm256_set1_ps(offset);
+  for (int h = 0; h < 2; ++h)
+    for (int e = 0; e < 2; ++e) {
+      const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(e ? _mm_srli_si128(halves[h], 8) : halves[h]));
+      _mm256_storeu_ps(y + 16 * h + 8 * e, _mm256_fmadd_ps(f, sv, ov));
+    }
+}
+
+// Activations x [M, K] as int8 per 32 values: q[M*K]; per block its scale d, d * sum(q) and
+// sum(q) itself (for kernels that subtract a weight offset in integers).
+struct QuantizedActivations {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  std::vector<int32_t> qsum;
+  int64_t K = 0, blocks = 0;  // blocks per row
+};
+
+inline void quantize_row_q8(const float* x, int64_t K, int8_t* q, float* d, float* s, int32_t* qsum) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const float* xb = x + 32 * b;
+    const __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8), v2 = _mm256_loadu_ps(xb + 16),
+                 v3 = _mm256_loadu_ps(xb + 24);
+    const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                                   _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+    const float amax = hmax(a);
+    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    // Round to nearest (MXCSR's default mode): |q| <= 127.
+    const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, inv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, inv)),
+                  i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, inv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, inv));
+    const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    // The packs interleave 128-bit lanes: 4-value groups come out in the order 0 2 4 6 1 3 5 7.
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * b), _mm256_permutevar8x32_epi32(packed, order));
+    d[b] = amax / 127.0f;
+    qsum[b] = _mm_cvtsi128_si32(s4);
+    s[b] = d[b] * static_cast<float>(qsum[b]);
+  }
+}
+
+inline void quantize_activations(const torch::Tensor& x, QuantizedActivations& a) {
+  const int64_t M = x.size(0), K = x.size(1), xs = x.stride(0);
+  a.K = K;
+  a.blocks = K / 32;
+  if (static_cast<int64_t>(a.q.size()) < M * K) a.q.resize(M * K);
+  if (static_cast<int64_t>(a.d.size()) < M * a.blocks) {
+    a.d.resize(M * a.blocks);
+    a.s.resize(M * a.blocks);
+    a.qsum.resize(M * a.blocks);
+  }
+  const float* xp = x.data_ptr<float>();
+  auto rows = [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      quantize_row_q8(xp + m * xs, K, a.q.data() + m * K, a.d.data() + m * a.blocks, a.s.data() + m * a.blocks,
+                      a.qsum.data() + m * a.blocks);
+  };
+  if (M * K < 65536) rows(0, M);
+  else at::parallel_for(0, M, 16, rows);
+}
+
+// 8 floats to bfloat16, rounded to nearest even as PyTorch's conversion does (weights: no NaN).
+inline __m128i to_bf16x8(__m256 f) {
+  const __m256i x = _mm256_castps_si256(f);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+}  // namespace cadenza
