@@ -110,7 +110,12 @@ class ModelRunner:
             if not chunks:
                 self._last_sampled = {}
                 return StepResult([], None, failed=failed)
-        result = self._run(chunks, return_logits, guesses)
+        try:
+            result = self._run(chunks, return_logits, guesses)
+        except BaseException:
+            # Nothing was sampled: a next step's placeholders must not take the step before's tokens.
+            self._last_sampled = {}
+            raise
         result.failed[:0] = failed
         if len(self._methods) > len(guesses):  # asked, found nothing: the scheduler's policy counts those too
             sampled_ids = set(result.request_ids)
