@@ -117,6 +117,22 @@ class TorchSDPABackend(AttentionBackend):
             mask_bool = causal_mask(positions, key_positions, seq_lens, self.sliding_window).unsqueeze(1)
         return _Group(rows, block_tables, seq_lens, num_seqs, max_q, max_k, padded_rows, mask_bool, is_causal)
 
+    def run_decode_stack(self, layers, h, positions, kv_caches, meta) -> bool:
+        """The kernels' whole-step path for steps of decodes alone (`forward`'s kernel calls, in
+        C++ one layer after another), on float32 or int8 caches."""
+        if self._kernels is None or len(self._groups) != 1 or not self._groups[0].is_decode:
+            return False
+        group = self._groups[0]
+        if all(isinstance(c, Int8KVCache) for c in kv_caches):
+            caches, scales = [c.data for c in kv_caches], [c.scales for c in kv_caches]
+        elif all(isinstance(c, torch.Tensor) and c.dtype == torch.float32 for c in kv_caches):
+            caches, scales = kv_caches, []
+        else:
+            return False
+        self._kernels.decode_stack_(layers, h, positions, caches, scales, meta.slot_mapping, group.block_tables,
+                                    group.seq_lens, self.scale, self.sliding_window or 0)
+        return True
+
     def forward(self, q, k, v, kv_cache, meta):
         int8 = isinstance(kv_cache, Int8KVCache)
         if int8 and self._kernels is not None:

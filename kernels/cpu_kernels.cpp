@@ -54,4 +54,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("attention_input", &DecoderLayerKernel::attention_input,
            "(q, k, v) of h: input norm, fused projection, rotary", release())
       .def("finish_", &DecoderLayerKernel::finish_, "h += attention output and MLP, in place", release());
+  m.def("decode_stack_", &decode_stack_, "a decode step through every layer and its paged KV cache, h in place",
+        release());
 }

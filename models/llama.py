@@ -172,6 +172,8 @@ class LlamaForCausalLM(nn.Module):
         # has no native bf16 (see models/dual_linear.py). None: the weights' dtype.
         self.compute_dtype: torch.dtype | None = None
         self.kernels = None
+        self.fused_stack: list | None = None  # every layer's DecoderLayerKernel, when all have one
+        self.fused_stack_max_rows = 0
 
     def use_cpu_kernels(self, kernels) -> None:
         """Route norms, rotary, SiLU and bf16 matrix-vector products through cadenza's CPU kernels
@@ -183,6 +185,10 @@ class LlamaForCausalLM(nn.Module):
                 module.use_cpu_kernels(kernels)
         for layer in self.layers:
             layer.fuse(kernels, self.rotary)
+        fused = [layer.fused for layer in self.layers]
+        # Every layer on the fused kernel: a decode step can run them all in one call.
+        self.fused_stack = fused if fused and all(f is not None for f in fused) else None
+        self.fused_stack_max_rows = min((layer.fused_max_rows for layer in self.layers), default=0)
 
     @torch.inference_mode()
     def forward(
@@ -199,9 +205,20 @@ class LlamaForCausalLM(nn.Module):
             h = h.to(self.compute_dtype)
         rotary = StepRotary(self.rotary, positions, h.dtype, self.kernels)
         backend.begin_step(meta)
+        if self._whole_stack(h, rotary) and backend.run_decode_stack(self.fused_stack, h, rotary.positions, kv_caches, meta):
+            return self.norm(h)
         for layer, kv_cache in zip(self.layers, kv_caches):
             h = layer(h, rotary, kv_cache, meta, backend)
         return self.norm(h)
+
+    def _whole_stack(self, h: torch.Tensor, rotary: StepRotary) -> bool:
+        """Whether every layer would take its fused kernel for `h` (`DecoderLayer.forward`'s test)."""
+        return (
+            self.fused_stack is not None
+            and h.shape[0] <= self.fused_stack_max_rows
+            and rotary.on_kernels
+            and h.is_contiguous()
+        )
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

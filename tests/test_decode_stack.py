@@ -1,0 +1,68 @@
+"""The kernels' whole-step decode (`decode_stack_`, one call for every layer) against the layer-by-
+layer loop it replaces: the same kernel calls in the same order, so the logits must be equal bit
+for bit, on float32 and int8 KV caches, for sequences of different lengths in one batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cadenza.attention_backends.torch_sdpa import TorchSDPABackend
+from cadenza.sampling_params import SamplingParams
+from cadenza.step import ScheduledChunk
+from test_engine import make_runtime
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+@pytest.fixture(scope="module", params=["float32", "int8"])
+def runtime(request, model_path):
+    """The tiny model quantized to Q8_0 on load: every layer runs on the fused kernel."""
+    rt = make_runtime(model_path, **{"model.quantization": "int8", "cache.dtype": request.param})
+    if rt.loaded.model.fused_stack is None:
+        pytest.skip("the CPU kernels are unavailable here")
+    return rt
+
+
+def _steps(runtime, prompts: list[list[int]], decode_steps: int, first_block: int) -> list[torch.Tensor]:
+    """Logits of a prefill per prompt, then of `decode_steps` steps decoding every prompt at once."""
+    params = SamplingParams(temperature=0, max_tokens=decode_steps + 1, ignore_eos=True)
+    per_seq = -(-(max(map(len, prompts)) + decode_steps + 1) // runtime.block_size)
+    tables = [list(range(first_block + i * per_seq, first_block + (i + 1) * per_seq)) for i in range(len(prompts))]
+    ids = [f"s{first_block}-{i}" for i in range(len(prompts))]
+    logits, last = [], []
+    for rid, prompt, table in zip(ids, prompts, tables):
+        result = runtime.runner.execute([ScheduledChunk(rid, prompt, 0, table, True, params, prompt)], return_logits=True)
+        logits.append(result.logits)
+        last.append(int(result.sampled.token_ids[0]))
+    for step in range(decode_steps):
+        chunks = [
+            ScheduledChunk(rid, [token], len(prompt) + step, table, True, params, prompt)
+            for rid, prompt, table, token in zip(ids, prompts, tables, last)
+        ]
+        result = runtime.runner.execute(chunks, return_logits=True)
+        logits.append(result.logits)
+        last = result.sampled.token_ids.tolist()
+    runtime.runner.finish_requests(ids)
+    return logits
+
+
+def test_whole_step_decode_equals_the_layer_loop(runtime, monkeypatch):
+    prompts = [[5, 9, 2, 7, 11], list(range(20, 43)), [3]]
+    calls = []
+    original = TorchSDPABackend.run_decode_stack
+
+    def counted(self, *args):
+        ran = original(self, *args)
+        calls.append(ran)
+        return ran
+
+    monkeypatch.setattr(TorchSDPABackend, "run_decode_stack", counted)
+    stacked = _steps(runtime, prompts, decode_steps=6, first_block=0)
+    # Every decode step ran as one call, and so did the one-token prompt; the longer prefills did not.
+    assert calls.count(True) == 7 and calls[-6:] == [True] * 6
+    monkeypatch.setattr(TorchSDPABackend, "run_decode_stack", lambda self, *args: False)
+    looped = _steps(runtime, prompts, decode_steps=6, first_block=64)
+    assert len(stacked) == len(looped) == len(prompts) + 6
+    for a, b in zip(stacked, looped):
+        assert torch.equal(a, b)
