@@ -78,6 +78,20 @@ def measure_ceilings(m: int = 256, k: int = 2048, n: int = 2048, read_bytes: int
     )
 
 
+def quantized_block_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the GGUF blocks a decode step reads (every quantized linear, the LM head
+    included; a tied head's blocks once); 0 where the model keeps none."""
+    from cadenza.models.quantized_linear import QuantizedLinear
+
+    seen: dict[int, int] = {}
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            for i in range(len(module.parts)):
+                blocks = module._blocks(i)
+                seen[blocks.data_ptr()] = blocks.numel()
+    return sum(seen.values())
+
+
 @dataclass(frozen=True, slots=True)
 class ModelCost:
     """Bytes and FLOPs of one Llama-family model; counts the projections and the attention."""
@@ -87,11 +101,13 @@ class ModelCost:
     head_params: int  # lm_head (read even when tied to the embedding)
     attn_width: int  # num_heads * head_dim
     kv_bytes_per_token: int  # keys and values of all layers
-    bytes_per_param: int
+    weight_bytes: int  # what a decode step reads of the projections and the LM head
 
     @classmethod
-    def from_arch(cls, arch, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> "ModelCost":
-        """`dtype`: the weights' (the smallest copy a decode step reads); `kv_dtype`: the KV cache's."""
+    def from_arch(cls, arch, dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
+                  model: torch.nn.Module | None = None) -> "ModelCost":
+        """`dtype`: the weights' (the smallest copy a decode step reads); `kv_dtype`: the KV cache's.
+        With `model`, its projections' stored bytes (GGUF blocks as kept) replace `dtype`'s count."""
         h, inter = arch.hidden_size, arch.intermediate_size
         per_layer = h * (arch.q_size + 2 * arch.kv_size) + arch.q_size * h + h * 2 * inter + inter * h
         size = torch.empty((), dtype=dtype).element_size()
@@ -102,12 +118,9 @@ class ModelCost:
             head_params=h * arch.vocab_size,
             attn_width=arch.num_heads * arch.head_dim,
             kv_bytes_per_token=arch.num_layers * 2 * arch.kv_size * kv_size,
-            bytes_per_param=size,
+            weight_bytes=(arch.num_layers * per_layer + h * arch.vocab_size) * size
+            if model is None or not quantized_block_bytes(model) else quantized_block_bytes(model),
         )
-
-    @property
-    def weight_bytes(self) -> int:
-        return (self.body_params + self.head_params) * self.bytes_per_param
 
     def decode_flops(self, context: int) -> float:
         """One decode token attending to `context` keys, logits included."""

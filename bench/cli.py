@@ -174,7 +174,7 @@ def _latency(args: argparse.Namespace) -> int:
     print(f"cadenza bench latency: {engine.source} ({args.dtype}), {env['machine']}, {env['torch_threads']} threads, "
           f"cadenza {env['cadenza_revision']}")
     ceilings, quiet = run_quietly(lambda: measure_ceilings(read_bytes=args.read_mib << 20), policy)
-    cost = ModelCost.from_arch(engine.arch, engine.dtype, engine.kv_dtype)
+    cost = ModelCost.from_arch(engine.arch, engine.dtype, engine.kv_dtype, engine.runtime.loaded.model)
     c = ceilings.as_dict()
     print(f"ceilings: memory read {c['memory_read_GBps']} GB/s, matmul bf16 {c['matmul_bf16_GFLOPps']} GFLOP/s, "
           f"fp32 {c['matmul_fp32_GFLOPps']} GFLOP/s (F.linear {'x'.join(map(str, ceilings.matmul_shape))}) ({quiet.describe()})")

@@ -268,3 +268,13 @@ def test_engine_on_native_path_with_small_cache(kernels):
         assert again.num_cached_tokens > 0 and again.token_ids[:4] == alone[0][:4]
         core = tight.engine.cache_core
         assert core.num_available == core.num_blocks
+
+
+def test_bench_roofline_counts_the_blocks_a_step_reads(default_models):
+    from cadenza.bench.ceilings import ModelCost
+
+    native, exact = default_models
+    quantized = ModelCost.from_arch(native.arch, torch.bfloat16, model=native.model)
+    assert 90e6 < quantized.weight_bytes < 98.4e6  # the file's blocks (tied head once), not bf16's 269 MB
+    plain = ModelCost.from_arch(exact.arch, torch.bfloat16, model=exact.model)
+    assert plain.weight_bytes == 2 * (plain.body_params + plain.head_params)
