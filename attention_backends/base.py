@@ -118,11 +118,11 @@ class AttentionBackend(ABC):
         None where they are off or unavailable. A backend may use them; the default ignores them."""
 
     def run_decode_stack(self, layers: list, h: torch.Tensor, positions: torch.Tensor, kv_caches: list, meta: AttentionMetadata) -> bool:
-        """Run a whole decode step's layers in one kernel call, if this backend can: `layers` are
-        the model's `DecoderLayerKernel`s (kernels/decode_layer.h), `h` [T, hidden] float32 the
-        residual stream, updated in place. Returns False (having done nothing) where it cannot;
-        the model then calls `forward` layer by layer. Whatever it does must equal that loop.
-        The default cannot."""
+        """Run a step of few rows (the model decides how few) through every layer in one kernel
+        call, if this backend can: `layers` are the model's `DecoderLayerKernel`s
+        (kernels/decode_layer.h), `h` [T, hidden] float32 the residual stream, updated in place.
+        Returns False (having done nothing) where it cannot; the model then calls `forward` layer
+        by layer. Its attention must be what `forward` computes, to rounding. The default cannot."""
         return False
 
     @abstractmethod

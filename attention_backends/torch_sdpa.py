@@ -118,20 +118,32 @@ class TorchSDPABackend(AttentionBackend):
         return _Group(rows, block_tables, seq_lens, num_seqs, max_q, max_k, padded_rows, mask_bool, is_causal)
 
     def run_decode_stack(self, layers, h, positions, kv_caches, meta) -> bool:
-        """The kernels' whole-step path for steps of decodes alone (`forward`'s kernel calls, in
-        C++ one layer after another), on float32 or int8 caches."""
-        if self._kernels is None or len(self._groups) != 1 or not self._groups[0].is_decode:
+        """The kernels' whole-step path (`forward`'s kernel calls, in C++ one layer after another),
+        on float32 or int8 caches. Each query row attends as a decode would: row j of a chunk
+        starting at context c sees keys [0, c + j + 1) through its sequence's block table, so a
+        speculative step's or a short prefill's rows are computed exactly as decodes are."""
+        if self._kernels is None:
             return False
-        group = self._groups[0]
         if all(isinstance(c, Int8KVCache) for c in kv_caches):
             caches, scales = [c.data for c in kv_caches], [c.scales for c in kv_caches]
         elif all(isinstance(c, torch.Tensor) and c.dtype == torch.float32 for c in kv_caches):
             caches, scales = kv_caches, []
         else:
             return False
-        self._kernels.decode_stack_(layers, h, positions, caches, scales, meta.slot_mapping, group.block_tables,
-                                    group.seq_lens, self.scale, self.sliding_window or 0)
+        tables, lens = self._row_tables(meta)
+        self._kernels.decode_stack_(layers, h, positions, caches, scales, meta.slot_mapping, tables, lens, self.scale,
+                                    self.sliding_window or 0)
         return True
+
+    @staticmethod
+    def _row_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block table, keys seen) of every query row: its sequence's, up to and including itself."""
+        if meta.max_query_len == 1:
+            return meta.block_tables, meta.seq_lens
+        counts = torch.tensor(meta.query_lens_list)
+        seq = torch.repeat_interleave(torch.arange(len(counts)), counts)
+        offsets = torch.arange(meta.num_tokens) - meta.query_start_loc[:-1].repeat_interleave(counts)
+        return meta.block_tables.index_select(0, seq), meta.context_lens[seq] + offsets + 1
 
     def forward(self, q, k, v, kv_cache, meta):
         int8 = isinstance(kv_cache, Int8KVCache)

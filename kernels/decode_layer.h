@@ -128,16 +128,19 @@ class DecoderLayerKernel {
   double eps_;
 };
 
-// A decode step (one query row per sequence) through every layer in one call: per layer,
-// `attention_input`, the new keys and values into the layer's paged cache, paged decode
-// attention and `finish_` -- the calls the Python loop makes, in the same order, so results are
-// bit for bit the same. One crossing from Python a step instead of four a layer: the glue cost
-// ~0.5 ms a step on the default model, and each crossing took the GIL back from the event loop.
-// kv_scales: empty for float32 caches, else the int8 caches' float16 scales.
+// A step of few rows through every layer in one call: per layer, `attention_input`, the new keys
+// and values into the layer's paged cache, paged decode attention and `finish_` -- the calls the
+// Python loop makes for a decode step, in the same order, so results are bit for bit the same.
+// Every query row attends as a decode: row i reads its own block table row_tables[i] up to
+// row_lens[i] keys (a chunk's row j at context c: c + j + 1), so the rows of a speculative step
+// or a short prefill equal the decode steps they stand for. One crossing from Python a step
+// instead of four a layer: the glue cost ~0.5 ms a step on the default model, and each crossing
+// took the GIL back from the event loop. kv_scales: empty for float32 caches, else the int8
+// caches' float16 scales.
 inline void decode_stack_(const std::vector<const DecoderLayerKernel*>& layers, torch::Tensor h,
                           const torch::Tensor& positions, const std::vector<torch::Tensor>& kv_caches,
                           const std::vector<torch::Tensor>& kv_scales, const torch::Tensor& slot_mapping,
-                          const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
+                          const torch::Tensor& row_tables, const torch::Tensor& row_lens, double scale,
                           int64_t window) {
   TORCH_CHECK(layers.size() == kv_caches.size(), "one KV cache per layer");
   const bool int8 = !kv_scales.empty();
@@ -148,10 +151,10 @@ inline void decode_stack_(const std::vector<const DecoderLayerKernel*>& layers, 
     torch::Tensor attn;
     if (int8) {
       write_kv_int8_(kv_caches[i], kv_scales[i], k, v, slot_mapping);
-      attn = paged_decode_attention_int8(q, kv_caches[i], kv_scales[i], block_tables, seq_lens, scale, window);
+      attn = paged_decode_attention_int8(q, kv_caches[i], kv_scales[i], row_tables, row_lens, scale, window);
     } else {
       write_kv_(kv_caches[i], k, v, slot_mapping);
-      attn = paged_decode_attention(q, kv_caches[i], block_tables, seq_lens, scale, window);
+      attn = paged_decode_attention(q, kv_caches[i], row_tables, row_lens, scale, window);
     }
     layers[i]->finish_(h, attn);
   }

@@ -15,9 +15,9 @@
 
 namespace cadenza {
 
-// Keys (and values) fetched ahead of the one being read; runs no shorter than this many keys.
+// Keys (and values) fetched ahead of the one being read; keys a work item covers (see decode_attention).
 constexpr int64_t kPrefetchKeys = 8;
-constexpr int64_t kMinRunKeys = 32;
+constexpr int64_t kRunKeys = 64;
 
 inline void prefetch_row(const void* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(static_cast<const char*>(p) + i, _MM_HINT_T0);
@@ -81,27 +81,33 @@ inline torch::Tensor decode_attention(const torch::Tensor& q, const KV* keys, co
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   auto out = torch::empty({B, H, D}, q.options());
-  // Work items are (sequence, kv head, run of key positions). A few sequences with one kv head
-  // each would leave threads idle (batch 1 of a 3-kv-head model: 3 items on 2 threads), so each
-  // (sequence, kv head) splits its keys into runs until there are a few items per thread; runs of
-  // one pair are merged after (flash-decoding's rescaled sums).
-  const int64_t threads = at::get_num_threads(), pairs = B * KVH;
-  const int64_t splits = std::max<int64_t>(1, std::min<int64_t>((4 * threads + pairs - 1) / pairs, 16));
-  const int64_t longest = *std::max_element(lens, lens + B);
-  const int64_t attended = window > 0 ? std::min(longest, window) : longest;
-  const int64_t run = std::max<int64_t>(kMinRunKeys, (attended + splits - 1) / splits);
+  // Work items are (sequence, kv head, run of kRunKeys key positions): a few sequences of one kv
+  // head each still give every thread work (batch 1 of a 3-kv-head model at 96 keys: 6 items),
+  // and runs of one pair are merged after (flash-decoding's rescaled sums). Runs depend on the
+  // sequence's own length alone, so a row's result does not depend on the rest of the batch or on
+  // the threads (batch invariance: a speculative step's rows equal the decode steps they replace).
+  const int64_t pairs = B * KVH;
+  std::vector<int64_t> first_item(static_cast<size_t>(pairs + 1), 0);  // pair p's runs: [first_item[p], first_item[p + 1])
+  for (int64_t pair = 0; pair < pairs; ++pair) {
+    const int64_t len = lens[pair / KVH], attended = window > 0 ? std::min(len, window) : len;
+    first_item[pair + 1] = first_item[pair] + std::max<int64_t>(1, (attended + kRunKeys - 1) / kRunKeys);
+  }
+  const int64_t items = first_item[pairs];
   // Per item and query head of the group: running max, sum of exponentials, unnormalized output.
-  std::vector<float> partial(splits > 1 ? static_cast<size_t>(pairs * splits * G * (D + 2)) : 0);
+  std::vector<float> partial(items > pairs ? static_cast<size_t>(items * G * (D + 2)) : 0);
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
   auto slot = [&](const int64_t* table, int64_t t) { return table[t / BS] * BS + t % BS; };
-  at::parallel_for(0, pairs * splits, 1, [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores, acc(static_cast<size_t>(G * D)), maxes(G), sums(G);  // per thread, reused
+    int64_t pair = static_cast<int64_t>(std::upper_bound(first_item.begin(), first_item.end(), i0) - first_item.begin()) - 1;
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t pair = i / splits, split = i % splits, b = pair / KVH, kvh = pair % KVH, len = lens[b];
+      while (first_item[pair + 1] <= i) ++pair;
+      const int64_t split = i - first_item[pair], runs = first_item[pair + 1] - first_item[pair];
+      const int64_t b = pair / KVH, kvh = pair % KVH, len = lens[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t t0 = std::min(len, first + split * run), t1 = std::min(len, t0 + run), n = t1 - t0;
+      const int64_t t0 = std::min(len, first + split * kRunKeys), t1 = std::min(len, t0 + kRunKeys), n = t1 - t0;
       const int64_t* table = tables + b * bts;
       const float* qh = qp + b * qs + kvh * G * D;
       scores.resize(static_cast<size_t>(G * std::max<int64_t>(n, 1)));
@@ -148,7 +154,7 @@ inline torch::Tensor decode_attention(const torch::Tensor& q, const KV* keys, co
         const float s = kQuantized ? _cvtsh_ss(value_scales[row]) : 1.0f;
         for (int64_t g = 0; g < G; ++g) axpy(scores[g * n + (t - t0)] * s, value, acc.data() + g * D, D);
       }
-      if (splits == 1) {  // the whole sequence: normalize straight into the output
+      if (runs == 1) {  // the whole sequence: normalize straight into the output
         for (int64_t g = 0; g < G; ++g) {
           float* o = op + (b * H + kvh * G + g) * D;
           const float inv = 1.0f / sums[g];
@@ -164,19 +170,21 @@ inline torch::Tensor decode_attention(const torch::Tensor& q, const KV* keys, co
       }
     }
   });
-  if (splits > 1) {
+  if (items > pairs) {
     // out = sum_r e^(m_r - M) acc_r / sum_r e^(m_r - M) l_r over a pair's runs (empty runs: m = -inf).
     at::parallel_for(0, pairs * G, 16, [&](int64_t j0, int64_t j1) {
       for (int64_t j = j0; j < j1; ++j) {
         const int64_t pair = j / G, g = j % G, b = pair / KVH, kvh = pair % KVH;
-        const float* first = partial.data() + (pair * splits * G + g) * (D + 2);
+        const int64_t runs = first_item[pair + 1] - first_item[pair];
+        if (runs == 1) continue;  // normalized in place above
+        const float* first = partial.data() + (first_item[pair] * G + g) * (D + 2);
         const int64_t step = G * (D + 2);
         float mx = -INFINITY;
-        for (int64_t r = 0; r < splits; ++r) mx = std::max(mx, first[r * step]);
+        for (int64_t r = 0; r < runs; ++r) mx = std::max(mx, first[r * step]);
         float* o = op + (b * H + kvh * G + g) * D;
         std::fill(o, o + D, 0.0f);
         float total = 0.0f;
-        for (int64_t r = 0; r < splits; ++r) {
+        for (int64_t r = 0; r < runs; ++r) {
           const float* p = first + r * step;
           if (p[0] == -INFINITY) continue;
           const float w = exp1(p[0] - mx);

@@ -48,7 +48,8 @@ def _steps(runtime, prompts: list[list[int]], decode_steps: int, first_block: in
 
 
 def test_whole_step_decode_equals_the_layer_loop(runtime, monkeypatch):
-    prompts = [[5, 9, 2, 7, 11], list(range(20, 43)), [3]]
+    # Prompts longer than any CPU's fused row limit: their prefills run layer by layer either way.
+    prompts = [[(5 * i) % 97 for i in range(70)], list(range(20, 110)), [3] * 65]
     calls = []
     original = TorchSDPABackend.run_decode_stack
 
@@ -59,10 +60,44 @@ def test_whole_step_decode_equals_the_layer_loop(runtime, monkeypatch):
 
     monkeypatch.setattr(TorchSDPABackend, "run_decode_stack", counted)
     stacked = _steps(runtime, prompts, decode_steps=6, first_block=0)
-    # Every decode step ran as one call, and so did the one-token prompt; the longer prefills did not.
-    assert calls.count(True) == 7 and calls[-6:] == [True] * 6
+    assert calls == [True] * 6  # every decode step ran as one call
     monkeypatch.setattr(TorchSDPABackend, "run_decode_stack", lambda self, *args: False)
     looped = _steps(runtime, prompts, decode_steps=6, first_block=64)
     assert len(stacked) == len(looped) == len(prompts) + 6
     for a, b in zip(stacked, looped):
         assert torch.equal(a, b)
+
+
+def test_a_chunk_of_rows_equals_the_decode_steps_it_stands_for(runtime):
+    """What speculative verification relies on: a chunk of k tokens after a prompt gives, row by
+    row, the logits of the k decode steps that feed the same tokens one at a time, bit for bit, and
+    a decoding neighbour in the same step keeps its logits."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt, follow = [7, 1, 8, 2, 8, 1, 8], [4, 5, 9, 0, 6]
+    other, other_next = list(range(30, 50)), 11
+
+    def run(first_block: int, chunked: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+        a, b = f"a{first_block}", f"b{first_block}"
+        ta, tb = list(range(first_block, first_block + 4)), list(range(first_block + 4, first_block + 8))
+        runtime.runner.execute([ScheduledChunk(a, prompt, 0, ta, True, params, prompt)])
+        runtime.runner.execute([ScheduledChunk(b, other, 0, tb, True, params, other)])
+        neighbour = ScheduledChunk(b, [other_next], len(other), tb, True, params, other)
+        if chunked:
+            rows = runtime.runner.execute(
+                [ScheduledChunk(a, follow, len(prompt), ta, True, params, prompt), neighbour], return_logits=True
+            ).logits
+            # logits: the sampled row of each chunk; the chunk's other rows come from the model directly.
+            result = [rows[0]], rows[1]
+        else:
+            steps = [
+                runtime.runner.execute([ScheduledChunk(a, [t], len(prompt) + i, ta, True, params, prompt)], return_logits=True).logits[0]
+                for i, t in enumerate(follow)
+            ]
+            result = steps[-1:], runtime.runner.execute([neighbour], return_logits=True).logits[0]
+        runtime.runner.finish_requests([a, b])
+        return result
+
+    decoded, decoded_neighbour = run(0, chunked=False)
+    chunk, chunk_neighbour = run(32, chunked=True)
+    assert torch.equal(chunk[0], decoded[0])  # the chunk's last row = the last of the decode steps
+    assert torch.equal(chunk_neighbour, decoded_neighbour)
