@@ -19,7 +19,7 @@ from cadenza.attention_backends.base import AttentionBackend, AttentionMetadata
 from cadenza.models.config import ModelArchConfig
 from cadenza.models.dual_linear import DualPrecisionLinear, linear_add_
 from cadenza.models.errors import ModelLoadError
-from cadenza.models.quantized_linear import QuantizedEmbedding, QuantizedLinear, QuantizedTensor
+from cadenza.models.quantized_linear import QuantizedEmbedding, QuantizedLinear, QuantizedTensor, move_into_huge_pages
 from cadenza.models.rotary import RotaryEmbedding, StepRotary
 
 # Checkpoint tensors that carry nothing we need.
@@ -183,6 +183,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if module is not self and hasattr(module, "use_cpu_kernels"):
                 module.use_cpu_kernels(kernels)
+        if kernels is not None:  # the blocks as the kernels read them, before the layer kernels hold them
+            move_into_huge_pages(self)
         for layer in self.layers:
             layer.fuse(kernels, self.rotary)
         fused = [layer.fused for layer in self.layers]

@@ -153,6 +153,13 @@ class QuantizedLinear(nn.Module):
     def _blocks(self, i: int) -> torch.Tensor:
         return getattr(self, f"blocks{i}")
 
+    def block_tensors(self) -> list[torch.Tensor]:
+        return [self._blocks(i) for i in range(len(self.parts))]
+
+    def rebind_blocks(self, moved: dict[int, torch.Tensor]) -> None:
+        """Use the copies in `moved` (by the data_ptr of the blocks they copy) from now on."""
+        self._set_parts([(first, qtype, moved[self._blocks(i).data_ptr()]) for i, (first, qtype) in enumerate(self.parts)])
+
     def use_cpu_kernels(self, kernels) -> None:
         self.kernels = kernels
         self.bias_f32 = None if self.bias is None else self.bias.detach().float().contiguous()
@@ -248,6 +255,12 @@ class QuantizedEmbedding(nn.Module):
         if not self.qtype & PACKED_FLAG:
             self.blocks, self.qtype = pack_for_kernels(kernels, self.blocks, self.qtype)
 
+    def block_tensors(self) -> list[torch.Tensor]:
+        return [self.blocks]
+
+    def rebind_blocks(self, moved: dict[int, torch.Tensor]) -> None:
+        self.blocks = moved[self.blocks.data_ptr()]
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.kernels is None:
             raise RuntimeError("a QuantizedEmbedding runs only on cadenza's CPU kernels, and they are switched off")
@@ -257,3 +270,19 @@ class QuantizedEmbedding(nn.Module):
     def extra_repr(self) -> str:
         name = NATIVE_TYPES.get(ggml_type(self.qtype), ("pending",))[0] + ("x16" if self.qtype & PACKED_FLAG else "")
         return f"{self.num_embeddings}, {self.embedding_dim}, blocks={name}"
+
+
+def move_into_huge_pages(model: nn.Module) -> int:
+    """Every quantized module's blocks into one huge-page buffer (models/weight_arena.py), after
+    packing; returns the bytes moved. Run before anything keeps references to the old tensors
+    (the fused layer kernels)."""
+    from cadenza.models.weight_arena import move_into_arena
+
+    modules = [m for m in model.modules() if isinstance(m, (QuantizedLinear, QuantizedEmbedding))]
+    tensors = [t for m in modules for t in m.block_tensors()]
+    if not tensors:
+        return 0
+    moved = move_into_arena(tensors)
+    for module in modules:
+        module.rebind_blocks(moved)
+    return sum(t.numel() for t in moved.values())
