@@ -199,6 +199,9 @@ def test_default_model_runs_its_blocks_natively(default_models):
     model = native.model
     assert isinstance(model.embed_tokens, QuantizedEmbedding) and isinstance(model.lm_head, QuantizedLinear)
     assert model.lm_head.blocks0 is model.embed_tokens.blocks  # the tied head reads the same blocks
+    # Packed for the kernels, all in one (huge-page) buffer: models/weight_arena.py.
+    storages = {b.untyped_storage().data_ptr() for name, b in model.named_buffers() if "blocks" in name.rpartition(".")[2]}
+    assert len(storages) == 1
     assert all(isinstance(m, QuantizedLinear) for m in (model.layers[0].self_attn.qkv_proj, model.layers[0].mlp.down_proj))
     assert model.layers[0].fused is not None and native.compute_dtype == torch.float32
     # No de-quantized copy: every linear weight is the file's bytes (98 MB file, F32 norms aside).
