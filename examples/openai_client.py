@@ -33,7 +33,7 @@ def main() -> None:
         ],
         max_completion_tokens=args.max_tokens,
         temperature=0.7,
-        seed=7,  # sampled, yet the same answer every run
+        seed=7,  # sampled, yet the same answer every run on the same computation (README: a cached prompt)
         stream=True,
         stream_options={"include_usage": True},
     )
