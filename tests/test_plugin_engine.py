@@ -271,6 +271,19 @@ def test_attention_backend_is_offered_the_models_cpu_kernels_once(model_path):
     assert without.runner.backend.kernels_given == [None] and without.loaded.model.kernels is None
 
 
+@covers("AttentionBackend.run_decode_stack")
+async def test_a_backend_without_a_whole_step_path_gets_every_layer(model_path):
+    """The model asks the backend to run a step of few rows in one call (the built-in backend's
+    kernel path, tests/test_decode_stack.py); the default says no, and every layer calls forward."""
+    runtime = make_runtime(model_path, attention_backend="counting_test", **{"model.quantization": "int8"})
+    if runtime.loaded.model.fused_stack is None:
+        pytest.skip("the CPU kernels are unavailable here: no layer is fused")
+    backend = runtime.runner.backend
+    async with AsyncEngine.serve(runtime) as engine:
+        tokens, _ = await collect(engine, [5, 6, 7], greedy(6))
+    assert len(tokens) == 6 and backend.steps >= 6 and backend.layers == 2 * backend.steps
+
+
 @covers("Sampler.sample", "SamplingComponent.name")
 async def test_sampler_plugin_with_params_on_and_off_in_one_batch(model_path):
     runtime = make_runtime(model_path, processors=(), **{"sampling.sampler": "force_test"})
