@@ -246,29 +246,28 @@ def test_default_model_greedy_tokens_reported(default_models):
 
 
 def test_engine_on_native_path_with_small_cache(kernels):
-    """Prefix cache, chunked prefill and preemption over the quantized model. The kernels are batch
-    invariant, but chunked and batched attention sum in another order than a lone request's, so a
-    near-tie between two tokens may flip late in a sequence: the first tokens must agree with the
-    request run alone, and every request must finish, reuse the cached system prompt, and free its
-    blocks."""
+    """Prefix cache, chunked prefill and preemption over the quantized model. Steps stay under the
+    GEMM's row threshold (chunks of 16, at most 19 rows a step), where every row is computed alone:
+    the packed int8 products and the paged attention are batch invariant, so each request's tokens
+    must equal its tokens run alone, however it was chunked, batched, preempted and recomputed.
+    Every request must finish, reuse the cached system prompt, and free its blocks."""
     from cadenza import LLM, SamplingParams
 
     system = "You are a helpful assistant. Answer briefly and precisely. " * 3
     prompts = [system + q for q in ("What is 2+2?", "Name a fruit.", "Say hi.", "Count to three.")]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    with LLM(block_size=8, num_blocks=256, quantization="auto") as roomy:
+    small_steps = {"chunk_size": 16, "max_num_batched_tokens": 19}
+    with LLM(block_size=8, num_blocks=256, quantization="auto", **small_steps) as roomy:
         assert roomy.runtime.loaded.model.layers[0].fused is not None
         alone = [roomy.generate([p], params)[0].token_ids for p in prompts]
-    with LLM(block_size=8, num_blocks=16, chunk_size=16, max_num_batched_tokens=32, quantization="auto") as tight:
+    with LLM(block_size=8, num_blocks=16, quantization="auto", **small_steps) as tight:
         outs = tight.generate(prompts, params)
-        agree = [next((i for i, (a, b) in enumerate(zip(o.token_ids, ref)) if a != b), 24) for o, ref in zip(outs, alone)]
-        print(f"tokens agreeing with the request alone: {agree} of 24")
-        assert all(o.finish_reason == "length" and len(o.token_ids) == 24 for o in outs)
-        assert min(agree) >= 4
+        assert all(o.finish_reason == "length" for o in outs)
+        assert [o.token_ids for o in outs] == alone
         assert tight.engine.metrics.num_preemptions > 0
         assert any(o.num_cached_tokens > 0 for o in outs)  # the shared system prompt was reused
         again = tight.generate(prompts[:1], params)[0]
-        assert again.num_cached_tokens > 0 and again.token_ids[:4] == alone[0][:4]
+        assert again.num_cached_tokens > 0 and again.token_ids == alone[0]
         core = tight.engine.cache_core
         assert core.num_available == core.num_blocks
 
