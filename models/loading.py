@@ -16,6 +16,7 @@ from cadenza.models.dual_linear import use_dual_precision
 from cadenza.models.default_model import default_model_path
 from cadenza.models.errors import ModelLoadError
 from cadenza.models.llama import LlamaForCausalLM
+from cadenza.models.quantized_linear import block_layouts
 from cadenza.models.rotary import RotaryEmbedding
 from cadenza.models.tokenizer import Tokenizer, load_hf_tokenizer
 
@@ -103,6 +104,11 @@ def load_model(
 
         kernels = kernels or cpu.configure(cpu_kernels)
         model.use_cpu_kernels(kernels)
+        for layout in block_layouts(model, kernels) if native else ():
+            if layout.pop("packed"):
+                log.info("Quantized weights packed 16 rows at a time for AVX-512 VNNI", **layout)
+            else:
+                log.info("Quantized weights run in the file's layout", **layout)
     log.info(
         "Loaded model",
         source=source,

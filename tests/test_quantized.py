@@ -280,3 +280,16 @@ def test_bench_roofline_counts_the_blocks_a_step_reads(default_models):
     assert 90e6 < quantized.weight_bytes < 98.4e6  # the file's blocks (tied head once), not bf16's 269 MB
     plain = ModelCost.from_arch(exact.arch, torch.bfloat16, model=exact.model)
     assert plain.weight_bytes == 2 * (plain.body_params + plain.head_params)
+
+
+def test_load_says_which_layout_each_block_type_runs_in(default_models, kernels):
+    from cadenza.models.quantized_linear import block_layouts
+
+    native, _ = default_models
+    layouts = {e["type"]: e for e in block_layouts(native.model, native.model.kernels)}
+    assert set(layouts) == {"Q4_1", "Q8_0"}  # the default model's linears and its tied embedding
+    assert layouts["Q4_1"]["tensors"] == 30 * 4 and layouts["Q8_0"]["tensors"] == 2  # head + embedding
+    packed = kernels.packed_kernels_built()
+    for entry in layouts.values():
+        assert entry["packed"] == packed
+        assert packed or "AVX-512 VNNI" in entry["reason"]
