@@ -54,6 +54,12 @@ def _packed_f32(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and x.stride(-1) == 1 and x.stride(1) == x.shape[2]
 
 
+# The longest chunk the whole-step path takes: its rows each read their keys as a decode does, which
+# is what speculative verification needs (k + 1 rows); a longer prefill chunk is cheaper through
+# SDPA, which reads them once for the chunk.
+STACK_MAX_QUERY_LEN = 16
+
+
 class TorchSDPABackend(AttentionBackend):
     """Pads each group to [n, max_query_len] queries against [n, max_seq_len] gathered keys.
 
@@ -122,7 +128,7 @@ class TorchSDPABackend(AttentionBackend):
         on float32 or int8 caches. Each query row attends as a decode would: row j of a chunk
         starting at context c sees keys [0, c + j + 1) through its sequence's block table, so a
         speculative step's or a short prefill's rows are computed exactly as decodes are."""
-        if self._kernels is None:
+        if self._kernels is None or meta.max_query_len > STACK_MAX_QUERY_LEN:
             return False
         if all(isinstance(c, Int8KVCache) for c in kv_caches):
             caches, scales = [c.data for c in kv_caches], [c.scales for c in kv_caches]
