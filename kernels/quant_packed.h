@@ -1,4 +1,4 @@
-// GGUF's 32-value block types (Q4_0, Q4_1, Q8_0) re-laid 16 output rows at a time, for AVX-512
+// GGUF's 32-value block types (Q4_0, Q4_1, Q8_0) and Q4_K re-laid 16 output rows at a time, for AVX-512
 // VNNI: one instruction then computes a 4-value integer dot product for 16 rows at once, and the
 // float scaling of a block (its scale times the activation's) runs once per 16 rows, not per row.
 //
@@ -25,6 +25,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "linear.h"
 #include "quant_common.h"
@@ -61,6 +62,14 @@ struct PackQ8_0 {
   static constexpr bool kHasMin = false, kNibbles = false;
 };
 
+// Q4_K: 256-value super-blocks of 8 sub-blocks with 6-bit scales and mins. A group-block is
+//   16 d | 16 dmin (float16) | the 12 scale bytes, byte i of the 16 rows at 64 + 16 i |
+//   per pair c of sub-blocks (2c: low nibbles, 2c + 1: high), 8 chunks of 64 bytes at 256 + 512 c
+// (chunk k: bytes [4k, 4k + 4) of each row's 32 bytes of the pair): the file's 144 bytes a row.
+struct PackQ4_K {
+  static constexpr int64_t kBytes = 144;
+};
+
 template <class P>
 constexpr int64_t packed_header_bytes() {
   return kPackRows * 2 * (P::kHasMin ? 2 : 1);
@@ -73,9 +82,10 @@ inline auto with_packed_type(int64_t qtype, F&& f) {
     case kQ4_0: return f(PackQ4_0{});
     case kQ4_1: return f(PackQ4_1{});
     case kQ8_0: return f(PackQ8_0{});
+    case kQ4_K: return f(PackQ4_K{});
     default: break;
   }
-  TORCH_CHECK(false, "GGML type ", qtype, " has no packed layout (Q4_0, Q4_1 and Q8_0 do)");
+  TORCH_CHECK(false, "GGML type ", qtype, " has no packed layout (Q4_0, Q4_1, Q8_0 and Q4_K do)");
   return f(PackQ8_0{});  // not reached
 }
 
@@ -85,12 +95,21 @@ inline int64_t unpacked_type(int64_t qtype) { return qtype & ~kPackedFlag; }
 // Row r's block of one packed group-block `gb`, as the file stores it (`raw`: P::kBytes bytes).
 template <class P>
 inline void packed_raw_block(const uint8_t* gb, int64_t r, uint8_t* raw) {
+  if constexpr (std::is_same_v<P, PackQ4_K>) {
+    std::memcpy(raw, gb + 2 * r, 2);
+    std::memcpy(raw + 2, gb + 32 + 2 * r, 2);
+    for (int64_t i = 0; i < 12; ++i) raw[4 + i] = gb[64 + 16 * i + r];
+    for (int64_t c = 0; c < 4; ++c)
+      for (int64_t k = 0; k < 8; ++k) std::memcpy(raw + 16 + 32 * c + 4 * k, gb + 256 + 512 * c + 64 * k + 4 * r, 4);
+    return;
+  } else {
   std::memcpy(raw, gb + 2 * r, 2);
   if constexpr (P::kHasMin) std::memcpy(raw + 2, gb + 2 * kPackRows + 2 * r, 2);
   const uint8_t* chunks = gb + packed_header_bytes<P>();
   for (int64_t c = 0; c < P::kChunks; ++c) std::memcpy(raw + P::kValues + 4 * c, chunks + 64 * c + 4 * r, 4);
   if constexpr (P::kOffset == 128)
     for (int64_t i = P::kValues; i < P::kBytes; ++i) raw[i] ^= 0x80;
+  }
 }
 
 // The weight w [N, row_bytes] of GGML type qtype, packed (same shape; N a multiple of 16).
@@ -110,6 +129,18 @@ inline torch::Tensor quant_pack(const torch::Tensor& w, int64_t qtype) {
       for (int64_t g = g0; g < g1; ++g)
         for (int64_t b = 0; b < nblocks; ++b) {
           uint8_t* gb = dst + g * kPackRows * row_bytes + b * group_bytes;
+          if constexpr (std::is_same_v<P, PackQ4_K>) {
+            for (int64_t r = 0; r < kPackRows; ++r) {
+              const uint8_t* raw = src + (g * kPackRows + r) * row_bytes + b * P::kBytes;
+              std::memcpy(gb + 2 * r, raw, 2);
+              std::memcpy(gb + 32 + 2 * r, raw + 2, 2);
+              for (int64_t i = 0; i < 12; ++i) gb[64 + 16 * i + r] = raw[4 + i];
+              for (int64_t c = 0; c < 4; ++c)
+                for (int64_t k = 0; k < 8; ++k)
+                  std::memcpy(gb + 256 + 512 * c + 64 * k + 4 * r, raw + 16 + 32 * c + 4 * k, 4);
+            }
+            continue;
+          } else {
           uint8_t* chunks = gb + packed_header_bytes<P>();
           for (int64_t r = 0; r < kPackRows; ++r) {
             const uint8_t* raw = src + (g * kPackRows + r) * row_bytes + b * P::kBytes;
@@ -120,6 +151,7 @@ inline torch::Tensor quant_pack(const torch::Tensor& w, int64_t qtype) {
                 const uint8_t v = raw[P::kValues + 4 * c + j];
                 chunks[64 * c + 4 * r + j] = P::kOffset == 128 ? v ^ 0x80 : v;  // Q8_0: q + 128
               }
+          }
           }
         }
     });
@@ -192,6 +224,73 @@ inline void packed_dot_group(const uint8_t* wg, int64_t nblocks, const Quantized
   }
 }
 
+// Q4_K's 16 rows' scale (d * sc) and negated min (-(dmin * m)) of each sub-block, from the 12
+// scale bytes (byte i of every row at sb + 16 i), as q4k_scale_min in quant.h unpacks them.
+inline void q4k_scales16(const uint8_t* sb, __m512 d, __m512 dmin, __m512* scale, __m512* minv) {
+  __m512i b[12];
+  for (int i = 0; i < 12; ++i) b[i] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 16 * i)));
+  const __m512i m6 = _mm512_set1_epi32(63), m4 = _mm512_set1_epi32(15);
+  const __m512i sign = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
+  for (int j = 0; j < 8; ++j) {
+    __m512i sc, m;
+    if (j < 4) {
+      sc = _mm512_and_si512(b[j], m6);
+      m = _mm512_and_si512(b[j + 4], m6);
+    } else {
+      sc = _mm512_or_si512(_mm512_and_si512(b[j + 4], m4), _mm512_slli_epi32(_mm512_srli_epi32(b[j - 4], 6), 4));
+      m = _mm512_or_si512(_mm512_srli_epi32(b[j + 4], 4), _mm512_slli_epi32(_mm512_srli_epi32(b[j], 6), 4));
+    }
+    scale[j] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+    minv[j] = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m))), sign));
+  }
+}
+
+// Output rows [n, n + 16) of M activation rows from m0 for a packed Q4_K group `wg`.
+template <int M>
+inline void packed_dot_group_q4k(const uint8_t* wg, int64_t nblocks, const QuantizedActivations& a, int64_t m0,
+                                 const float* bias, float* out, int64_t os, bool accumulate, int64_t n) {
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const uint8_t* gb = wg + b * kPackRows * PackQ4_K::kBytes;
+    __m512 scale[8], minv[8];
+    q4k_scales16(gb + 64, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb))),
+                 _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 32))), scale, minv);
+    for (int c = 0; c < 4; ++c) {  // sub-blocks 2c (low nibbles) and 2c + 1 (high)
+      __m512i lo[8], hi[8];
+      for (int k = 0; k < 8; ++k) {
+        const __m512i v = _mm512_loadu_si512(gb + 256 + 512 * c + 64 * k);
+        lo[k] = _mm512_and_si512(v, low);
+        hi[k] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+      for (int m = 0; m < M; ++m) {
+        const int64_t blk = (m0 + m) * a.blocks + 8 * b + 2 * c;
+        const int8_t* x = a.q.data() + (m0 + m) * a.K + 256 * b + 64 * c;
+        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+        __m512i t0 = _mm512_setzero_si512(), t1 = _mm512_setzero_si512();
+        for (int k = 0; k < 8; k += 2) {
+          s0 = _mm512_dpbusd_epi32(s0, lo[k], broadcast4(x + 4 * k));
+          s1 = _mm512_dpbusd_epi32(s1, lo[k + 1], broadcast4(x + 4 * k + 4));
+          t0 = _mm512_dpbusd_epi32(t0, hi[k], broadcast4(x + 32 + 4 * k));
+          t1 = _mm512_dpbusd_epi32(t1, hi[k + 1], broadcast4(x + 32 + 4 * k + 4));
+        }
+        const __m512i sl = _mm512_add_epi32(s0, s1), sh = _mm512_add_epi32(t0, t1);
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sl), _mm512_mul_ps(scale[2 * c], _mm512_set1_ps(a.d[blk])), acc[m]);
+        acc[m] = _mm512_fmadd_ps(minv[2 * c], _mm512_set1_ps(a.s[blk]), acc[m]);
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sh), _mm512_mul_ps(scale[2 * c + 1], _mm512_set1_ps(a.d[blk + 1])), acc[m]);
+        acc[m] = _mm512_fmadd_ps(minv[2 * c + 1], _mm512_set1_ps(a.s[blk + 1]), acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    __m512 v = acc[m];
+    if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n));
+    float* o = out + m * os + n;
+    _mm512_storeu_ps(o, accumulate ? _mm512_add_ps(_mm512_loadu_ps(o), v) : v);
+  }
+}
+
 // out [M, N] (+)= a @ W^T (+ bias) for a packed weight wp [N, row_bytes].
 template <class P>
 inline void packed_matmul(const QuantizedActivations& a, int64_t M, const uint8_t* wp, int64_t N, int64_t row_bytes,
@@ -200,11 +299,20 @@ inline void packed_matmul(const QuantizedActivations& a, int64_t M, const uint8_
   for_each_tile(N, M, kPackRows, [&](int64_t n0, int64_t, int64_t m, int64_t rows) {
     const uint8_t* wg = wp + n0 * row_bytes;
     float* om = out + m * os;
-    switch (rows) {
-      case 1: packed_dot_group<P, 1>(wg, nblocks, a, m, bias, om, os, accumulate, n0); break;
-      case 2: packed_dot_group<P, 2>(wg, nblocks, a, m, bias, om, os, accumulate, n0); break;
-      case 3: packed_dot_group<P, 3>(wg, nblocks, a, m, bias, om, os, accumulate, n0); break;
-      default: packed_dot_group<P, 4>(wg, nblocks, a, m, bias, om, os, accumulate, n0); break;
+    if constexpr (std::is_same_v<P, PackQ4_K>) {
+      switch (rows) {
+        case 1: packed_dot_group_q4k<1>(wg, nblocks, a, m, bias, om, os, accumulate, n0); break;
+        case 2: packed_dot_group_q4k<2>(wg, nblocks, a, m, bias, om, os, accumulate, n0); break;
+        case 3: packed_dot_group_q4k<3>(wg, nblocks, a, m, bias, om, os, accumulate, n0); break;
+        default: packed_dot_group_q4k<4>(wg, nblocks, a, m, bias, om, os, accumulate, n0); break;
+      }
+    } else {
+      switch (rows) {
+        case 1: packed_dot_group<P, 1>(wg, nblocks, a, m, bias, om, os, accumulate, n0); break;
+        case 2: packed_dot_group<P, 2>(wg, nblocks, a, m, bias, om, os, accumulate, n0); break;
+        case 3: packed_dot_group<P, 3>(wg, nblocks, a, m, bias, om, os, accumulate, n0); break;
+        default: packed_dot_group<P, 4>(wg, nblocks, a, m, bias, om, os, accumulate, n0); break;
+      }
     }
   });
 }

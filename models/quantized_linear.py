@@ -24,7 +24,7 @@ A fused projection (q/k/v, gate/up) is its parts' rows one after another; parts 
 concatenated into one tensor (rows are independent), parts of different types each write their
 columns of the output.
 
-Where the kernels are built for AVX-512 VNNI, Q4_0, Q4_1 and Q8_0 weights of a multiple of 16
+Where the kernels are built for AVX-512 VNNI, Q4_0, Q4_1, Q8_0 and Q4_K weights of a multiple of 16
 rows are re-laid on `use_cpu_kernels` 16 rows at a time (kernels/quant_packed.h; same bytes, the
 old tensor freed): batch-1 products run about 2x faster, and a step of 4 rows costs 1.5x one row
 instead of 2.5x. A packed part's type id is its GGML id plus `PACKED_FLAG`; a tied LM head packs
@@ -46,7 +46,7 @@ NATIVE_TYPES = {8: ("Q8_0", 32, 34), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 1
 
 # Type ids of packed weights (kernels/quant_packed.h): the GGML id plus this flag.
 PACKED_FLAG = 256
-PACKABLE_TYPES = frozenset({2, 3, 8})  # Q4_0, Q4_1, Q8_0
+PACKABLE_TYPES = frozenset({2, 3, 8, 12})  # Q4_0, Q4_1, Q8_0, Q4_K
 PACK_ROWS = 16
 
 
@@ -316,6 +316,6 @@ def block_layouts(model: nn.Module, kernels) -> list[dict]:
         if not packed and not built:
             entry["reason"] = "the kernels are built without AVX-512 VNNI (the CPU lacks it, or CADENZA_CPU_ISA=avx2)"
         elif not packed:
-            entry["reason"] = "no packed layout for this type" if name not in ("Q8_0", "Q4_0", "Q4_1") else f"rows not a multiple of {PACK_ROWS}"
+            entry["reason"] = "no packed layout for this type" if name not in ("Q8_0", "Q4_0", "Q4_1", "Q4_K") else f"rows not a multiple of {PACK_ROWS}"
         layouts.append(entry)
     return layouts

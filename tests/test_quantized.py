@@ -133,6 +133,39 @@ def test_rows_dequantize_exactly(kernels, qtype):
     assert torch.equal(as_bf16, whole.bfloat16())
 
 
+PACKABLE = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K)
+
+
+@pytest.mark.parametrize("qtype", PACKABLE, ids=lambda t: t.name)
+def test_packed_layout_matches_the_reference_and_the_file_layout(kernels, qtype):
+    """kernels/quant_packed.h: 16 rows re-laid for AVX-512 VNNI. Products within the float64
+    tolerance, every row the same alone or in a batch of any size, rows and whole weights
+    de-quantized exactly as from the file's layout."""
+    if not kernels.packed_kernels_built():
+        pytest.skip("the kernels are built without AVX-512 VNNI here")
+    rng = np.random.default_rng(int(qtype) + 11)
+    cols, out_features = 768, 48
+    blocks = random_blocks(qtype, out_features, cols, rng)
+    w = torch.from_numpy(blocks)
+    packed, packed_type = kernels.quant_pack(w, int(qtype)), int(qtype) + 256
+    assert packed.shape == w.shape and kernels.quant_in_features(packed, packed_type) == cols
+    x = torch.from_numpy(rng.standard_normal((9, cols), dtype=np.float32))
+    expected, tol = reference(blocks, qtype, x)
+    got = kernels.quant_linear(x, packed, packed_type, None)
+    assert ((got.double() - expected).abs() <= tol).all()
+    for rows in (1, 2, 3, 4, 5):  # a row's sum does not depend on how many rows share the call
+        assert torch.equal(kernels.quant_linear(x[:rows].clone(), packed, packed_type, None), got[:rows])
+    bias = torch.from_numpy(rng.standard_normal(out_features, dtype=np.float32))
+    residual = torch.from_numpy(rng.standard_normal((9, out_features), dtype=np.float32))
+    summed = kernels.quant_linear_add_(residual.clone(), x, packed, packed_type, bias)
+    assert torch.equal(summed, residual + kernels.quant_linear(x, packed, packed_type, bias))
+    ids = torch.tensor([0, 17, 47, 16, 3])
+    assert torch.equal(kernels.quant_rows(packed, packed_type, ids), kernels.quant_rows(w, int(qtype), ids))
+    assert torch.equal(kernels.quant_dequantize(packed, packed_type), kernels.quant_dequantize(w, int(qtype)))
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        kernels.quant_pack(w[:40].contiguous(), int(qtype))
+
+
 @pytest.mark.parametrize("rows", [3, 70])  # the kernel; the de-quantized GEMM (GEMM_MIN_ROWS, any CPU)
 def test_quantized_linear_of_mixed_parts(kernels, rows):
     """A fused projection whose parts differ in type (q/k Q4_K, v Q6_K, as Q4_K_M files have them)."""
