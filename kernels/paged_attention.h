@@ -206,13 +206,15 @@ inline torch::Tensor decode_attention(const torch::Tensor& q, const KV* keys, co
           summed = true;
         }
       }
-      for (int64_t t = t0; t < t1 && !summed; ++t) {
-        if (t + kPrefetchKeys < t1)
-          prefetch_row(values + (slot(table, t + kPrefetchKeys) * KVH + kvh) * D, D * sizeof(KV));
-        const int64_t row = slot(table, t) * KVH + kvh;
-        const KV* value = values + row * D;
-        const float s = kQuantized ? _cvtsh_ss(value_scales[row]) : 1.0f;
-        for (int64_t g = 0; g < G; ++g) axpy(scores[g * n + (t - t0)] * s, value, acc.data() + g * D, D);
+      if (!summed) {
+        for (int64_t t = t0; t < t1; ++t) {
+          if (t + kPrefetchKeys < t1)
+            prefetch_row(values + (slot(table, t + kPrefetchKeys) * KVH + kvh) * D, D * sizeof(KV));
+          const int64_t row = slot(table, t) * KVH + kvh;
+          const KV* value = values + row * D;
+          const float s = kQuantized ? _cvtsh_ss(value_scales[row]) : 1.0f;
+          for (int64_t g = 0; g < G; ++g) axpy(scores[g * n + (t - t0)] * s, value, acc.data() + g * D, D);
+        }
       }
       if (runs == 1) {  // the whole sequence: normalize straight into the output
         for (int64_t g = 0; g < G; ++g) {

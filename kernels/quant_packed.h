@@ -92,24 +92,35 @@ inline auto with_packed_type(int64_t qtype, F&& f) {
 inline bool is_packed(int64_t qtype) { return (qtype & kPackedFlag) != 0; }
 inline int64_t unpacked_type(int64_t qtype) { return qtype & ~kPackedFlag; }
 
+// Calls f(raw, packed, bytes) for each field of a block: `bytes` bytes at offset `raw` of row r's
+// block in the file sit at offset packed + r * bytes of its group-block. The layouts above, once,
+// for packing and for re-assembling a row's block alike.
+template <class P, class F>
+inline void for_each_field(F&& f) {
+  if constexpr (std::is_same_v<P, PackQ4_K>) {
+    f(0, 0, 2);                                                                   // d
+    f(2, 2 * kPackRows, 2);                                                       // dmin
+    for (int64_t i = 0; i < 12; ++i) f(4 + i, 4 * kPackRows + kPackRows * i, 1);  // the scale bytes
+    for (int64_t c = 0; c < 4; ++c)
+      for (int64_t k = 0; k < 8; ++k) f(16 + 32 * c + 4 * k, 16 * kPackRows + 512 * c + 64 * k, 4);
+  } else {
+    f(0, 0, 2);                                        // d
+    if constexpr (P::kHasMin) f(2, 2 * kPackRows, 2);  // m
+    for (int64_t c = 0; c < P::kChunks; ++c) f(P::kValues + 4 * c, packed_header_bytes<P>() + 64 * c, 4);
+  }
+}
+
+// Q8_0's values are stored as q + 128 (`vpdpbusd` multiplies unsigned weights): the sign bit of
+// each of the n bytes at p flipped, one way or the other.
+inline void flip_sign_bits(uint8_t* p, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) p[i] ^= 0x80;
+}
+
 // Row r's block of one packed group-block `gb`, as the file stores it (`raw`: P::kBytes bytes).
 template <class P>
 inline void packed_raw_block(const uint8_t* gb, int64_t r, uint8_t* raw) {
-  if constexpr (std::is_same_v<P, PackQ4_K>) {
-    std::memcpy(raw, gb + 2 * r, 2);
-    std::memcpy(raw + 2, gb + 32 + 2 * r, 2);
-    for (int64_t i = 0; i < 12; ++i) raw[4 + i] = gb[64 + 16 * i + r];
-    for (int64_t c = 0; c < 4; ++c)
-      for (int64_t k = 0; k < 8; ++k) std::memcpy(raw + 16 + 32 * c + 4 * k, gb + 256 + 512 * c + 64 * k + 4 * r, 4);
-    return;
-  } else {
-  std::memcpy(raw, gb + 2 * r, 2);
-  if constexpr (P::kHasMin) std::memcpy(raw + 2, gb + 2 * kPackRows + 2 * r, 2);
-  const uint8_t* chunks = gb + packed_header_bytes<P>();
-  for (int64_t c = 0; c < P::kChunks; ++c) std::memcpy(raw + P::kValues + 4 * c, chunks + 64 * c + 4 * r, 4);
-  if constexpr (P::kOffset == 128)
-    for (int64_t i = P::kValues; i < P::kBytes; ++i) raw[i] ^= 0x80;
-  }
+  for_each_field<P>([&](int64_t at, int64_t packed, int64_t bytes) { std::memcpy(raw + at, gb + packed + r * bytes, bytes); });
+  if constexpr (std::is_same_v<P, PackQ8_0>) flip_sign_bits(raw + P::kValues, P::kBytes - P::kValues);
 }
 
 // The weight w [N, row_bytes] of GGML type qtype, packed (same shape; N a multiple of 16).
@@ -129,30 +140,12 @@ inline torch::Tensor quant_pack(const torch::Tensor& w, int64_t qtype) {
       for (int64_t g = g0; g < g1; ++g)
         for (int64_t b = 0; b < nblocks; ++b) {
           uint8_t* gb = dst + g * kPackRows * row_bytes + b * group_bytes;
-          if constexpr (std::is_same_v<P, PackQ4_K>) {
-            for (int64_t r = 0; r < kPackRows; ++r) {
-              const uint8_t* raw = src + (g * kPackRows + r) * row_bytes + b * P::kBytes;
-              std::memcpy(gb + 2 * r, raw, 2);
-              std::memcpy(gb + 32 + 2 * r, raw + 2, 2);
-              for (int64_t i = 0; i < 12; ++i) gb[64 + 16 * i + r] = raw[4 + i];
-              for (int64_t c = 0; c < 4; ++c)
-                for (int64_t k = 0; k < 8; ++k)
-                  std::memcpy(gb + 256 + 512 * c + 64 * k + 4 * r, raw + 16 + 32 * c + 4 * k, 4);
-            }
-            continue;
-          } else {
-          uint8_t* chunks = gb + packed_header_bytes<P>();
           for (int64_t r = 0; r < kPackRows; ++r) {
             const uint8_t* raw = src + (g * kPackRows + r) * row_bytes + b * P::kBytes;
-            std::memcpy(gb + 2 * r, raw, 2);
-            if constexpr (P::kHasMin) std::memcpy(gb + 2 * kPackRows + 2 * r, raw + 2, 2);
-            for (int64_t c = 0; c < P::kChunks; ++c)
-              for (int64_t j = 0; j < 4; ++j) {
-                const uint8_t v = raw[P::kValues + 4 * c + j];
-                chunks[64 * c + 4 * r + j] = P::kOffset == 128 ? v ^ 0x80 : v;  // Q8_0: q + 128
-              }
+            for_each_field<P>([&](int64_t at, int64_t packed, int64_t bytes) { std::memcpy(gb + packed + r * bytes, raw + at, bytes); });
           }
-          }
+          if constexpr (std::is_same_v<P, PackQ8_0>)
+            flip_sign_bits(gb + packed_header_bytes<P>(), group_bytes - packed_header_bytes<P>());
         }
     });
   });
@@ -188,6 +181,17 @@ inline __m512i broadcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
+// out rows [0, M) (of stride os), columns [n, n + 16) (+)= acc (+ bias).
+template <int M>
+inline void store_group(const __m512* acc, const float* bias, float* out, int64_t os, bool accumulate, int64_t n) {
+  for (int m = 0; m < M; ++m) {
+    __m512 v = acc[m];
+    if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n));
+    float* o = out + m * os + n;
+    _mm512_storeu_ps(o, accumulate ? _mm512_add_ps(_mm512_loadu_ps(o), v) : v);
+  }
+}
+
 // Output rows [n, n + 16) of M activation rows from m0: one packed group `wg`.
 template <class P, int M>
 inline void packed_dot_group(const uint8_t* wg, int64_t nblocks, const QuantizedActivations& a, int64_t m0,
@@ -216,12 +220,7 @@ inline void packed_dot_group(const uint8_t* wg, int64_t nblocks, const Quantized
       if constexpr (P::kHasMin) acc[m] = _mm512_fmadd_ps(mins, _mm512_set1_ps(a.s[blk]), acc[m]);
     }
   }
-  for (int m = 0; m < M; ++m) {
-    __m512 v = acc[m];
-    if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n));
-    float* o = out + m * os + n;
-    _mm512_storeu_ps(o, accumulate ? _mm512_add_ps(_mm512_loadu_ps(o), v) : v);
-  }
+  store_group<M>(acc, bias, out, os, accumulate, n);
 }
 
 // Q4_K's 16 rows' scale (d * sc) and negated min (-(dmin * m)) of each sub-block, from the 12
@@ -283,12 +282,15 @@ inline void packed_dot_group_q4k(const uint8_t* wg, int64_t nblocks, const Quant
       }
     }
   }
-  for (int m = 0; m < M; ++m) {
-    __m512 v = acc[m];
-    if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n));
-    float* o = out + m * os + n;
-    _mm512_storeu_ps(o, accumulate ? _mm512_add_ps(_mm512_loadu_ps(o), v) : v);
-  }
+  store_group<M>(acc, bias, out, os, accumulate, n);
+}
+
+// One group through the kernel of its layout.
+template <class P, int M>
+inline void dot_group(const uint8_t* wg, int64_t nblocks, const QuantizedActivations& a, int64_t m0, const float* bias,
+                      float* out, int64_t os, bool accumulate, int64_t n) {
+  if constexpr (std::is_same_v<P, PackQ4_K>) packed_dot_group_q4k<M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
+  else packed_dot_group<P, M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
 }
 
 // out [M, N] (+)= a @ W^T (+ bias) for a packed weight wp [N, row_bytes].
@@ -299,20 +301,11 @@ inline void packed_matmul(const QuantizedActivations& a, int64_t M, const uint8_
   for_each_tile(N, M, kPackRows, [&](int64_t n0, int64_t, int64_t m, int64_t rows) {
     const uint8_t* wg = wp + n0 * row_bytes;
     float* om = out + m * os;
-    if constexpr (std::is_same_v<P, PackQ4_K>) {
-      switch (rows) {
-        case 1: packed_dot_group_q4k<1>(wg, nblocks, a, m, bias, om, os, accumulate, n0); break;
-        case 2: packed_dot_group_q4k<2>(wg, nblocks, a, m, bias, om, os, accumulate, n0); break;
-        case 3: packed_dot_group_q4k<3>(wg, nblocks, a, m, bias, om, os, accumulate, n0); break;
-        default: packed_dot_group_q4k<4>(wg, nblocks, a, m, bias, om, os, accumulate, n0); break;
-      }
-    } else {
-      switch (rows) {
-        case 1: packed_dot_group<P, 1>(wg, nblocks, a, m, bias, om, os, accumulate, n0); break;
-        case 2: packed_dot_group<P, 2>(wg, nblocks, a, m, bias, om, os, accumulate, n0); break;
-        case 3: packed_dot_group<P, 3>(wg, nblocks, a, m, bias, om, os, accumulate, n0); break;
-        default: packed_dot_group<P, 4>(wg, nblocks, a, m, bias, om, os, accumulate, n0); break;
-      }
+    switch (rows) {
+      case 1: dot_group<P, 1>(wg, nblocks, a, m, bias, om, os, accumulate, n0); break;
+      case 2: dot_group<P, 2>(wg, nblocks, a, m, bias, om, os, accumulate, n0); break;
+      case 3: dot_group<P, 3>(wg, nblocks, a, m, bias, om, os, accumulate, n0); break;
+      default: dot_group<P, 4>(wg, nblocks, a, m, bias, om, os, accumulate, n0); break;
     }
   });
 }
