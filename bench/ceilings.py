@@ -83,12 +83,7 @@ def quantized_block_bytes(model: torch.nn.Module) -> int:
     included; a tied head's blocks once); 0 where the model keeps none."""
     from cadenza.models.quantized_linear import QuantizedLinear
 
-    seen: dict[int, int] = {}
-    for module in model.modules():
-        if isinstance(module, QuantizedLinear):
-            for i in range(len(module.parts)):
-                blocks = module._blocks(i)
-                seen[blocks.data_ptr()] = blocks.numel()
+    seen = {b.data_ptr(): b.numel() for m in model.modules() if isinstance(m, QuantizedLinear) for b in m.block_tensors()}
     return sum(seen.values())
 
 

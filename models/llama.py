@@ -131,10 +131,14 @@ class DecoderLayer(nn.Module):
         )  # fmt: skip
         self.fused_max_rows = min(m.min_rows for m in linears) - 1
 
+    def uses_fused(self, h: torch.Tensor, rotary: StepRotary) -> bool:
+        """Whether a step of `h` runs through the fused kernel: few rows, and (rotary.on_kernels)
+        float32 activations on the CPU, as the kernel needs."""
+        return self.fused is not None and h.shape[0] <= self.fused_max_rows and rotary.on_kernels and h.is_contiguous()
+
     def forward(self, h, rotary: StepRotary, kv_cache, meta, backend) -> torch.Tensor:
         """The next hidden states; `h` itself is updated in place (the residual stream)."""
-        # rotary.on_kernels: float32 activations on the CPU, as the fused kernels need.
-        if self.fused is not None and h.shape[0] <= self.fused_max_rows and rotary.on_kernels and h.is_contiguous():
+        if self.uses_fused(h, rotary):
             q, k, v = self.fused.attention_input(h, rotary.positions)
             self.fused.finish_(h, backend.forward(q, k, v, kv_cache, meta))
             return h
@@ -173,7 +177,6 @@ class LlamaForCausalLM(nn.Module):
         self.compute_dtype: torch.dtype | None = None
         self.kernels = None
         self.fused_stack: list | None = None  # every layer's DecoderLayerKernel, when all have one
-        self.fused_stack_max_rows = 0
 
     def use_cpu_kernels(self, kernels) -> None:
         """Route norms, rotary, SiLU and bf16 matrix-vector products through cadenza's CPU kernels
@@ -190,7 +193,6 @@ class LlamaForCausalLM(nn.Module):
         fused = [layer.fused for layer in self.layers]
         # Every layer on the fused kernel: a decode step can run them all in one call.
         self.fused_stack = fused if fused and all(f is not None for f in fused) else None
-        self.fused_stack_max_rows = min((layer.fused_max_rows for layer in self.layers), default=0)
 
     @torch.inference_mode()
     def forward(
@@ -214,13 +216,8 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(h)
 
     def _whole_stack(self, h: torch.Tensor, rotary: StepRotary) -> bool:
-        """Whether every layer would take its fused kernel for `h` (`DecoderLayer.forward`'s test)."""
-        return (
-            self.fused_stack is not None
-            and h.shape[0] <= self.fused_stack_max_rows
-            and rotary.on_kernels
-            and h.is_contiguous()
-        )
+        """Whether every layer would take its fused kernel for `h`."""
+        return self.fused_stack is not None and all(layer.uses_fused(h, rotary) for layer in self.layers)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -298,7 +298,7 @@ def move_into_huge_pages(model: nn.Module) -> int:
 def block_layouts(model: nn.Module, kernels) -> list[dict]:
     """Per GGML type of the model's quantized weights: how many tensors, whether they are packed
     for the AVX-512 VNNI kernels, and if not, why (what the load logs)."""
-    counts: dict[tuple[str, bool], int] = {}
+    counts: dict[tuple[int, bool], int] = {}
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
             types = [q for _, q in module.parts]
@@ -307,15 +307,15 @@ def block_layouts(model: nn.Module, kernels) -> list[dict]:
         else:
             continue
         for qtype in types:
-            key = (NATIVE_TYPES[ggml_type(qtype)][0], bool(qtype & PACKED_FLAG))
+            key = (ggml_type(qtype), bool(qtype & PACKED_FLAG))
             counts[key] = counts.get(key, 0) + 1
     built = kernels is not None and kernels.packed_kernels_built()
     layouts = []
-    for (name, packed), n in sorted(counts.items()):
-        entry = {"type": name, "tensors": n, "packed": packed}
+    for (qtype, packed), n in sorted(counts.items()):
+        entry = {"type": NATIVE_TYPES[qtype][0], "tensors": n, "packed": packed}
         if not packed and not built:
             entry["reason"] = "the kernels are built without AVX-512 VNNI (the CPU lacks it, or CADENZA_CPU_ISA=avx2)"
         elif not packed:
-            entry["reason"] = "no packed layout for this type" if name not in ("Q8_0", "Q4_0", "Q4_1", "Q4_K") else f"rows not a multiple of {PACK_ROWS}"
+            entry["reason"] = f"rows not a multiple of {PACK_ROWS}" if qtype in PACKABLE_TYPES else "no packed layout for this type"
         layouts.append(entry)
     return layouts
