@@ -29,6 +29,18 @@ def anyio_backend():
     return "asyncio"
 
 
+@pytest.fixture(scope="session")
+def kernels():
+    """cadenza's compiled CPU kernels, built as `model.cpu_kernels: auto` builds them; the test is
+    skipped where they do not build (no AVX2, no compiler)."""
+    from cadenza.kernels import cpu
+
+    built = cpu.configure("auto")
+    if built is None:
+        pytest.skip(f"cadenza's CPU kernels are unavailable here: {cpu.build_error()}")
+    return built
+
+
 @pytest.fixture(scope="module")
 def model_path(tiny_model_dir):
     """The tiny Llama-3 checkpoint most engine tests run on."""

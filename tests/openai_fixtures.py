@@ -16,7 +16,10 @@ def server(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    # The WebSocket base too: the Responses and Realtime connections (`client.responses.connect()`).
+    ws = server.url.replace("http://", "ws://") + "/v1"
+    with openai.OpenAI(base_url=server.url + "/v1", websocket_base_url=ws, api_key="x", max_retries=0) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

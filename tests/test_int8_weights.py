@@ -14,16 +14,6 @@ from cadenza.models.errors import ModelLoadError
 from model_forward import prefill_logits
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    from cadenza.kernels import cpu
-
-    built = cpu.configure("auto")
-    if built is None:
-        pytest.skip(f"cadenza's CPU kernels are unavailable here: {cpu.build_error()}")
-    return built
-
-
 def test_q8_0_blocks_decode_as_gguf_reads_them():
     rng = np.random.default_rng(0)
     weight = rng.standard_normal((7, 96)).astype(np.float32) * rng.uniform(0.01, 3, size=(7, 1)).astype(np.float32)

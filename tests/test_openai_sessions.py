@@ -4,32 +4,14 @@ text). Two-turn conversations served from the cached prefix, a cancel mid-answer
 answered with the API's error events on a connection that carries on."""
 
 import httpx
+import openai
 import pytest
 
-from server_process import running_server
+from openai_fixtures import client, model, server  # noqa: F401 (fixtures)
 
-openai = pytest.importorskip("openai")
 
 LONG = {"ignore_eos": True, "temperature": 0}
 SYSTEM = "You are careful. Paged attention keeps keys and values in blocks."
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    with running_server(tiny_model_dir("llama3")) as process:
-        yield process
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    ws = server.url.replace("http://", "ws://") + "/v1"
-    with openai.OpenAI(base_url=server.url + "/v1", websocket_base_url=ws, api_key="unused", max_retries=0) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 # --- Responses over HTTP ------------------------------------------------------------------------

@@ -21,20 +21,11 @@ from gguf import GGMLQuantizationType as Q
 
 from model_forward import prefill_logits
 
-from cadenza.kernels import cpu
 from cadenza.models.cpu_features import cpu_has_avx2_fma
 
 pytestmark = pytest.mark.skipif(not cpu_has_avx2_fma(), reason="the quantized kernels need x86-64 with AVX2 and FMA")
 
 TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K)
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    module, why = cpu._build()
-    if module is None:
-        pytest.skip(f"the CPU kernels cannot be built here: {why}")
-    return module
 
 
 def random_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:

@@ -86,6 +86,14 @@ def prompts_with_repeats(n, seed):
     return prompts
 
 
+async def oracle_knows(model_path, seed: int, params) -> tuple[list[int], list[int]]:
+    """A prompt with repeats and its plain (greedy) output under `params`, which the oracle then guesses."""
+    prompt = prompts_with_repeats(2, seed=seed)[1]
+    (expected,) = await plain_outputs(model_path, [prompt], params)
+    OracleProposer.answers = {tuple(prompt): expected}
+    return prompt, expected
+
+
 async def plain_outputs(model_path, prompts, params, **overrides):
     from cadenza.engine import AsyncEngine
 
@@ -127,9 +135,7 @@ async def test_greedy_batched_identical_with_every_proposer(model_path, async_sc
 async def test_greedy_solo_identical_and_many_tokens_per_step(model_path):
     from cadenza.engine import AsyncEngine
 
-    prompt = prompts_with_repeats(2, seed=11)[1]
-    (expected,) = await plain_outputs(model_path, [prompt], greedy(40))
-    OracleProposer.answers = {tuple(prompt): expected}
+    prompt, expected = await oracle_knows(model_path, 11, greedy(40))
     async with AsyncEngine.serve(spec_runtime(model_path, "oracle")) as engine:
         _, tokens, _ = await collect(engine, prompt, greedy(40))
         steps = engine.metrics.num_steps
@@ -141,9 +147,7 @@ async def test_greedy_solo_identical_and_many_tokens_per_step(model_path):
 async def test_stop_token_and_max_tokens_inside_accepted_guesses(model_path):
     from cadenza.engine import AsyncEngine
 
-    prompt = prompts_with_repeats(2, seed=13)[1]
-    (expected,) = await plain_outputs(model_path, [prompt], greedy(30))
-    OracleProposer.answers = {tuple(prompt): expected}
+    prompt, expected = await oracle_knows(model_path, 13, greedy(30))
     stop = expected[9]
     cut = expected.index(stop) + 1
     async with AsyncEngine.serve(spec_runtime(model_path, "oracle")) as engine:
@@ -158,9 +162,7 @@ async def test_stop_token_and_max_tokens_inside_accepted_guesses(model_path):
 async def test_request_can_switch_speculation_off_or_pick_a_proposer(model_path):
     from cadenza.engine import AsyncEngine
 
-    prompt = prompts_with_repeats(2, seed=17)[1]
-    (expected,) = await plain_outputs(model_path, [prompt], greedy(20))
-    OracleProposer.answers = {tuple(prompt): expected}
+    prompt, expected = await oracle_knows(model_path, 17, greedy(20))
     async with AsyncEngine.serve(spec_runtime(model_path, "none")) as engine:
         _, tokens, _ = await collect(engine, prompt, greedy(20))
         assert tokens == expected and not engine.metrics.speculation
@@ -210,10 +212,8 @@ async def test_preemption_and_abort_while_speculating_leak_nothing(model_path):
 async def test_structured_output_identical_under_speculation(model_path):
     from cadenza.engine import AsyncEngine
 
-    prompt = prompts_with_repeats(2, seed=23)[1]
     params = SamplingParams(temperature=0, max_tokens=24, structured_outputs={"regex": "(ab|cd|[0-9]){1,40}"})
-    (expected,) = await plain_outputs(model_path, [prompt], params)
-    OracleProposer.answers = {tuple(prompt): expected}
+    prompt, expected = await oracle_knows(model_path, 23, params)
     async with AsyncEngine.serve(spec_runtime(model_path, "oracle")) as engine:
         _, tokens, _ = await collect(engine, prompt, params)
         assert engine.metrics.speculation["oracle"][2] > 0

@@ -281,16 +281,6 @@ def _q8_linear(out_features: int, in_features: int):
     return linear
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    from cadenza.kernels import cpu
-
-    built = cpu.configure("auto")
-    if built is None:
-        pytest.skip(f"CPU kernels unavailable: {cpu.build_error()}")
-    return built
-
-
 def test_row_parallel_blocks_split_at_block_boundaries_sum_to_the_whole(kernels):
     from cadenza.models.quantized_linear import QuantizedLinear
     from cadenza.parallel.tensor_parallel import _cols, _rows
