@@ -150,13 +150,22 @@ class ModelRunner:
         request_ids = [chunks[i].request_id for i in sampling_rows]
         if not sampling_rows:
             return StepResult(request_ids, None)
+        guess_logits = None
         if guesses:  # a speculating chunk samples first where its guesses start, the position before them
             ends = (meta.query_start_loc[1:] - 1).tolist()
             first = [ends[i] - len(guesses.get(chunks[i].request_id, ())) for i in sampling_rows]
             last_hidden = hidden[first]
+            # Every guessed position's logits in the same product as the sampled rows': one pass
+            # over the LM head, however many verification rounds follow (rows are independent in
+            # the head's kernel, so each row's logits are what a call of its own would give).
+            counts = [len(guesses.get(chunks[i].request_id, ())) for i in sampling_rows]
+            guessed = [p + 1 + j for p, n in zip(first, counts) for j in range(n)]
+            logits = self.model.compute_logits(hidden[first + guessed])
+            logits, guess_logits = logits[: len(first)], logits[len(first) :]
+            guess_offset = dict(zip(request_ids, itertools.accumulate([0, *counts])))
         else:
             last_hidden = hidden[(meta.query_start_loc[1:] - 1)[sampling_rows]]
-        logits = self.model.compute_logits(last_hidden)
+            logits = self.model.compute_logits(last_hidden)
         try:
             sampled = self.sampling_pipeline(logits.clone() if return_logits else logits, self._batch(chunks, sampling_rows))
         except SamplingError as exc:
@@ -164,7 +173,7 @@ class ModelRunner:
         else:
             result = StepResult(request_ids, sampled, logits if return_logits else None)
         if guesses and result.sampled is not None:
-            result = self._verify(result, chunks, hidden, dict(zip(request_ids, first)), guesses)
+            result = self._verify(result, chunks, guess_logits, guess_offset, guesses)
         return result
 
     def _add_guesses(self, chunks: Sequence[ScheduledChunk], failed: list) -> tuple[list[ScheduledChunk], dict[str, list[int]]]:
@@ -187,7 +196,8 @@ class ModelRunner:
         self._methods = {request_id: method for request_id, method, _, _ in wanted}
         return out, guesses
 
-    def _verify(self, result: StepResult, chunks, hidden, position: dict[str, int], guesses: dict[str, list[int]]) -> StepResult:
+    def _verify(self, result: StepResult, chunks, guess_logits: torch.Tensor, offset: dict[str, int],
+                guesses: dict[str, list[int]]) -> StepResult:
         """Keep each request's guesses while the token sampled before each equals it.
 
         Round i samples every still-matching request at its i-th guess's position through the
@@ -203,11 +213,8 @@ class ModelRunner:
         chunk_of = {c.request_id: i for i, c in enumerate(chunks)}
         accepted: dict[str, list[int]] = {r: [] for r in guesses if r in row_of}
         alive = list(accepted)
-        # Every guessed position's logits in one product: one pass over the LM head, however many
-        # rounds follow (rounds take copies: processors edit logits in place).
-        index = [position[r] + 1 + j for r in alive for j in range(len(guesses[r]))]
-        offset = dict(zip(alive, itertools.accumulate([0] + [len(guesses[r]) for r in alive])))
-        all_logits = self.model.compute_logits(hidden[index]) if index else None
+        # A request's guessed positions' logits are rows offset[request_id] on of `guess_logits`
+        # (rounds take copies: processors edit logits in place).
         drop: set[str] = set()
         failed: list[tuple[str, str]] = []
         while alive:
@@ -222,7 +229,7 @@ class ModelRunner:
             alive = still
             while alive:
                 rows = [chunk_of[r] for r in alive]
-                logits = all_logits[[offset[r] + len(accepted[r]) - 1 for r in alive]]
+                logits = guess_logits[[offset[r] + len(accepted[r]) - 1 for r in alive]]
                 try:
                     sampled = self.sampling_pipeline(logits, self._batch(chunks, rows, cut_back=False))
                 except SamplingError as exc:

@@ -68,13 +68,13 @@ inline void linear_range(const float* x, int64_t x_stride, const uint16_t* w, in
 constexpr int64_t kTileRows = 32;
 
 // Calls body(n0, n1, m, rows) for every tile [n0, n1) of `tile_rows` output features of N and every
-// group of `rows` (at most 4) activation rows starting at m, over the intra-op threads. Threads
+// group of `rows` (at most `pass_rows`) activation rows starting at m, over the intra-op threads. Threads
 // claim runs of tiles from a shared counter rather than a fixed half each: a thread that starts
 // late (woken from its spin, or sharing its core) would otherwise leave the other waiting at the
 // end of every product (a fifth of a batch-1 step was spent so). A run is one forward stream
 // through the weights, long enough for the prefetcher, short enough to balance.
 template <class Body>
-inline void for_each_tile(int64_t N, int64_t M, int64_t tile_rows, Body&& body) {
+inline void for_each_tile(int64_t N, int64_t M, int64_t tile_rows, Body&& body, int64_t pass_rows = 4) {
   const int64_t tiles = (N + tile_rows - 1) / tile_rows;
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tiles));
   const int64_t run = std::max<int64_t>(1, tiles / (threads * 8));
@@ -83,7 +83,7 @@ inline void for_each_tile(int64_t N, int64_t M, int64_t tile_rows, Body&& body) 
     for (int64_t t0; (t0 = next.fetch_add(run, std::memory_order_relaxed)) < tiles;) {
       for (int64_t t = t0; t < std::min(tiles, t0 + run); ++t) {
         const int64_t n0 = t * tile_rows, n1 = std::min(N, n0 + tile_rows);
-        for (int64_t m = 0; m < M; m += 4) body(n0, n1, m, std::min<int64_t>(4, M - m));
+        for (int64_t m = 0; m < M; m += pass_rows) body(n0, n1, m, std::min<int64_t>(pass_rows, M - m));
       }
     }
   });

@@ -140,14 +140,14 @@ def test_packed_layout_matches_the_reference_and_the_file_layout(kernels, qtype)
     w = torch.from_numpy(blocks)
     packed, packed_type = kernels.quant_pack(w, int(qtype)), int(qtype) + 256
     assert packed.shape == w.shape and kernels.quant_in_features(packed, packed_type) == cols
-    x = torch.from_numpy(rng.standard_normal((9, cols), dtype=np.float32))
+    x = torch.from_numpy(rng.standard_normal((17, cols), dtype=np.float32))
     expected, tol = reference(blocks, qtype, x)
     got = kernels.quant_linear(x, packed, packed_type, None)
     assert ((got.double() - expected).abs() <= tol).all()
-    for rows in (1, 2, 3, 4, 5):  # a row's sum does not depend on how many rows share the call
+    for rows in (1, 2, 3, 4, 5, 7, 8, 9, 16):  # a row's sum does not depend on how many rows share the call (passes of 8)
         assert torch.equal(kernels.quant_linear(x[:rows].clone(), packed, packed_type, None), got[:rows])
     bias = torch.from_numpy(rng.standard_normal(out_features, dtype=np.float32))
-    residual = torch.from_numpy(rng.standard_normal((9, out_features), dtype=np.float32))
+    residual = torch.from_numpy(rng.standard_normal((17, out_features), dtype=np.float32))
     summed = kernels.quant_linear_add_(residual.clone(), x, packed, packed_type, bias)
     assert torch.equal(summed, residual + kernels.quant_linear(x, packed, packed_type, bias))
     ids = torch.tensor([0, 17, 47, 16, 3])
