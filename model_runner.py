@@ -160,20 +160,28 @@ class ModelRunner:
             # the head's kernel, so each row's logits are what a call of its own would give).
             counts = [len(guesses.get(chunks[i].request_id, ())) for i in sampling_rows]
             guessed = [p + 1 + j for p, n in zip(first, counts) for j in range(n)]
-            logits = self.model.compute_logits(hidden[first + guessed])
-            logits, guess_logits = logits[: len(first)], logits[len(first) :]
+            all_logits = self.model.compute_logits(hidden[first + guessed])
+            logits, guess_logits = all_logits[: len(first)], all_logits[len(first) :]
             guess_offset = dict(zip(request_ids, itertools.accumulate([0, *counts])))
         else:
             last_hidden = hidden[(meta.query_start_loc[1:] - 1)[sampling_rows]]
             logits = self.model.compute_logits(last_hidden)
+        guess_picks = None
         try:
-            sampled = self.sampling_pipeline(logits.clone() if return_logits else logits, self._batch(chunks, sampling_rows))
+            batch = self._batch(chunks, sampling_rows)
+            if guess_logits is not None and self.sampling_pipeline.is_argmax(batch):
+                # Greedy rows that nothing else touches: every position's token in one argmax,
+                # exactly what the pipeline would pick position by position.
+                picks = all_logits.argmax(dim=-1)
+                sampled, guess_picks = SamplerOutput(token_ids=picks[: len(first)]), picks[len(first) :].tolist()
+            else:
+                sampled = self.sampling_pipeline(logits.clone() if return_logits else logits, batch)
         except SamplingError as exc:
             result = self._resample_without(exc, chunks, sampling_rows, last_hidden)
         else:
             result = StepResult(request_ids, sampled, logits if return_logits else None)
         if guesses and result.sampled is not None:
-            result = self._verify(result, chunks, guess_logits, guess_offset, guesses)
+            result = self._verify(result, chunks, guess_logits, guess_offset, guesses, guess_picks)
         return result
 
     def _add_guesses(self, chunks: Sequence[ScheduledChunk], failed: list) -> tuple[list[ScheduledChunk], dict[str, list[int]]]:
@@ -197,7 +205,7 @@ class ModelRunner:
         return out, guesses
 
     def _verify(self, result: StepResult, chunks, guess_logits: torch.Tensor, offset: dict[str, int],
-                guesses: dict[str, list[int]]) -> StepResult:
+                guesses: dict[str, list[int]], picks: list[int] | None = None) -> StepResult:
         """Keep each request's guesses while the token sampled before each equals it.
 
         Round i samples every still-matching request at its i-th guess's position through the
@@ -206,7 +214,8 @@ class ModelRunner:
         target and keeping a guess only if the sample equals it accepts guess x with probability
         p(x) and otherwise yields a sample from p without x, renormalised: the rejection rule for
         a proposer that is a point mass. So the tokens' distribution (greedy: the tokens
-        themselves) is what it would be without speculation.
+        themselves) is what it would be without speculation. `picks`: every guessed position's
+        token already (a bare argmax, `SamplingPipeline.is_argmax`), so rounds only compare.
         """
         finals = result.sampled.token_ids.tolist()
         row_of = {request_id: row for row, request_id in enumerate(result.request_ids)}
@@ -227,6 +236,10 @@ class ModelRunner:
                     self._requests[request_id].output_token_ids.append(token)
                     still.append(request_id)
             alive = still
+            if picks is not None:
+                for request_id in alive:
+                    finals[row_of[request_id]] = picks[offset[request_id] + len(accepted[request_id]) - 1]
+                continue
             while alive:
                 rows = [chunk_of[r] for r in alive]
                 logits = guess_logits[[offset[r] + len(accepted[r]) - 1 for r in alive]]

@@ -2,10 +2,11 @@
 
 Two workloads, each request run alone (batch 1), greedy, every method on the same prompts in turn:
 
-- **edit**: "rewrite this passage with the typos fixed", where the answer repeats most of the
-  prompt: what prompt lookup (`ngram`) and `suffix` are for;
-- **random**: random token-id prompts (ignore EOS): little repeats, so speculation must switch
-  itself off (the adaptive policy) and cost next to nothing.
+- **edit**: a document and a small change to make to it, the answer being the whole document
+  again (bench/edit_workload.py: prose, code, markup and data): what prompt lookup (`ngram`) and
+  `suffix` are for. Reported per kind of document too;
+- **random**: random token-id prompts (ignore EOS): nothing to look up at first, so speculation
+  must pay for itself or switch itself off (the adaptive policy).
 
 One engine serves every method (each request picks its proposer, or none, through
 `SamplingParams.speculative`), so the model loads once; `--draft` adds the draft-model proposer. Decode speed is tokens after the
@@ -19,33 +20,13 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass
 
+from cadenza.bench.edit_workload import TASKS
 from cadenza.bench.workload import random_prompt
 from cadenza.sampling_params import SamplingParams
 
-PASSAGES = (
-    "The comittee met on tuesday to discus the new budjet for the libary. Several members argued that "
-    "the funds for new books should be increased, while others beleived that the building itself needed "
-    "repairs first. After a long debate, they agreed to split the money evenly betwen the two goals and "
-    "to revisit the question next year.",
-    "Our hiking trip started early in the moring. We packed sandwitches, water and a map, and followed "
-    "the river trail untill it reached the old bridge. From there the path climbed steeply through the "
-    "forrest, and by noon we could see the whole valley bellow us, with the village roofs shining in "
-    "the sun.",
-    "To install the software, first download the latest relase from the website. Unzip the archive into "
-    "a folder of your choise, then open a terminal in that folder and run the setup script. The script "
-    "will ask for a few settings; the defaults are fine for most users. When it finishs, restart your "
-    "computer.",
-)
 METHODS = ("none", "ngram", "suffix")
-
-
-def edit_prompts() -> list[list[dict]]:
-    return [
-        [{"role": "user", "content": f"Rewrite the following text with the spelling mistakes fixed. Reply with "
-          f"the corrected text only.\n\n{passage}"}]
-        for passage in PASSAGES
-    ]  # fmt: skip
 
 
 def decode_speed(output) -> float:
@@ -56,48 +37,66 @@ def decode_speed(output) -> float:
     return (tokens - 1) / max(timings.e2e_seconds - timings.ttft_seconds, 1e-9)
 
 
-def run_workload(llm, name: str, prompts: list, params: SamplingParams, methods=METHODS, repeats: int = 1) -> dict:
-    """Each prompt alone under each method, `repeats` times, methods interleaved (drift hits all)."""
-    speeds = {m: [] for m in methods}
-    tokens = {m: [] for m in methods}
+@dataclass(frozen=True, slots=True)
+class Item:
+    prompt: object  # text, messages or token ids
+    params: SamplingParams
+    kind: str = ""
+
+
+def run_workload(llm, name: str, items: list[Item], methods=METHODS, repeats: int = 1) -> dict:
+    """Each item alone under each method, `repeats` times, methods interleaved (drift hits all)."""
+    runs = {m: [] for m in methods}  # (item index, decode tokens, seconds, token ids)
     spec_before = {m: list(llm.engine.metrics.speculation.get(m, [0, 0, 0])) for m in methods}
     for _ in range(repeats):
-        for prompt in prompts:
+        for index, item in enumerate(items):
             for method in methods:
                 pick = {"num_tokens": 0} if method == "none" else {"method": method}
-                one = SamplingParams(**{**params.model_dump(), "speculative": pick})
-                (out,) = llm.generate(prompt, one, use_tqdm=False)
-                speeds[method].append(decode_speed(out))
-                tokens[method].append(out.token_ids)
-    row = {"workload": name, "prompts": len(prompts), "repeats": repeats}
+                one = SamplingParams(**{**item.params.model_dump(), "speculative": pick})
+                (out,) = llm.generate(item.prompt, one, use_tqdm=False)
+                speed = decode_speed(out)
+                tokens = len(out.token_ids) - 1
+                runs[method].append((index, tokens, tokens / speed if speed else 0.0, out.token_ids))
+    row = {"workload": name, "prompts": len(items), "repeats": repeats}
     for method in methods:
-        total_tokens = sum(len(t) - 1 for t in tokens[method])
-        total_seconds = sum((len(t) - 1) / s for t, s in zip(tokens[method], speeds[method]) if s)
-        rate = total_tokens / total_seconds if total_seconds else 0.0
         counts = llm.engine.metrics.speculation.get(method, [0, 0, 0])
         proposed = counts[1] - spec_before[method][1]
         accepted = counts[2] - spec_before[method][2]
         row[method] = {
-            "decode_tokens_per_s": round(rate, 2),
-            "tokens": total_tokens,
+            "decode_tokens_per_s": _rate(runs[method]),
+            "tokens": sum(r[1] for r in runs[method]),
             "proposed": proposed,
             "accepted": accepted,
             "acceptance_rate": round(accepted / proposed, 3) if proposed else None,
-            "same_tokens_as_none": tokens[method] == tokens["none"],
+            "same_tokens_as_none": [r[3] for r in runs[method]] == [r[3] for r in runs["none"]],
         }
     base = row["none"]["decode_tokens_per_s"]
     for method in methods[1:]:
         row[method]["speedup"] = round(row[method]["decode_tokens_per_s"] / base, 3) if base else None
+    kinds = sorted({item.kind for item in items if item.kind})
+    if len(kinds) > 1:  # speedups per kind of prompt, over the same runs
+        row["by_kind"] = {}
+        for kind in kinds:
+            rates = {m: _rate([r for r in runs[m] if items[r[0]].kind == kind]) for m in methods}
+            row["by_kind"][kind] = {
+                "prompts": sum(item.kind == kind for item in items),
+                **{m: round(rates[m] / rates["none"], 3) if rates["none"] else None for m in methods[1:]},
+            }
     return row
+
+
+def _rate(runs: list[tuple]) -> float:
+    tokens, seconds = sum(r[1] for r in runs if r[2]), sum(r[2] for r in runs)
+    return round(tokens / seconds, 2) if seconds else 0.0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cadenza.bench.speculative", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="Model path (default: the embedded SmolLM2 GGUF).")
-    parser.add_argument("--num-tokens", type=int, default=4, help="speculative.num_tokens.")
+    parser.add_argument("--num-tokens", type=int, default=8, help="speculative.num_tokens.")
     parser.add_argument("--random-prompts", type=int, default=3)
     parser.add_argument("--random-prompt-len", type=int, default=128)
-    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--max-tokens", type=int, default=160, help="Tokens a random prompt decodes.")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument(
         "--draft", action="store_true",
@@ -123,14 +122,14 @@ def main(argv: list[str] | None = None) -> int:
     with LLM(args.model, **overrides) as llm:
         vocab = llm.runtime.loaded.arch.vocab_size
         llm.generate("Warm up.", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
-        rows = [
-            run_workload(llm, "edit", edit_prompts(), SamplingParams(temperature=0, max_tokens=args.max_tokens), methods, args.repeats),
-            run_workload(
-                llm, "random",
-                [random_prompt(args.random_prompt_len, seed=100 + i, vocab_size=vocab) for i in range(args.random_prompts)],
-                SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True), methods, args.repeats,
-            ),
+        tokenizer = llm.runtime.tokenizer
+        edits = [Item(t.messages(), SamplingParams(temperature=0, max_tokens=t.max_tokens(tokenizer)), t.kind) for t in TASKS]
+        randoms = [
+            Item(random_prompt(args.random_prompt_len, seed=100 + i, vocab_size=vocab),
+                 SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True))
+            for i in range(args.random_prompts)
         ]  # fmt: skip
+        rows = [run_workload(llm, "edit", edits, methods, args.repeats), run_workload(llm, "random", randoms, methods, args.repeats)]
     for row in rows:
         print(json.dumps(row))
     print(f"# {time.perf_counter() - started:.0f} s", file=sys.stderr)

@@ -52,17 +52,10 @@ class SamplingPipeline:
         run, no row wants log-probabilities and no row has params for the sampler, it is a bare
         argmax, without calling the sampler.
         """
-        failed = self.add_requests(batch)
-        if failed:
-            raise SamplingError("sampling plugins", sorted(failed), "on_request_added failed", failed)
-        all_greedy = batch.all_greedy
-        active = [
-            p
-            for p in self.processors
-            if not (all_greedy and p.argmax_invariant) and p.is_active(batch)
-        ]
+        self._join(batch)
+        active = self._active(batch)
         wants_logprobs = any(p.logprobs is not None for p in batch.params)
-        if all_greedy and not active and not wants_logprobs and not self._sampler_has_rows(batch):
+        if self._bare_argmax(batch, active, wants_logprobs):
             return SamplerOutput(token_ids=logits.argmax(dim=-1))
 
         raw = logits
@@ -81,6 +74,25 @@ class SamplingPipeline:
                 f"returned token ids of shape {tuple(output.token_ids.shape)}, expected ({len(batch)},)",
             )
         return output
+
+    def is_argmax(self, batch: SamplingBatch) -> bool:
+        """Whether sampling `batch` is a bare argmax of its logits, whatever the tokens before: a
+        caller may then take the argmax of many positions in one call (speculative verification).
+        Joins the batch's new requests first, raising SamplingError as a call would."""
+        self._join(batch)
+        return self._bare_argmax(batch, self._active(batch), any(p.logprobs is not None for p in batch.params))
+
+    def _join(self, batch: SamplingBatch) -> None:
+        failed = self.add_requests(batch)
+        if failed:
+            raise SamplingError("sampling plugins", sorted(failed), "on_request_added failed", failed)
+
+    def _active(self, batch: SamplingBatch) -> list[LogitsProcessor]:
+        all_greedy = batch.all_greedy
+        return [p for p in self.processors if not (all_greedy and p.argmax_invariant) and p.is_active(batch)]
+
+    def _bare_argmax(self, batch: SamplingBatch, active: list[LogitsProcessor], wants_logprobs: bool) -> bool:
+        return batch.all_greedy and not active and not wants_logprobs and not self._sampler_has_rows(batch)
 
     def _sampler_has_rows(self, batch: SamplingBatch) -> bool:
         """A sampler given params for a row must see it, even a greedy one."""

@@ -9,9 +9,10 @@ request, the chance `a` that a guess is accepted (a running estimate from what i
 kept). k guesses then yield (1 - a^(k+1)) / (1 - a) tokens, and the policy picks the k, up to the
 request's cap, with the most tokens per unit of cost; 0 when no k beats a plain decode.
 
-A request that is switched off that way, or whose proposer found nothing for several steps in a
-row, waits `cooldown_steps` of its decodes (doubling each time in a row, up to 16x), then probes
-with one guess to refresh its estimate. A step decoding more than `max_batch_size` requests
+A request that is switched off that way waits `cooldown_steps` of its decodes (doubling each time
+in a row, up to 16x), then probes with one guess to refresh its estimate. One whose proposer found
+nothing for several steps in a row skips two decodes only: a lookup is cheap, and a run worth
+copying may start at any token. A step decoding more than `max_batch_size` requests
 speculates for none: a big batch is compute-bound. A request whose acceptance falls below
 `min_acceptance` pauses whatever the cost says.
 """
@@ -23,7 +24,9 @@ from typing import Callable
 
 from cadenza.config.schema import SpeculativeConfig
 
-_EMPTY_LIMIT = 4  # proposals in a row that found nothing before a request stops asking
+_EMPTY_LIMIT = 4  # proposals in a row that found nothing before a request stops asking...
+_EMPTY_PAUSE = 2  # ...for this many decodes: asking costs a lookup and the step's async overlap,
+# missing the start of a run the proposer could copy costs whole steps (edits, quotes)
 _MAX_BACKOFF = 16
 _DECAY = 0.7  # weight of the past in the running sums
 _PRIOR = (1.5, 0.5)  # (accepted, rejected) pseudo-counts of a fresh request: a = 0.75
@@ -41,6 +44,7 @@ class SpeculationState:
     paused_for: int = 0  # decodes left before it speculates again
     backoff: int = 1
     probe: bool = False  # the next decode after a pause tries one guess, whatever the estimate
+    probe_after_pause: bool = False  # set by an acceptance pause; an empty-proposal pause needs no probe
 
     @property
     def acceptance(self) -> float:
@@ -146,7 +150,7 @@ class SpeculationPolicy:
             state = request.speculation = SpeculationState(num_tokens=cap)
         if state.paused_for > 0:
             state.paused_for -= 1
-            state.probe = state.paused_for == 0
+            state.probe = state.paused_for == 0 and state.probe_after_pause
             return 0
         if num_running > self.config.max_batch_size:
             return 0
@@ -176,8 +180,8 @@ class SpeculationPolicy:
             return
         if proposed == 0:
             state.empty_in_a_row += 1
-            if state.empty_in_a_row >= _EMPTY_LIMIT:
-                self._pause(state)
+            if state.empty_in_a_row >= _EMPTY_LIMIT:  # a short pause, not counted as a failure
+                state.paused_for, state.empty_in_a_row, state.probe_after_pause = _EMPTY_PAUSE, 0, False
             return
         state.empty_in_a_row = 0
         state.accepted = _DECAY * state.accepted + accepted
@@ -189,6 +193,7 @@ class SpeculationPolicy:
 
     def _pause(self, state: SpeculationState) -> None:
         state.paused_for = self.config.cooldown_steps * state.backoff
+        state.probe_after_pause = True
         state.backoff = min(2 * state.backoff, _MAX_BACKOFF)
         state.empty_in_a_row = 0
         state.num_tokens = 1

@@ -136,7 +136,7 @@ def test_no_speculation_for_big_batches_logprobs_or_when_switched_off():
     assert policy.cap(SamplingParams(speculative={"num_tokens": 0})) == 0
     assert policy.cap(SamplingParams(speculative={"num_tokens": 2})) == 2
     off = SpeculationPolicy(SpeculativeConfig())
-    assert off.cap(SamplingParams()) == 0 and off.cap(SamplingParams(speculative={"method": "suffix"})) == 4
+    assert off.cap(SamplingParams()) == 0 and off.cap(SamplingParams(speculative={"method": "suffix"})) == 8
 
 
 def test_policy_picks_the_k_that_pays_and_pauses_when_none_does():
@@ -161,13 +161,17 @@ def test_policy_picks_the_k_that_pays_and_pauses_when_none_does():
     assert policy.num_tokens(request, 5, 10) == 0  # a batch over max_batch_size speculates for none
 
 
-def test_policy_pauses_when_the_proposer_keeps_finding_nothing():
-    policy = SpeculationPolicy(SpeculativeConfig(method="ngram", cooldown_steps=2, token_cost=0.1))
+def test_policy_pauses_briefly_when_the_proposer_keeps_finding_nothing():
+    policy = SpeculationPolicy(SpeculativeConfig(method="ngram", cooldown_steps=8, token_cost=0.1))
     request = Request("a", (1,), SamplingParams(), 100, 0.0)
     assert policy.num_tokens(request, 1, 10) == 4
-    for _ in range(4):
+    for _ in range(3):
         policy.record(request, 0, 0)
-    assert [policy.num_tokens(request, 1, 10) for _ in range(3)] == [0, 0, 1]
+    assert policy.num_tokens(request, 1, 10) == 4  # three empty lookups: still asking
+    policy.record(request, 0, 0)
+    # Two decodes off (not cooldown_steps), then the full guess again: finding nothing is no failure.
+    assert [policy.num_tokens(request, 1, 10) for _ in range(3)] == [0, 0, 4]
+    assert request.speculation.acceptance == pytest.approx(0.75) and request.speculation.backoff == 1
 
 
 def test_step_cost_is_measured_from_steps_of_different_sizes():
