@@ -44,15 +44,8 @@ inline void axpy(float alpha, const int8_t* x, float* y, int64_t n) {  // y += a
   for (; i < n; ++i) y[i] += alpha * static_cast<float>(x[i]);
 }
 
-// Dot products of one query with 8 keys (D a multiple of 8): eight accumulators reduced together
-// by one tree of horizontal adds, instead of a horizontal sum per key.
-inline __m256 dot8(const float* q, const float* const* k, int64_t D) {
-  __m256 a[8];
-  for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
-  for (int64_t d = 0; d < D; d += 8) {
-    const __m256 qv = _mm256_loadu_ps(q + d);
-    for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[j] + d), a[j]);
-  }
+// The 8 sums of 8 keys' 8-lane partial dot products, by one tree of horizontal adds.
+inline __m256 sum8x8(const __m256* a) {
   // hadd(x, y) = [x0+x1, x2+x3, y0+y1, y2+y3 | x4+x5, x6+x7, y4+y5, y6+y7]: after two rounds each
   // 128-bit half holds four keys' partial sums (dims 0-3 below, 4-7 above).
   const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
@@ -60,9 +53,48 @@ inline __m256 dot8(const float* q, const float* const* k, int64_t D) {
   return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
-// acc [kD] += sum over t of w[t] * rows[t], the accumulator in registers (kD a multiple of 8).
+// Dot products of one query with 8 keys (D a multiple of 8): eight accumulators reduced together
+// by one tree of horizontal adds, instead of a horizontal sum per key. Built for AVX-512 and D a
+// multiple of 16, the products take 16 lanes (half the multiply-adds: a speculative step's
+// extra rows are bound by them), folded to 8 before the same tree.
+inline __m256 dot8(const float* q, const float* const* k, int64_t D) {
+  __m256 a[8];
+#ifdef __AVX512F__
+  if (D % 16 == 0) {
+    __m512 w[8];
+    for (int j = 0; j < 8; ++j) w[j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 qv = _mm512_loadu_ps(q + d);
+      for (int j = 0; j < 8; ++j) w[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k[j] + d), w[j]);
+    }
+    for (int j = 0; j < 8; ++j)
+      a[j] = _mm256_add_ps(_mm512_castps512_ps256(w[j]),
+                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w[j]), 1)));
+    return sum8x8(a);
+  }
+#endif
+  for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[j] + d), a[j]);
+  }
+  return sum8x8(a);
+}
+
+// acc [kD] += sum over t of w[t] * rows[t], the accumulator in registers (kD a multiple of 16).
+// Each lane sums in the same order at any vector width, so the AVX-512 build's result is the
+// AVX2 build's, in half the multiply-adds.
 template <int kD>
 inline void weighted_rows_sum(const float* w, const float* const* rows, int64_t n, float* acc) {
+#ifdef __AVX512F__
+  __m512 a[kD / 16];
+  for (int c = 0; c < kD / 16; ++c) a[c] = _mm512_loadu_ps(acc + 16 * c);
+  for (int64_t t = 0; t < n; ++t) {
+    const __m512 wt = _mm512_set1_ps(w[t]);
+    for (int c = 0; c < kD / 16; ++c) a[c] = _mm512_fmadd_ps(wt, _mm512_loadu_ps(rows[t] + 16 * c), a[c]);
+  }
+  for (int c = 0; c < kD / 16; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
+#else
   __m256 a[kD / 8];
   for (int c = 0; c < kD / 8; ++c) a[c] = _mm256_loadu_ps(acc + 8 * c);
   for (int64_t t = 0; t < n; ++t) {
@@ -70,6 +102,7 @@ inline void weighted_rows_sum(const float* w, const float* const* rows, int64_t 
     for (int c = 0; c < kD / 8; ++c) a[c] = _mm256_fmadd_ps(wt, _mm256_loadu_ps(rows[t] + 8 * c), a[c]);
   }
   for (int c = 0; c < kD / 8; ++c) _mm256_storeu_ps(acc + 8 * c, a[c]);
+#endif
 }
 
 inline void check_decode_args(const torch::Tensor& q, const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
@@ -126,7 +159,13 @@ inline torch::Tensor decode_attention(const torch::Tensor& q, const KV* keys, co
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
-  auto slot = [&](const int64_t* table, int64_t t) { return table[t / BS] * BS + t % BS; };
+  // A power-of-two block size (the usual) finds a key's slot by shift and mask: a division per key
+  // cost more than its multiply-adds.
+  const bool pow2 = (BS & (BS - 1)) == 0;
+  const int shift = pow2 ? __builtin_ctzll(static_cast<unsigned long long>(BS)) : 0;
+  auto slot = [&](const int64_t* table, int64_t t) {
+    return pow2 ? (table[t >> shift] << shift) + (t & (BS - 1)) : table[t / BS] * BS + t % BS;
+  };
   at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores, acc(static_cast<size_t>(G * D)), maxes(G), sums(G);  // per thread, reused
     std::vector<const float*> value_rows;
