@@ -75,6 +75,10 @@ constexpr int64_t kTileRows = 32;
 // through the weights, long enough for the prefetcher, short enough to balance.
 template <class Body>
 inline void for_each_tile(int64_t N, int64_t M, int64_t tile_rows, Body&& body, int64_t pass_rows = 4) {
+  // Passes of even size (9 rows at 8 a pass: 5 + 4, not 8 + 1): as many passes, and no pass of one
+  // row whose multiply-adds wait on each other.
+  const int64_t passes = (M + pass_rows - 1) / pass_rows;
+  pass_rows = std::max<int64_t>(1, (M + passes - 1) / std::max<int64_t>(1, passes));
   const int64_t tiles = (N + tile_rows - 1) / tile_rows;
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tiles));
   const int64_t run = std::max<int64_t>(1, tiles / (threads * 8));

@@ -138,7 +138,7 @@ inline torch::Tensor decode_attention(const torch::Tensor& q, const KV* keys, co
                                       double scale, int64_t window) {
   constexpr bool kQuantized = std::is_same<KV, int8_t>::value;
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t G = H / KVH, bts = block_tables.stride(0), qs = q.stride(0);
+  const int64_t G = H / KVH, bts = block_tables.stride(0), qs = q.stride(0), max_blocks = block_tables.size(1);
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   auto out = torch::empty({B, H, D}, q.options());
@@ -166,107 +166,147 @@ inline torch::Tensor decode_attention(const torch::Tensor& q, const KV* keys, co
   auto slot = [&](const int64_t* table, int64_t t) {
     return pow2 ? (table[t >> shift] << shift) + (t & (BS - 1)) : table[t / BS] * BS + t % BS;
   };
-  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+  // Consecutive rows with the same block table are one sequence's rows (a speculative step, a
+  // short chunk): they share work entries (kv head, run), whose keys' slots are found and fetched
+  // once and then read from L1 by each row in turn. Each row computes exactly what it would alone.
+  // A sliding window starts each row's runs at its own position, so its rows stay apart.
+  std::vector<int64_t> group_start;  // rows [group_start[k], group_start[k + 1])
+  for (int64_t b = 0; b < B; ++b) {
+    const bool joins = b > 0 && window <= 0 && std::memcmp(tables + b * bts, tables + (b - 1) * bts, max_blocks * sizeof(int64_t)) == 0;
+    if (!joins) group_start.push_back(b);
+  }
+  group_start.push_back(B);
+  struct Entry { int64_t b0, b1, kvh, run; };
+  std::vector<Entry> entries;
+  for (size_t k = 0; k + 1 < group_start.size(); ++k) {
+    const int64_t b0 = group_start[k], b1 = group_start[k + 1];
+    for (int64_t kvh = 0; kvh < KVH; ++kvh) {
+      int64_t most = 0;
+      for (int64_t b = b0; b < b1; ++b) most = std::max(most, first_item[b * KVH + kvh + 1] - first_item[b * KVH + kvh]);
+      for (int64_t run = 0; run < most; ++run) entries.push_back({b0, b1, kvh, run});
+    }
+  }
+  at::parallel_for(0, static_cast<int64_t>(entries.size()), 1, [&](int64_t e0, int64_t e1) {
     std::vector<float> scores, acc(static_cast<size_t>(G * D)), maxes(G), sums(G);  // per thread, reused
-    std::vector<const float*> value_rows;
-    int64_t pair = static_cast<int64_t>(std::upper_bound(first_item.begin(), first_item.end(), i0) - first_item.begin()) - 1;
-    for (int64_t i = i0; i < i1; ++i) {
-      while (first_item[pair + 1] <= i) ++pair;
-      const int64_t split = i - first_item[pair], runs = first_item[pair + 1] - first_item[pair];
-      const int64_t b = pair / KVH, kvh = pair % KVH, len = lens[b];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t t0 = std::min(len, first + split * kRunKeys), t1 = std::min(len, t0 + kRunKeys), n = t1 - t0;
-      const int64_t* table = tables + b * bts;
-      const float* qh = qp + b * qs + kvh * G * D;
-      scores.resize(static_cast<size_t>(G * std::max<int64_t>(n, 1)));
-      // A head's keys sit KVH * D floats apart (all kv heads of a slot) in blocks anywhere: the hardware
-      // prefetcher loses the stream at each block, so fetch a few keys ahead by hand.
-      int64_t t = t0;
-      if constexpr (!kQuantized) {  // float32 keys: 8 at a time (dot8)
-        if (D % 8 == 0) {
-          const float* rows[8];
-          const __m256 sv = _mm256_set1_ps(fscale);
-          for (; t + 8 <= t1; t += 8) {
-            for (int j = 0; j < 8; ++j) {
-              if (t + j + kPrefetchKeys < t1)
-                prefetch_row(keys + (slot(table, t + j + kPrefetchKeys) * KVH + kvh) * D, D * sizeof(KV));
-              rows[j] = keys + (slot(table, t + j) * KVH + kvh) * D;
+    std::vector<int64_t> krow;  // cache row (slot * KVH + kv head) of each key of the entry's run
+    std::vector<const float*> key_ptr, value_ptr;
+    for (int64_t e = e0; e < e1; ++e) {
+      const Entry& entry = entries[e];
+      const int64_t kvh = entry.kvh;
+      const int64_t* table = tables + entry.b0 * bts;
+      // The run's keys for the longest row of the entry (rows of a group share the run's start).
+      int64_t run_t0 = 0, run_t1 = 0;
+      for (int64_t b = entry.b0; b < entry.b1; ++b) {
+        const int64_t len = lens[b], first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+        const int64_t t0 = std::min(len, first + entry.run * kRunKeys), t1 = std::min(len, t0 + kRunKeys);
+        if (b == entry.b0) run_t0 = t0;
+        run_t1 = std::max(run_t1, t1);
+      }
+      krow.resize(static_cast<size_t>(std::max<int64_t>(run_t1 - run_t0, 1)));
+      for (int64_t t = run_t0; t < run_t1; ++t) krow[t - run_t0] = slot(table, t) * KVH + kvh;
+      if constexpr (!kQuantized) {
+        key_ptr.resize(krow.size());
+        value_ptr.resize(krow.size());
+        for (int64_t j = 0; j < run_t1 - run_t0; ++j) {
+          key_ptr[j] = keys + krow[j] * D;
+          value_ptr[j] = values + krow[j] * D;
+        }
+      }
+      bool fetched = false;  // the first row fetches keys ahead by hand (see below); the rest find them in L1
+      for (int64_t b = entry.b0; b < entry.b1; ++b) {
+        const int64_t pair = b * KVH + kvh, runs = first_item[pair + 1] - first_item[pair];
+        if (entry.run >= runs) continue;  // a shorter row of the group: no such run
+        const int64_t i = first_item[pair] + entry.run;
+        const int64_t len = lens[b], first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+        const int64_t t0 = std::min(len, first + entry.run * kRunKeys), t1 = std::min(len, t0 + kRunKeys), n = t1 - t0;
+        const int64_t* rows_of = krow.data() + (t0 - run_t0);
+        const float* qh = qp + b * qs + kvh * G * D;
+        const bool fetch = !fetched;
+        fetched = true;
+        scores.resize(static_cast<size_t>(G * std::max<int64_t>(n, 1)));
+        // A head's keys sit KVH * D floats apart (all kv heads of a slot) in blocks anywhere: the
+        // hardware prefetcher loses the stream at each block, so fetch a few keys ahead by hand.
+        int64_t t = t0;
+        if constexpr (!kQuantized) {  // float32 keys: 8 at a time (dot8)
+          if (D % 8 == 0) {
+            const __m256 sv = _mm256_set1_ps(fscale);
+            for (; t + 8 <= t1; t += 8) {
+              if (fetch)
+                for (int j = 0; j < 8; ++j)
+                  if (t + j + kPrefetchKeys < t1) prefetch_row(keys + rows_of[t + j + kPrefetchKeys - t0] * D, D * sizeof(KV));
+              const float* const* rows = key_ptr.data() + (t - run_t0);
+              for (int64_t g = 0; g < G; ++g)
+                _mm256_storeu_ps(scores.data() + g * n + (t - t0), _mm256_mul_ps(dot8(qh + g * D, rows, D), sv));
             }
-            for (int64_t g = 0; g < G; ++g)
-              _mm256_storeu_ps(scores.data() + g * n + (t - t0), _mm256_mul_ps(dot8(qh + g * D, rows, D), sv));
           }
         }
-      }
-      for (; t < t1; ++t) {
-        if (t + kPrefetchKeys < t1)
-          prefetch_row(keys + (slot(table, t + kPrefetchKeys) * KVH + kvh) * D, D * sizeof(KV));
-        const int64_t row = slot(table, t) * KVH + kvh;
-        const KV* key = keys + row * D;
-        const float s = kQuantized ? fscale * _cvtsh_ss(key_scales[row]) : fscale;
-        for (int64_t g = 0; g < G; ++g) scores[g * n + (t - t0)] = dot(qh + g * D, key, D) * s;
-      }
-      std::fill(maxes.begin(), maxes.end(), -INFINITY);
-      std::fill(sums.begin(), sums.end(), 0.0f);
-      for (int64_t g = 0; g < G && n > 0; ++g) {
-        float* s = scores.data() + g * n;
-        __m256 mv = _mm256_set1_ps(-INFINITY);
-        int64_t j = 0;
-        for (; j + 8 <= n; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + j));
-        float mx = hmax(mv);
-        for (; j < n; ++j) mx = std::max(mx, s[j]);
-        const __m256 m8 = _mm256_set1_ps(mx);
-        __m256 sv = _mm256_setzero_ps();
-        for (j = 0; j + 8 <= n; j += 8) {
-          const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m8));
-          _mm256_storeu_ps(s + j, e);
-          sv = _mm256_add_ps(sv, e);
+        for (; t < t1; ++t) {
+          if (fetch && t + kPrefetchKeys < t1) prefetch_row(keys + rows_of[t + kPrefetchKeys - t0] * D, D * sizeof(KV));
+          const int64_t row = rows_of[t - t0];
+          const KV* key = keys + row * D;
+          const float s = kQuantized ? fscale * _cvtsh_ss(key_scales[row]) : fscale;
+          for (int64_t g = 0; g < G; ++g) scores[g * n + (t - t0)] = dot(qh + g * D, key, D) * s;
         }
-        float sum = hsum(sv);
-        for (; j < n; ++j) {
-          s[j] = exp1(s[j] - mx);
-          sum += s[j];
-        }
-        maxes[g] = mx;
-        sums[g] = sum;
-      }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      bool summed = false;
-      if constexpr (!kQuantized) {  // float32 values, head_dim 64 or 128: accumulators in registers
-        if (D == 64 || D == 128) {
-          value_rows.resize(static_cast<size_t>(std::max<int64_t>(n, 1)));
-          for (int64_t t = t0; t < t1; ++t) {  // the run's rows, fetched while the first ones are summed
-            value_rows[t - t0] = values + (slot(table, t) * KVH + kvh) * D;
-            prefetch_row(value_rows[t - t0], D * sizeof(KV));
+        std::fill(maxes.begin(), maxes.end(), -INFINITY);
+        std::fill(sums.begin(), sums.end(), 0.0f);
+        for (int64_t g = 0; g < G && n > 0; ++g) {
+          float* s = scores.data() + g * n;
+          __m256 mv = _mm256_set1_ps(-INFINITY);
+          int64_t j = 0;
+          for (; j + 8 <= n; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + j));
+          float mx = hmax(mv);
+          for (; j < n; ++j) mx = std::max(mx, s[j]);
+          const __m256 m8 = _mm256_set1_ps(mx);
+          __m256 sv = _mm256_setzero_ps();
+          for (j = 0; j + 8 <= n; j += 8) {
+            const __m256 e8 = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m8));
+            _mm256_storeu_ps(s + j, e8);
+            sv = _mm256_add_ps(sv, e8);
           }
+          float sum = hsum(sv);
+          for (; j < n; ++j) {
+            s[j] = exp1(s[j] - mx);
+            sum += s[j];
+          }
+          maxes[g] = mx;
+          sums[g] = sum;
+        }
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        bool summed = false;
+        if constexpr (!kQuantized) {  // float32 values, head_dim 64 or 128: accumulators in registers
+          if (D == 64 || D == 128) {
+            const float* const* vrows = value_ptr.data() + (t0 - run_t0);
+            if (fetch)  // the run's rows, fetched while the first ones are summed
+              for (int64_t j = 0; j < n; ++j) prefetch_row(vrows[j], D * sizeof(KV));
+            for (int64_t g = 0; g < G; ++g) {
+              if (D == 64) weighted_rows_sum<64>(scores.data() + g * n, vrows, n, acc.data() + g * D);
+              else weighted_rows_sum<128>(scores.data() + g * n, vrows, n, acc.data() + g * D);
+            }
+            summed = true;
+          }
+        }
+        if (!summed) {
+          for (int64_t t = t0; t < t1; ++t) {
+            if (fetch && t + kPrefetchKeys < t1) prefetch_row(values + rows_of[t + kPrefetchKeys - t0] * D, D * sizeof(KV));
+            const int64_t row = rows_of[t - t0];
+            const KV* value = values + row * D;
+            const float s = kQuantized ? _cvtsh_ss(value_scales[row]) : 1.0f;
+            for (int64_t g = 0; g < G; ++g) axpy(scores[g * n + (t - t0)] * s, value, acc.data() + g * D, D);
+          }
+        }
+        if (runs == 1) {  // the whole sequence: normalize straight into the output
           for (int64_t g = 0; g < G; ++g) {
-            if (D == 64) weighted_rows_sum<64>(scores.data() + g * n, value_rows.data(), n, acc.data() + g * D);
-            else weighted_rows_sum<128>(scores.data() + g * n, value_rows.data(), n, acc.data() + g * D);
+            float* o = op + (b * H + kvh * G + g) * D;
+            const float inv = 1.0f / sums[g];
+            for (int64_t d = 0; d < D; ++d) o[d] = acc[g * D + d] * inv;
           }
-          summed = true;
-        }
-      }
-      if (!summed) {
-        for (int64_t t = t0; t < t1; ++t) {
-          if (t + kPrefetchKeys < t1)
-            prefetch_row(values + (slot(table, t + kPrefetchKeys) * KVH + kvh) * D, D * sizeof(KV));
-          const int64_t row = slot(table, t) * KVH + kvh;
-          const KV* value = values + row * D;
-          const float s = kQuantized ? _cvtsh_ss(value_scales[row]) : 1.0f;
-          for (int64_t g = 0; g < G; ++g) axpy(scores[g * n + (t - t0)] * s, value, acc.data() + g * D, D);
-        }
-      }
-      if (runs == 1) {  // the whole sequence: normalize straight into the output
-        for (int64_t g = 0; g < G; ++g) {
-          float* o = op + (b * H + kvh * G + g) * D;
-          const float inv = 1.0f / sums[g];
-          for (int64_t d = 0; d < D; ++d) o[d] = acc[g * D + d] * inv;
-        }
-      } else {
-        float* p = partial.data() + i * G * (D + 2);
-        for (int64_t g = 0; g < G; ++g, p += D + 2) {
-          p[0] = maxes[g];
-          p[1] = sums[g];
-          std::copy(acc.begin() + g * D, acc.begin() + (g + 1) * D, p + 2);
+        } else {
+          float* p = partial.data() + i * G * (D + 2);
+          for (int64_t g = 0; g < G; ++g, p += D + 2) {
+            p[0] = maxes[g];
+            p[1] = sums[g];
+            std::copy(acc.begin() + g * D, acc.begin() + (g + 1) * D, p + 2);
+          }
         }
       }
     }

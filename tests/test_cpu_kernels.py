@@ -159,6 +159,30 @@ def test_paged_decode_attention_splits_one_long_sequence_over_runs(kernels, wind
     assert torch.allclose(got[0].double(), weights @ values.double(), atol=2e-6)
 
 
+@pytest.mark.parametrize("window", [None, 70])
+@pytest.mark.parametrize("int8", [False, True])
+def test_paged_decode_attention_rows_of_one_sequence_equal_each_row_alone(kernels, window, int8):
+    """A speculative step's rows (one block table, keys seen growing by one) share work entries:
+    each row must still be exactly its own decode, whatever rows beside it, across run borders."""
+    gen = torch.Generator().manual_seed(11)
+    q_all, cache, tables = _paged_case(gen, [140, 60], 9, 3, 64, 16, num_blocks=32)
+    rows = 9
+    lens = [120 + i for i in range(rows)] + [60]  # rows of sequence 0 cross the run border at 128
+    table = torch.cat([tables[:1].expand(rows, -1), tables[1:]]).contiguous()
+    q = torch.randn(rows + 1, 9, 64, generator=gen)
+    args = (torch.tensor(lens), 0.125, window or 0)
+    if int8:
+        data = (cache * 20).round().clamp(-127, 127).to(torch.int8)
+        scales = torch.rand(cache.shape[:4], generator=gen).half() + 0.01
+        run = lambda *a: kernels.paged_decode_attention_int8(a[0], data, scales, *a[1:])  # noqa: E731
+    else:
+        run = lambda *a: kernels.paged_decode_attention(a[0], cache, *a[1:])  # noqa: E731
+    together = run(q, table, *args)
+    for i in range(rows + 1):
+        alone = run(q[i : i + 1].clone(), table[i : i + 1].clone(), torch.tensor([lens[i]]), *args[1:])
+        assert torch.equal(together[i], alone[0]), i
+
+
 def test_paged_decode_attention_rejects_a_table_that_points_outside_the_cache(kernels):
     gen = torch.Generator().manual_seed(0)
     q, cache, tables = _paged_case(gen, [5], 2, 2, 8, 4, num_blocks=8)
