@@ -296,6 +296,26 @@ def test_ngram_finds_the_latest_earlier_match():
         NgramProposer.options_model(min_n=4, max_n=2)
 
 
+def test_ngram_lookup_equals_trying_each_length_longest_first():
+    """The one-pass lookup against the plain search: n from max_n down, the latest window wins."""
+    import numpy as np
+
+    from cadenza.speculative.ngram import copy_forward, ngram_lookup
+
+    def plain(tokens, min_n, max_n, k):
+        for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+            hits = [s for s in range(len(tokens) - n) if tokens[s : s + n] == tokens[-n:]]
+            if hits:
+                return copy_forward(tokens, hits[-1] + n, k)
+        return []
+
+    rng = random.Random(5)
+    for trial in range(400):
+        tokens = [rng.randrange(4 if trial % 2 else 12) for _ in range(rng.randint(1, 60))]
+        min_n, max_n = rng.randint(1, 3), rng.randint(3, 9)
+        assert ngram_lookup(np.asarray(tokens), min_n, max_n, 5) == plain(tokens, min_n, max_n, 5), (tokens, min_n, max_n)
+
+
 def brute_force_continuation(tokens, min_match, k):
     """The longest suffix occurring earlier; the tokens after its first occurrence, going on
     around the loop when that runs into the end."""
