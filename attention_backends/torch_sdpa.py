@@ -55,9 +55,10 @@ def _packed_f32(x: torch.Tensor) -> bool:
 
 
 # The longest chunk the whole-step path takes: its rows each read their keys as a decode does, which
-# is what speculative verification needs (k + 1 rows); a longer prefill chunk is cheaper through
-# SDPA, which reads them once for the chunk.
-STACK_MAX_QUERY_LEN = 16
+# is what speculative verification needs (a decode and up to 16 guesses, speculative.num_tokens'
+# most: every verified row is then its decode step, bit for bit); a longer prefill chunk is cheaper
+# through SDPA, which reads them once for the chunk.
+STACK_MAX_QUERY_LEN = 17
 
 
 class TorchSDPABackend(AttentionBackend):

@@ -93,7 +93,7 @@ def _rate(runs: list[tuple]) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cadenza.bench.speculative", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="Model path (default: the embedded SmolLM2 GGUF).")
-    parser.add_argument("--num-tokens", type=int, default=8, help="speculative.num_tokens.")
+    parser.add_argument("--num-tokens", type=int, default=16, help="speculative.num_tokens.")
     parser.add_argument("--random-prompts", type=int, default=3)
     parser.add_argument("--random-prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=160, help="Tokens a random prompt decodes.")

@@ -335,7 +335,7 @@ class SpeculativeConfig(_Section):
         "(SamplingParams.speculative).",
     )
     num_tokens: int = Field(
-        8, ge=1, le=16, description="Most tokens proposed for a request in one step; adapted per "
+        16, ge=1, le=16, description="Most tokens proposed for a request in one step; adapted per "
         "request from its recent acceptance, between 1 and this.",
     )
     max_batch_size: int = Field(

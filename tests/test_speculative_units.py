@@ -136,7 +136,7 @@ def test_no_speculation_for_big_batches_logprobs_or_when_switched_off():
     assert policy.cap(SamplingParams(speculative={"num_tokens": 0})) == 0
     assert policy.cap(SamplingParams(speculative={"num_tokens": 2})) == 2
     off = SpeculationPolicy(SpeculativeConfig())
-    assert off.cap(SamplingParams()) == 0 and off.cap(SamplingParams(speculative={"method": "suffix"})) == 8
+    assert off.cap(SamplingParams()) == 0 and off.cap(SamplingParams(speculative={"method": "suffix"})) == 16
 
 
 def test_policy_picks_the_k_that_pays_and_pauses_when_none_does():
