@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cadenza.attention_backends.torch_sdpa import TorchSDPABackend
+from cadenza.attention_backends.torch_sdpa import STACK_MAX_QUERY_LEN, TorchSDPABackend
 from cadenza.sampling_params import SamplingParams
 from cadenza.step import ScheduledChunk
 from test_engine import make_runtime
@@ -49,7 +49,7 @@ def _steps(runtime, prompts: list[list[int]], decode_steps: int, first_block: in
 
 def test_whole_step_decode_equals_the_layer_loop(runtime, monkeypatch):
     # Prompts longer than the whole-step path takes: their prefills run layer by layer either way.
-    prompts = [[(5 * i) % 97 for i in range(30)], list(range(20, 60)), [3] * 17]
+    prompts = [[(5 * i) % 97 for i in range(30)], list(range(20, 60)), [3] * (STACK_MAX_QUERY_LEN + 1)]
     calls = []
     original = TorchSDPABackend.run_decode_stack
 
