@@ -5,13 +5,16 @@ Two workloads, each request run alone (batch 1), greedy, every method on the sam
 - **edit**: a document and a small change to make to it, the answer being the whole document
   again (bench/edit_workload.py: prose, code, markup and data): what prompt lookup (`ngram`) and
   `suffix` are for. Reported per kind of document too;
-- **random**: random token-id prompts (ignore EOS): nothing to look up at first, so speculation
-  must pay for itself or switch itself off (the adaptive policy).
+- **random**: random token-id prompts (ignore EOS), greedy: nothing to look up at first (the
+  small model then falls into loops, which the proposers follow);
+- **random-sampled**: the same prompts at temperature 1, seeded: little repeats, few guesses are
+  kept, so speculation must switch itself off (the adaptive policy) and cost next to nothing.
 
 One engine serves every method (each request picks its proposer, or none, through
 `SamplingParams.speculative`), so the model loads once; `--draft` adds the draft-model proposer. Decode speed is tokens after the
 first over the time after the first (the prompt's prefill is left out). Greedy output is the same
-with every method; the report checks it.
+with every method, and so is seeded sampled output (verification draws from the request's
+generator once per token it emits, as plain decoding does); the report checks it.
 """
 
 from __future__ import annotations
@@ -129,7 +132,17 @@ def main(argv: list[str] | None = None) -> int:
                  SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True))
             for i in range(args.random_prompts)
         ]  # fmt: skip
-        rows = [run_workload(llm, "edit", edits, methods, args.repeats), run_workload(llm, "random", randoms, methods, args.repeats)]
+        # The same prompts sampled at temperature 1 (seeded): the text no longer loops, few guesses
+        # are kept, and the adaptive policy must keep speculation from costing anything.
+        sampled = [
+            Item(item.prompt, SamplingParams(**{**item.params.model_dump(), "temperature": 1.0, "seed": 7 + i}))
+            for i, item in enumerate(randoms)
+        ]
+        rows = [
+            run_workload(llm, "edit", edits, methods, args.repeats),
+            run_workload(llm, "random", randoms, methods, args.repeats),
+            run_workload(llm, "random-sampled", sampled, methods, args.repeats),
+        ]
     for row in rows:
         print(json.dumps(row))
     print(f"# {time.perf_counter() - started:.0f} s", file=sys.stderr)
