@@ -11,8 +11,8 @@ request's cap, with the most tokens per unit of cost; 0 when no k beats a plain 
 
 A request that is switched off that way waits `cooldown_steps` of its decodes (doubling each time
 in a row, up to 16x), then probes with one guess to refresh its estimate. One whose proposer found
-nothing for several steps in a row skips two decodes only: a lookup is cheap, and a run worth
-copying may start at any token. A step decoding more than `max_batch_size` requests
+nothing for several steps in a row skips two decodes, then four, up to `cooldown_steps` while it
+keeps finding nothing: a lookup is cheap, and a run worth copying may start at any token. A step decoding more than `max_batch_size` requests
 speculates for none: a big batch is compute-bound. A request whose acceptance falls below
 `min_acceptance` pauses whatever the cost says.
 """
@@ -25,8 +25,9 @@ from typing import Callable
 from cadenza.config.schema import SpeculativeConfig
 
 _EMPTY_LIMIT = 4  # proposals in a row that found nothing before a request stops asking...
-_EMPTY_PAUSE = 2  # ...for this many decodes: asking costs a lookup and the step's async overlap,
-# missing the start of a run the proposer could copy costs whole steps (edits, quotes)
+_EMPTY_PAUSE = 2  # ...for this many decodes, doubling while it keeps finding nothing (up to
+# cooldown_steps): asking costs a lookup and the step's async overlap, but missing the start of a
+# run the proposer could copy costs whole steps (edits, quotes)
 _MAX_BACKOFF = 16
 _DECAY = 0.7  # weight of the past in the running sums
 _PRIOR = (1.5, 0.5)  # (accepted, rejected) pseudo-counts of a fresh request: a = 0.75
@@ -45,6 +46,7 @@ class SpeculationState:
     backoff: int = 1
     probe: bool = False  # the next decode after a pause tries one guess, whatever the estimate
     probe_after_pause: bool = False  # set by an acceptance pause; an empty-proposal pause needs no probe
+    empty_pause: int = _EMPTY_PAUSE  # the next pause for finding nothing
 
     @property
     def acceptance(self) -> float:
@@ -180,10 +182,12 @@ class SpeculationPolicy:
             return
         if proposed == 0:
             state.empty_in_a_row += 1
-            if state.empty_in_a_row >= _EMPTY_LIMIT:  # a short pause, not counted as a failure
-                state.paused_for, state.empty_in_a_row, state.probe_after_pause = _EMPTY_PAUSE, 0, False
+            if state.empty_in_a_row >= _EMPTY_LIMIT:  # a pause, not counted as a failure
+                state.paused_for, state.empty_in_a_row, state.probe_after_pause = state.empty_pause, 0, False
+                state.empty_pause = min(2 * state.empty_pause, self.config.cooldown_steps)
             return
         state.empty_in_a_row = 0
+        state.empty_pause = _EMPTY_PAUSE
         state.accepted = _DECAY * state.accepted + accepted
         state.rejected = _DECAY * state.rejected + (1 if accepted < proposed else 0)
         if state.acceptance < self.config.min_acceptance:

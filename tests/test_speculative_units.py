@@ -172,6 +172,18 @@ def test_policy_pauses_briefly_when_the_proposer_keeps_finding_nothing():
     # Two decodes off (not cooldown_steps), then the full guess again: finding nothing is no failure.
     assert [policy.num_tokens(request, 1, 10) for _ in range(3)] == [0, 0, 4]
     assert request.speculation.acceptance == pytest.approx(0.75) and request.speculation.backoff == 1
+    for _ in range(4):  # still nothing: four decodes off, then eight (cooldown_steps) at most
+        policy.record(request, 0, 0)
+    assert [policy.num_tokens(request, 1, 10) for _ in range(5)] == [0] * 4 + [4]
+    for pause in (8, 8):
+        for _ in range(4):
+            policy.record(request, 0, 0)
+        assert request.speculation.paused_for == pause
+        request.speculation.paused_for = 0
+    policy.record(request, 4, 2)  # a guess found: the next pause for nothing is short again
+    for _ in range(4):
+        policy.record(request, 0, 0)
+    assert request.speculation.paused_for == 2
 
 
 def test_step_cost_is_measured_from_steps_of_different_sizes():
