@@ -139,7 +139,9 @@ class LogitsProcessor(SamplingComponent, ABC):
     argmax_invariant: ClassVar[bool] = False
 
     def is_active(self, batch: SamplingBatch) -> bool:
-        """Whether any row needs this processor; inactive processors cost nothing."""
+        """Whether any row needs this processor; inactive processors cost nothing. An inactive
+        processor must stay inactive while the rows' outputs grow: speculative verification asks
+        once for all of a step's guessed positions (`SamplingPipeline.is_argmax`)."""
         if self.params_model is None:
             return True
         params = self.request_params
