@@ -194,12 +194,13 @@ inline torch::Tensor decode_attention(const torch::Tensor& q, const KV* keys, co
       const Entry& entry = entries[e];
       const int64_t kvh = entry.kvh;
       const int64_t* table = tables + entry.b0 * bts;
-      // The run's keys for the longest row of the entry (rows of a group share the run's start).
-      int64_t run_t0 = 0, run_t1 = 0;
+      // The keys any row of the entry reads in this run (rows of one sequence read the same keys,
+      // up to their own lengths; rows that only share a table may have any lengths).
+      int64_t run_t0 = INT64_MAX, run_t1 = 0;
       for (int64_t b = entry.b0; b < entry.b1; ++b) {
         const int64_t len = lens[b], first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
         const int64_t t0 = std::min(len, first + entry.run * kRunKeys), t1 = std::min(len, t0 + kRunKeys);
-        if (b == entry.b0) run_t0 = t0;
+        run_t0 = std::min(run_t0, t0);
         run_t1 = std::max(run_t1, t1);
       }
       krow.resize(static_cast<size_t>(std::max<int64_t>(run_t1 - run_t0, 1)));

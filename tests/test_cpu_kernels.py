@@ -177,10 +177,11 @@ def test_paged_decode_attention_rows_of_one_sequence_equal_each_row_alone(kernel
         run = lambda *a: kernels.paged_decode_attention_int8(a[0], data, scales, *a[1:])  # noqa: E731
     else:
         run = lambda *a: kernels.paged_decode_attention(a[0], cache, *a[1:])  # noqa: E731
-    together = run(q, table, *args)
-    for i in range(rows + 1):
-        alone = run(q[i : i + 1].clone(), table[i : i + 1].clone(), torch.tensor([lens[i]]), *args[1:])
-        assert torch.equal(together[i], alone[0]), i
+    for order in (lens, lens[rows - 1 :: -1] + lens[rows:]):  # rows sharing a table, any lengths
+        together = run(q, table, torch.tensor(order), *args[1:])
+        for i in range(rows + 1):
+            alone = run(q[i : i + 1].clone(), table[i : i + 1].clone(), torch.tensor([order[i]]), *args[1:])
+            assert torch.equal(together[i], alone[0]), i
 
 
 def test_paged_decode_attention_rejects_a_table_that_points_outside_the_cache(kernels):
