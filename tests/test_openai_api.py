@@ -76,6 +76,31 @@ def test_greedy_matches_the_engine_streamed_or_not(client, model, tiny_model_dir
     assert text.choices[0].text == engine_text.text
 
 
+def spec_steps(server, method) -> float:
+    """Request-steps that asked `method` for guesses so far, from /metrics."""
+    found = re.search(rf'^cadenza_spec_decode_steps_total\{{method="{method}"\}} (\S+)$', metrics(server), re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_speculative_per_request_through_the_sdk(server, client, model):
+    """`speculative` in the body (the SDK's extra_body) picks a built proposer for one request, with
+    the same greedy text as no speculation; an unbuilt proposer or too many tokens is a 400 that
+    names the problem."""
+    messages = chat("one two three four one two three four one two three four one two")
+    create = lambda spec: client.chat.completions.create(  # noqa: E731
+        model=model, messages=messages, max_tokens=24, temperature=0, extra_body={"ignore_eos": True, "speculative": spec}
+    )
+    plain = create({"num_tokens": 0}).choices[0].message.content
+    for method in ("ngram", "suffix"):
+        before = spec_steps(server, method)
+        assert create({"method": method}).choices[0].message.content == plain
+        assert spec_steps(server, method) > before, f"{method} was never asked"
+    with pytest.raises(openai.BadRequestError, match=r"'draft' is not built here; built: ngram, none, suffix"):
+        create({"method": "draft"})
+    with pytest.raises(openai.BadRequestError, match=r"speculative.num_tokens: Input should be less than or equal to 16"):
+        create({"num_tokens": 99})
+
+
 def test_completion_prompt_kinds_and_echo(client, model):
     batch = client.completions.create(model=model, prompt=["one", "two"], max_tokens=3, n=2, **GREEDY)
     assert [c.index for c in batch.choices] == [0, 1, 2, 3]
