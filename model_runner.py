@@ -153,12 +153,12 @@ class ModelRunner:
         guess_logits = None
         if guesses:  # a speculating chunk samples first where its guesses start, the position before them
             ends = (meta.query_start_loc[1:] - 1).tolist()
-            first = [ends[i] - len(guesses.get(chunks[i].request_id, ())) for i in sampling_rows]
+            counts = [len(guesses.get(chunks[i].request_id, ())) for i in sampling_rows]
+            first = [ends[i] - n for i, n in zip(sampling_rows, counts)]
             last_hidden = hidden[first]
             # Every guessed position's logits in the same product as the sampled rows': one pass
             # over the LM head, however many verification rounds follow (rows are independent in
             # the head's kernel, so each row's logits are what a call of its own would give).
-            counts = [len(guesses.get(chunks[i].request_id, ())) for i in sampling_rows]
             guessed = [p + 1 + j for p, n in zip(first, counts) for j in range(n)]
             all_logits = self.model.compute_logits(hidden[first + guessed])
             logits, guess_logits = all_logits[: len(first)], all_logits[len(first) :]

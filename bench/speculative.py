@@ -1,8 +1,8 @@
 """`python -m cadenza.bench.speculative`: batch-1 decode speed with and without speculative decoding.
 
-Two workloads, each request run alone (batch 1), greedy, every method on the same prompts in turn:
+Three workloads, each request run alone (batch 1), every method on the same prompts in turn:
 
-- **edit**: a document and a small change to make to it, the answer being the whole document
+- **edit**: greedy, a document and a small change to make to it, the answer being the whole document
   again (bench/edit_workload.py: prose, code, markup and data): what prompt lookup (`ngram`) and
   `suffix` are for. Reported per kind of document too;
 - **random**: random token-id prompts (ignore EOS), greedy: nothing to look up at first (the

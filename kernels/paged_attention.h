@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "linear.h"
@@ -176,6 +177,12 @@ inline torch::Tensor decode_attention(const torch::Tensor& q, const KV* keys, co
     if (!joins) group_start.push_back(b);
   }
   group_start.push_back(B);
+  // Row b's keys in its run `run`: [t0, t1).
+  auto run_span = [&](int64_t b, int64_t run) {
+    const int64_t len = lens[b], first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+    const int64_t t0 = std::min(len, first + run * kRunKeys);
+    return std::make_pair(t0, std::min(len, t0 + kRunKeys));
+  };
   struct Entry { int64_t b0, b1, kvh, run; };
   std::vector<Entry> entries;
   for (size_t k = 0; k + 1 < group_start.size(); ++k) {
@@ -198,8 +205,7 @@ inline torch::Tensor decode_attention(const torch::Tensor& q, const KV* keys, co
       // up to their own lengths; rows that only share a table may have any lengths).
       int64_t run_t0 = INT64_MAX, run_t1 = 0;
       for (int64_t b = entry.b0; b < entry.b1; ++b) {
-        const int64_t len = lens[b], first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-        const int64_t t0 = std::min(len, first + entry.run * kRunKeys), t1 = std::min(len, t0 + kRunKeys);
+        const auto [t0, t1] = run_span(b, entry.run);
         run_t0 = std::min(run_t0, t0);
         run_t1 = std::max(run_t1, t1);
       }
@@ -218,8 +224,8 @@ inline torch::Tensor decode_attention(const torch::Tensor& q, const KV* keys, co
         const int64_t pair = b * KVH + kvh, runs = first_item[pair + 1] - first_item[pair];
         if (entry.run >= runs) continue;  // a shorter row of the group: no such run
         const int64_t i = first_item[pair] + entry.run;
-        const int64_t len = lens[b], first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-        const int64_t t0 = std::min(len, first + entry.run * kRunKeys), t1 = std::min(len, t0 + kRunKeys), n = t1 - t0;
+        const auto [t0, t1] = run_span(b, entry.run);
+        const int64_t n = t1 - t0;
         const int64_t* rows_of = krow.data() + (t0 - run_t0);
         const float* qh = qp + b * qs + kvh * G * D;
         const bool fetch = !fetched;

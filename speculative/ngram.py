@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 from pydantic import BaseModel, Field, model_validator
 
 from cadenza.speculative.base import ProposalRequest, Proposer
