@@ -98,7 +98,20 @@ class ModelConfig(_Section):
     )
 
 
-    @field_validator("cpu_kernels", mode="before")
+    load_format: Literal["auto", "dummy"] = Field(
+        "auto", description="How weights are read. auto: from model.path (an HF directory or a .gguf "
+        "file). dummy (vLLM's name): random weights of the shape that model.path's config.json gives "
+        "(a file, a directory holding one, or a shipped shape such as 'llama-3.2-1b'), seeded by "
+        "model.seed, for benchmarks of real shapes with nothing to download; prompts are token ids.",
+    )
+    cuda_graphs: Literal["auto", "on", "off"] = Field(
+        "auto", description="Decode steps replayed as CUDA graphs, one per batch-size bucket (1, 2, 4, "
+        "8, then steps of 8 up to scheduler.max_num_seqs), over static input buffers; prefill stays "
+        "eager. auto captures on CUDA where the attention backend supports capture; on fails "
+        "start-up where it cannot; off runs every step eagerly.",
+    )
+
+    @field_validator("cpu_kernels", "cuda_graphs", mode="before")
     @classmethod
     def _yaml_switch(cls, value: object) -> object:
         # YAML (and so an env var) reads a bare on/off as a boolean.
