@@ -23,12 +23,14 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from cadenza import environment
+
 SDIST = "llama-cpp-python==0.3.36"  # pinned: the llama.cpp revision the benches were measured against
 TARGETS = ("llama-bench", "llama-batched-bench", "llama-server")
 
 
 def cache_root() -> Path:
-    home = os.environ.get("CADENZA_LLAMACPP_HOME")
+    home = os.environ.get(environment.LLAMACPP_HOME.name)
     return Path(home) if home else Path.home() / ".cache" / "cadenza" / "llama.cpp"
 
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from pydantic import ValidationError
 
+from cadenza import environment
 from cadenza.config.errors import ConfigError, Loc, find_key, key_path, validation_problems
 from cadenza.config.schema import CadenzaConfig, section_model
 
@@ -20,9 +21,9 @@ if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
 ENV_PREFIX = "CADENZA_"
-CONFIG_ENV = "CADENZA_CONFIG"  # names a config file when load_config gets no path
-# Never config keys: CADENZA_PLUGINS is the plugin allowlist (plugins.registry reads it).
-RESERVED_ENV = frozenset({CONFIG_ENV, "CADENZA_PLUGINS"})
+CONFIG_ENV = environment.CONFIG.name  # names a config file when load_config gets no path
+# Never config keys: every variable cadenza reads for itself (the plugin allowlist, the CPU kind, ...).
+RESERVED_ENV = environment.NAMES
 
 _FILE, _ENV, _OVERRIDE = 1, 2, 3  # layer ranks: a higher rank wins
 # Alternative ways to give one setting: when a higher layer sets one, the lower layers' value for

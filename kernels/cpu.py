@@ -9,9 +9,9 @@ path runs; each model keeps the module it was given.
 The build (about 30 s) goes to PyTorch's extension cache (`TORCH_EXTENSIONS_DIR`, by default
 ~/.cache/torch_extensions) and is reused until the source changes; concurrent processes wait on
 PyTorch's build lock instead of building twice. It targets AVX2 and FMA, plus AVX-512 VNNI where
-the CPU has it (the packed quantized kernels, kernels/quant_packed.h); `CADENZA_CPU_ISA=avx2`
-builds the AVX2-only variant on such a CPU (tests use it to check that path). Each variant is its
-own extension, so both stay cached.
+the CPU has it (the packed quantized kernels, kernels/quant_packed.h), as `models/cpu_features.py`
+reads the CPU: `CADENZA_CPU=avx2` builds the AVX2-only variant on such a CPU (tests use it to check
+that path). Each variant is its own extension, so both stay cached.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ log = structlog.get_logger(__name__)
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 HEADERS = sorted(SOURCE.parent.glob("*.h"))
 MODES = ("auto", "on", "off")
-ISA_ENV = "CADENZA_CPU_ISA"
 ISAS = ("avx2", "avx512vnni")
 
 
@@ -86,14 +85,9 @@ def _build() -> tuple[ModuleType | None, str | None]:
 
 
 def isa() -> str:
-    """The instruction set the kernels are built for: the best this CPU has, or `CADENZA_CPU_ISA`'s."""
-    best = "avx512vnni" if cpu_has_avx512_vnni() else "avx2"
-    wanted = os.environ.get(ISA_ENV, "").strip().lower() or best
-    if wanted not in ISAS:
-        raise ValueError(f"{ISA_ENV} must be one of {', '.join(ISAS)}, not {wanted!r}")
-    if ISAS.index(wanted) > ISAS.index(best):
-        raise ValueError(f"{ISA_ENV}={wanted} but this CPU lacks it (it has {best})")
-    return wanted
+    """The instruction set the kernels are built for: the best the CPU has, as `CADENZA_CPU` shows it
+    (raises ValueError where that variable names a kind this CPU cannot be)."""
+    return "avx512vnni" if cpu_has_avx512_vnni() else "avx2"
 
 
 ISA_FLAGS = {"avx2": [], "avx512vnni": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]}

@@ -314,7 +314,7 @@ def block_layouts(model: nn.Module, kernels) -> list[dict]:
     for (qtype, packed), n in sorted(counts.items()):
         entry = {"type": NATIVE_TYPES[qtype][0], "tensors": n, "packed": packed}
         if not packed and not built:
-            entry["reason"] = "the kernels are built without AVX-512 VNNI (the CPU lacks it, or CADENZA_CPU_ISA=avx2)"
+            entry["reason"] = "the kernels are built without AVX-512 VNNI (the CPU lacks it, or CADENZA_CPU names a kind without it)"
         elif not packed:
             entry["reason"] = f"rows not a multiple of {PACK_ROWS}" if qtype in PACKABLE_TYPES else "no packed layout for this type"
         layouts.append(entry)

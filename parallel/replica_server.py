@@ -18,6 +18,7 @@ import anyio
 import structlog
 from anyio.abc import SocketAttribute
 
+from cadenza import environment
 from cadenza.config import CadenzaConfig
 from cadenza.engine import AsyncEngine
 from cadenza.parallel.wire import FrameStream
@@ -25,9 +26,9 @@ from cadenza.streams import GenerationOutput
 
 log = structlog.get_logger(__name__)
 
-CONFIG_ENV = "CADENZA_REPLICA_CONFIG"
-INDEX_ENV = "CADENZA_REPLICA_INDEX"
-HOST_ENV = "CADENZA_REPLICA_HOST"  # where to listen: loopback unless a remote server connects
+CONFIG_ENV = environment.REPLICA_CONFIG.name
+INDEX_ENV = environment.REPLICA_INDEX.name
+HOST_ENV = environment.REPLICA_HOST.name  # where to listen: loopback unless a remote server connects
 OUTBOX_CAPACITY = 1024
 
 

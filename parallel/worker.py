@@ -14,13 +14,14 @@ import sys
 import structlog
 import torch
 
+from cadenza import environment
 from cadenza.config import CadenzaConfig
 from cadenza.parallel.groups import destroy_group, env_rank, init_group, loaded_barrier
 from cadenza.parallel.step_codec import Command, Logits, Step, StepChannel
 
 log = structlog.get_logger(__name__)
 
-CONFIG_ENV = "CADENZA_PARALLEL_CONFIG"  # the deployment config as JSON, set by `launch.py`
+CONFIG_ENV = environment.PARALLEL_CONFIG.name  # the deployment config as JSON, set by `launch.py`
 
 
 def run_worker(config: CadenzaConfig, rank: int, world_size: int) -> int:

@@ -16,6 +16,7 @@ from typing import Any, Callable, Generic, Iterable, Mapping, TypeVar
 
 import pluggy
 
+from cadenza import environment
 from cadenza.plugins import hookspecs
 from cadenza.plugins.errors import PluginError, UnknownNameError
 
@@ -27,7 +28,7 @@ DEFAULT_PLUGINS = (
     "cadenza.speculative.builtins",
 )
 ENTRY_POINT_GROUP = "cadenza"
-ALLOWLIST_ENV = "CADENZA_PLUGINS"
+ALLOWLIST_ENV = environment.PLUGINS.name
 
 T = TypeVar("T")
 

@@ -42,6 +42,23 @@ def test_width_not_a_multiple_of_32_keeps_the_fused_group_float():
                     "model.layers.0.mlp.up_proj.weight", "model.embed_tokens.weight"}
 
 
+def weight_rounding_ratio(directory) -> float:
+    """How much coarser Q8_0 blocks round this checkpoint's quantized weights than bfloat16 does:
+    the ratio of the two roundings' error norms over every weight the int8 load quantizes, in
+    float64 (a property of the weights alone, the same on every CPU)."""
+    from safetensors.torch import load_file
+
+    tensors = {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(f).items()}
+    q8 = bf16 = 0.0
+    for name in plan_int8_weights({k: tuple(v.shape) for k, v in tensors.items()}):
+        w = tensors[name].double()
+        blocks = quantize_q8_0(w).blocks.numpy()
+        decoded = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q8_0).astype(np.float64))
+        q8 += (decoded.view(w.shape) - w).pow(2).sum().item()
+        bf16 += (w.bfloat16().double() - w).pow(2).sum().item()
+    return (q8 / bf16) ** 0.5
+
+
 @pytest.mark.parametrize("arch", ["llama3", "smollm_tied", "qwen3", "llama2_bias"])
 def test_int8_model_close_to_float(kernels, tiny_model_dir, arch):
     directory = tiny_model_dir(arch)
@@ -51,17 +68,25 @@ def test_int8_model_close_to_float(kernels, tiny_model_dir, arch):
     assert len(linears) == 2 * 4 + 1  # per layer: qkv, o, gate_up, down; the LM head (tied or not)
     assert isinstance(int8.model.embed_tokens, QuantizedEmbedding)
     assert not any(isinstance(p, torch.Tensor) and p.dim() == 2 for p in int8.model.parameters())  # no float copy
-    bf16 = load_model(directory, dtype=torch.bfloat16)
+    # The yardstick: bf16-rounded weights in exact (float32) arithmetic. Its error is what rounding
+    # the weights to bfloat16 costs, the same on every CPU; a bf16 model computing in bf16 would
+    # add its activations' rounding only where the CPU has native bf16 (cpu_fp32_matmul: auto).
+    bf16_weights = load_model(directory, dtype=torch.bfloat16, cpu_fp32_matmul="on")
     ids = [5, 17, 101, 33, 250, 7, 64, 12, 199, 3, 80, 41] * 2
     want = prefill_logits(exact, ids)
 
     def error(loaded) -> float:
         return ((prefill_logits(loaded, ids) - want).norm() / want.norm()).item()
 
-    # int8 weights per 32 values and int8 activations: measured 2.5-5% of the logits' norm on these
-    # random models, 2-2.5x what bf16 weights alone cost.
+    # int8 weights per 32 values and int8 (or, in a GEMM, bf16) activations: measured 2.5-5.2% of
+    # the logits' norm on these random models, 1.9-2.6x under the bound below, as AVX2 and as AVX-512.
     assert error(int8) < 0.08
-    assert error(int8) < 4 * error(bf16)
+    # Small roundings reach the logits about linearly: Q8_0 rounds these weights `ratio` times as
+    # coarsely as bf16 (3.2x here), and the activations' rounding, of the same size at most, adds up to
+    # sqrt(2) more. Twice that leaves room for the linearisation, not for a wrong kernel.
+    ratio = weight_rounding_ratio(directory)
+    assert 2.5 < ratio < 5  # a group's absmax / 254 against 2^-9 of each value
+    assert error(int8) < 2 * 2**0.5 * ratio * error(bf16_weights)
 
 
 def test_int8_on_float32_model_needs_kernels_not_16_bit(tiny_model_dir):

@@ -61,8 +61,10 @@ def make_runtime(model: Path | None, tp: int, **overrides) -> Runtime:
     return build_runtime(load_config(None, overrides=values, env={}))
 
 
-def greedy_logits(runtime: Runtime, steps: int) -> tuple[list[torch.Tensor], list[list[int]]]:
-    """Prefill PROMPTS in one step, then decode `steps - 1` greedy steps; logits and tokens per step."""
+def greedy_logits(runtime: Runtime, steps: int, forced: list[list[int]] | None = None) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """Prefill PROMPTS in one step, then decode `steps - 1` greedy steps; logits and tokens per step.
+    `forced`: each step's input tokens from another run (teacher forcing), so that both runs' logits
+    stay comparable after a near-tie picks differently."""
     params = SamplingParams(temperature=0)
     tables = [tuple(range(i * 4, i * 4 + 4)) for i in range(len(PROMPTS))]
     lens = [len(p) for p in PROMPTS]
@@ -74,17 +76,19 @@ def greedy_logits(runtime: Runtime, steps: int) -> tuple[list[torch.Tensor], lis
         tokens.append(result.sampled.token_ids.tolist())
         chunks = [
             ScheduledChunk(f"r{i}", [t], lens[i] + step, tables[i], True, params, PROMPTS[i], step + 1)
-            for i, t in enumerate(tokens[-1])
+            for i, t in enumerate(tokens[-1] if forced is None else forced[step])
         ]
     return logits, tokens
 
 
-def run_both(model: Path | None, steps: int, **overrides):
+def run_both(model: Path | None, steps: int, teacher_forced: bool = False, **overrides):
+    """TP=1's and TP=2's (logits, tokens); `teacher_forced`: TP=2 decodes TP=1's tokens."""
     results = []
     for tp in (1, 2):
         runtime = make_runtime(model, tp, **overrides)
         try:
-            results.append(greedy_logits(runtime, steps))
+            forced = results[0][1] if teacher_forced and results else None
+            results.append(greedy_logits(runtime, steps, forced))
         finally:
             runtime.close()
         assert runtime.failure() is None
@@ -111,11 +115,16 @@ def test_tp2_logits_and_greedy_tokens_match_tp1_on_tiny_models(name, tmp_path_fa
 
 def test_tp2_on_the_default_gguf_runs_the_quantized_blocks_and_agrees_with_tp1():
     # Activations are rounded to int8 per 32 values: a last-bit difference from the all-reduce's
-    # summation order can move a rounding, so logits agree loosely; greedy tokens exactly.
-    (whole, whole_tokens), (split, split_tokens) = run_both(None, steps=4)
-    assert split_tokens == whole_tokens
-    for a, b in zip(whole, split):
+    # summation order can move a rounding, so logits agree loosely, and a greedy pick may differ
+    # only where TP=1's top two logits are closer than the two runs' logits are to each other.
+    # TP=2 decodes TP=1's tokens, so every step compares the same inputs.
+    (whole, whole_tokens), (split, split_tokens) = run_both(None, steps=4, teacher_forced=True)
+    for a, b, want, got in zip(whole, split, whole_tokens, split_tokens):
         assert (a - b).abs().max() < 0.1 * a.abs().max()
+        for row, (w, g) in enumerate(zip(want, got)):
+            assert w == g or a[row, w] - a[row, g] <= 2 * (a[row] - b[row]).abs().max(), (row, w, g)
+    differing = sum(w != g for want, got in zip(whole_tokens, split_tokens) for w, g in zip(want, got))
+    assert differing <= 2, (whole_tokens, split_tokens)
 
 
 def test_forty_mixed_requests_batched_equal_their_solo_results(tiny_model_dir):

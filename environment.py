@@ -1,0 +1,41 @@
+"""Every environment variable cadenza reads, declared once.
+
+The config loader reads any other `CADENZA_*` variable as a config key (`CADENZA_SERVER__PORT`),
+so a variable that is not a config key must be listed here, or setting it stops the CLI with
+"unknown key". Each module that reads one takes its name from here. Importing this module costs
+nothing (no torch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EnvVar:
+    """One variable: its name, what it does, and an example value that is valid anywhere."""
+
+    name: str
+    description: str
+    example: str
+
+
+CONFIG = EnvVar("CADENZA_CONFIG", "A deployment YAML file (or a shipped preset name) to load when no --config is given.", "default")
+PLUGINS = EnvVar("CADENZA_PLUGINS", "Comma-separated allowlist of the entry-point plugins that load (empty: none).", "")
+CPU = EnvVar(
+    "CADENZA_CPU",
+    "The CPU kind cadenza acts as if it ran on: native (this CPU), avx2 (no AVX-512, no native bf16), "
+    "avx2-vnni (AVX2 with 256-bit VNNI), avx512-vnni, avx512-bf16 (Zen 4), amx (Sapphire Rapids and "
+    "later). Every decision that reads the CPU's features goes through it: the kernel build, packed "
+    "layouts, cpu_fp32_matmul auto and the KV dtype. A kind needing a feature this CPU lacks is refused.",
+    "avx2",
+)
+CPU_ISA = EnvVar("CADENZA_CPU_ISA", "The older name of CADENZA_CPU (its values avx2 and avx512vnni are still read).", "avx2")
+LLAMACPP_HOME = EnvVar("CADENZA_LLAMACPP_HOME", "Where `cadenza bench` finds or builds llama.cpp's binaries.", "/tmp/llama.cpp")
+PARALLEL_CONFIG = EnvVar("CADENZA_PARALLEL_CONFIG", "Internal: the deployment config, as JSON, that a tensor-parallel rank starts with.", "")
+REPLICA_CONFIG = EnvVar("CADENZA_REPLICA_CONFIG", "Internal: the deployment config, as JSON, that a data-parallel replica starts with.", "")
+REPLICA_INDEX = EnvVar("CADENZA_REPLICA_INDEX", "Internal: a data-parallel replica's index.", "0")
+REPLICA_HOST = EnvVar("CADENZA_REPLICA_HOST", "Internal: the address a data-parallel replica listens on.", "127.0.0.1")
+
+ALL: tuple[EnvVar, ...] = (CONFIG, PLUGINS, CPU, CPU_ISA, LLAMACPP_HOME, PARALLEL_CONFIG, REPLICA_CONFIG, REPLICA_INDEX, REPLICA_HOST)
+NAMES = frozenset(v.name for v in ALL)
