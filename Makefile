@@ -17,8 +17,11 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The whole suite as this CPU, then the CPU-sensitive tests as each other kind of CPU it can stand
+# in for (tests/run_as_cpu_kinds.py; CADENZA_CPU): green here means green on AVX2 and AVX-512 too.
 test: $(STAMP) browser
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python tests/run_as_cpu_kinds.py
 
 # The browser test drives Debian's headless Chromium; install it where we may (root with apt),
 # otherwise that one test is skipped and says why.

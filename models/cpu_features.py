@@ -119,6 +119,12 @@ def apply_cpu_kind_to_torch(environ=os.environ) -> None:
         environ.setdefault("ONEDNN_MAX_CPU_ISA", onednn)
 
 
+def runnable_kinds() -> list[str]:
+    """The kinds this CPU can stand in for (its own features include theirs), weakest first."""
+    native = native_cpu_flags()
+    return [kind for kind, features in CPU_KINDS.items() if features <= native]
+
+
 def cpu_has_native_bf16() -> bool:
     """True where the CPU multiplies bfloat16 natively (AVX512-BF16 or AMX).
 

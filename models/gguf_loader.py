@@ -14,6 +14,7 @@ import torch
 
 from cadenza.models.config import SUPPORTED_MODEL_TYPES, ModelArchConfig, RopeConfig
 from cadenza.models.errors import ModelLoadError, UnsupportedModelError
+from cadenza.models.gguf_file import GGUFFile
 from cadenza.models.gguf_tokenizer import read_field
 from cadenza.models.quantized_linear import NATIVE_TYPES, QuantizedTensor
 
@@ -48,14 +49,14 @@ _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _PERMUTED_ARCHS = ("llama",)
 
 
-def open_gguf(path: Path) -> gguf.GGUFReader:
+def open_gguf(path: Path) -> GGUFFile:
     try:
-        return gguf.GGUFReader(str(path))
+        return GGUFFile(path)
     except Exception as exc:
         raise ModelLoadError(f"{path}: not a readable GGUF file: {exc}") from exc
 
 
-def read_gguf_config(reader: gguf.GGUFReader, source: str) -> ModelArchConfig:
+def read_gguf_config(reader: GGUFFile, source: str) -> ModelArchConfig:
     arch = read_field(reader, "general.architecture")
     model_type = "llama" if arch == "llama" else arch
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -99,7 +100,7 @@ def read_gguf_config(reader: gguf.GGUFReader, source: str) -> ModelArchConfig:
     )
 
 
-def _rope(reader: gguf.GGUFReader, arch: str, source: str) -> RopeConfig:
+def _rope(reader: GGUFFile, arch: str, source: str) -> RopeConfig:
     theta = float(read_field(reader, f"{arch}.rope.freq_base", 10000.0))
     scaling = read_field(reader, f"{arch}.rope.scaling.type", "none")
     if scaling in ("none", None) and _find_tensor(reader, "rope_freqs.weight") is None:
@@ -112,7 +113,7 @@ def _rope(reader: gguf.GGUFReader, arch: str, source: str) -> RopeConfig:
     )
 
 
-def _find_tensor(reader: gguf.GGUFReader, name: str):
+def _find_tensor(reader: GGUFFile, name: str):
     return next((t for t in reader.tensors if t.name == name), None)
 
 
@@ -121,7 +122,7 @@ _FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gg
 _FUSED_GROUPS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
 
 
-def plan_native_weights(reader: gguf.GGUFReader, why_not: str | None) -> frozenset[str]:
+def plan_native_weights(reader: GGUFFile, why_not: str | None) -> frozenset[str]:
     """The HF names of the weights to keep as raw blocks: 2-D weights of a type with a kernel
     (quant.h), unless `why_not` says why none can be (quantization none, no kernels...).
     Logs one line per tensor type: native kernel, or de-quantized and why."""
@@ -152,7 +153,7 @@ def plan_native_weights(reader: gguf.GGUFReader, why_not: str | None) -> frozens
 
 
 def iter_gguf_weights(
-    reader: gguf.GGUFReader, cfg: ModelArchConfig, dtype: torch.dtype, source: str, native: frozenset[str] = frozenset()
+    reader: GGUFFile, cfg: ModelArchConfig, dtype: torch.dtype, source: str, native: frozenset[str] = frozenset()
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     """Every tensor under its HF name: de-quantized to `dtype`, or for the names in `native`
     (see `plan_native_weights`) as raw blocks, copied out of the file's memory map."""

@@ -5,7 +5,7 @@ scores), each token's type and the special ids under `tokenizer.ggml.*`, and pic
 pipeline (how text is split before BPE) from the name in `tokenizer.ggml.pre`. We rebuild that
 pipeline the way llama.cpp runs it, because that is how the model saw text, so the ids match.
 
-    reader = gguf.GGUFReader(path)
+    reader = GGUFFile(path)  # or gguf.GGUFReader(path)
     tok = tokenizer_from_gguf(reader)
     tok.tokenizer.encode("<|im_start|>user\\nhi<|im_end|>").ids
 
@@ -27,6 +27,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_
 from tokenizers.models import BPE
 
 from cadenza.models.byte_level import BYTE_TO_CHAR, CHAR_TO_BYTE
+from cadenza.models.gguf_file import GGUFFile
 
 logger = structlog.get_logger(__name__)
 
@@ -51,12 +52,17 @@ class GGUFTokenizer:
     special_token_ids: frozenset[int]
 
 
-def read_field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+def read_field(reader: GGUFFile | gguf.GGUFReader, key: str, default: Any = None) -> Any:
     """The value of metadata field `key`, or `default` when the file has no such field.
 
     Numbers and bools come back as Python `int`/`float`/`bool`, strings as `str` (UTF-8), arrays
     as a `list` of those. Nested arrays raise `ValueError`.
     """
+    if isinstance(reader, GGUFFile):  # values already decoded
+        value = reader.fields.get(key, default)
+        if isinstance(value, list) and any(isinstance(v, list) for v in value):
+            raise ValueError(f"GGUF field {key!r} is a nested array, which is not supported")
+        return value
     field = reader.fields.get(key)
     if field is None:
         return default
@@ -76,7 +82,7 @@ def read_field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
     return np.concatenate([field.parts[i] for i in field.data]).tolist()
 
 
-def tokenizer_from_gguf(reader: gguf.GGUFReader) -> GGUFTokenizer:
+def tokenizer_from_gguf(reader: GGUFFile | gguf.GGUFReader) -> GGUFTokenizer:
     """Build the tokenizer described by `reader`'s `tokenizer.ggml.*` metadata.
 
     Raises `ValueError` for a tokenizer model or pre-tokenizer type we cannot rebuild, or a file
@@ -184,7 +190,7 @@ _PRE_TYPES = _pre_types()
 SUPPORTED_PRE_TYPES = frozenset(_PRE_TYPES)
 
 
-def _byte_level_bpe(reader: gguf.GGUFReader, tokens: list[str], unk_id: int | None) -> tuple[Tokenizer, bool]:
+def _byte_level_bpe(reader: GGUFFile | gguf.GGUFReader, tokens: list[str], unk_id: int | None) -> tuple[Tokenizer, bool]:
     pre_name = read_field(reader, "tokenizer.ggml.pre")
     if pre_name is None:
         logger.warning("GGUF has no tokenizer.ggml.pre; using llama.cpp's 'default' pre-tokenizer")
@@ -233,7 +239,7 @@ def _spell_byte_level(tokens: list[str]) -> list[str]:
 # llama: SentencePiece BPE (Llama 2, Mistral v0.1), rebuilt as BPE with byte fallback.
 
 
-def _sentencepiece_bpe(reader: gguf.GGUFReader, tokens: list[str], unk_id: int | None) -> tuple[Tokenizer, bool]:
+def _sentencepiece_bpe(reader: GGUFFile | gguf.GGUFReader, tokens: list[str], unk_id: int | None) -> tuple[Tokenizer, bool]:
     vocab = {token: index for index, token in enumerate(tokens)}
     merges = read_field(reader, "tokenizer.ggml.merges")
     if merges is not None:
