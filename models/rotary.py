@@ -11,7 +11,7 @@ from cadenza.models.config import RopeConfig
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     """The per-pair inverse frequencies, computed exactly as transformers does (fp32)."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (rope.theta**exponents)
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
@@ -38,8 +38,10 @@ class RotaryEmbedding(torch.nn.Module):
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
+        # Built on the CPU even under a meta-device context (a model's skeleton): meta math runs
+        # PyTorch's Python references, whose first use imports torch._dynamo (1.3 s). `.to()` moves it.
         inv_freq = inverse_frequencies(rope, head_dim)
-        positions = torch.arange(max_positions, dtype=torch.float32)
+        positions = torch.arange(max_positions, dtype=torch.float32, device="cpu")
         freqs = positions[:, None] * inv_freq[None, :]
         table = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos_table", table.cos(), persistent=False)

@@ -273,6 +273,6 @@ def _embedding_rows(module: nn.Module, vocab: tuple[int, int]) -> nn.Module:
         out = QuantizedEmbedding(v1 - v0, module.embedding_dim)
         out.load_rows(0, QuantizedTensor(module.blocks[v0:v1].clone(), module.qtype, module.embedding_dim))
         return out
-    out = nn.Embedding(v1 - v0, module.embedding_dim, device="meta")
+    out = nn.Embedding(v1 - v0, module.embedding_dim, _weight=torch.empty(v1 - v0, module.embedding_dim, device="meta"))
     out.weight = _param(module.weight[v0:v1])
     return out
