@@ -45,6 +45,52 @@ inline void axpy(float alpha, const int8_t* x, float* y, int64_t n) {  // y += a
   for (; i < n; ++i) y[i] += alpha * static_cast<float>(x[i]);
 }
 
+// 16-bit cache rows: bfloat16 or IEEE float16 bits, widened to float32 on load (exact).
+struct Bf16 { uint16_t bits; };
+struct F16 { uint16_t bits; };
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const Bf16* p) { return load_bf16x8(reinterpret_cast<const uint16_t*>(p)); }
+inline __m256 load8(const F16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline float to_float(float x) { return x; }
+inline float to_float(Bf16 x) { return bf16_to_float(x.bits); }
+inline float to_float(F16 x) { return _cvtsh_ss(x.bits); }
+#ifdef __AVX512F__
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const Bf16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const F16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+#endif
+
+// float32 -> a 16-bit cache row value, rounded to nearest even as PyTorch's `.to()` rounds.
+inline void store_row(float x, float* out) { *out = x; }
+inline void store_row(float x, Bf16* out) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  out->bits = std::isnan(x) ? uint16_t{0x7FC0} : static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+inline void store_row(float x, F16* out) { out->bits = _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT); }
+
+template <typename KV>
+inline float dot(const float* a, const KV* b, int64_t n) {  // 16-bit rows
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc);
+  float s = hsum(acc);
+  for (; i < n; ++i) s += a[i] * to_float(b[i]);
+  return s;
+}
+
+template <typename KV>
+inline void axpy(float alpha, const KV* x, float* y, int64_t n) {  // y += alpha * x, 16-bit rows
+  const __m256 a = _mm256_set1_ps(alpha);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(a, load8(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += alpha * to_float(x[i]);
+}
+
 // The 8 sums of 8 keys' 8-lane partial dot products, by one tree of horizontal adds.
 inline __m256 sum8x8(const __m256* a) {
   // hadd(x, y) = [x0+x1, x2+x3, y0+y1, y2+y3 | x4+x5, x6+x7, y4+y5, y6+y7]: after two rounds each
@@ -58,7 +104,8 @@ inline __m256 sum8x8(const __m256* a) {
 // by one tree of horizontal adds, instead of a horizontal sum per key. Built for AVX-512 and D a
 // multiple of 16, the products take 16 lanes (half the multiply-adds: a speculative step's
 // extra rows are bound by them), folded to 8 before the same tree.
-inline __m256 dot8(const float* q, const float* const* k, int64_t D) {
+template <typename KV>
+inline __m256 dot8(const float* q, const KV* const* k, int64_t D) {
   __m256 a[8];
 #ifdef __AVX512F__
   if (D % 16 == 0) {
@@ -66,7 +113,7 @@ inline __m256 dot8(const float* q, const float* const* k, int64_t D) {
     for (int j = 0; j < 8; ++j) w[j] = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d += 16) {
       const __m512 qv = _mm512_loadu_ps(q + d);
-      for (int j = 0; j < 8; ++j) w[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k[j] + d), w[j]);
+      for (int j = 0; j < 8; ++j) w[j] = _mm512_fmadd_ps(qv, load16(k[j] + d), w[j]);
     }
     for (int j = 0; j < 8; ++j)
       a[j] = _mm256_add_ps(_mm512_castps512_ps256(w[j]),
@@ -77,7 +124,7 @@ inline __m256 dot8(const float* q, const float* const* k, int64_t D) {
   for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
   for (int64_t d = 0; d < D; d += 8) {
     const __m256 qv = _mm256_loadu_ps(q + d);
-    for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[j] + d), a[j]);
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, load8(k[j] + d), a[j]);
   }
   return sum8x8(a);
 }
@@ -85,14 +132,14 @@ inline __m256 dot8(const float* q, const float* const* k, int64_t D) {
 // acc [kD] += sum over t of w[t] * rows[t], the accumulator in registers (kD a multiple of 16).
 // Each lane sums in the same order at any vector width, so the AVX-512 build's result is the
 // AVX2 build's, in half the multiply-adds.
-template <int kD>
-inline void weighted_rows_sum(const float* w, const float* const* rows, int64_t n, float* acc) {
+template <int kD, typename KV>
+inline void weighted_rows_sum(const float* w, const KV* const* rows, int64_t n, float* acc) {
 #ifdef __AVX512F__
   __m512 a[kD / 16];
   for (int c = 0; c < kD / 16; ++c) a[c] = _mm512_loadu_ps(acc + 16 * c);
   for (int64_t t = 0; t < n; ++t) {
     const __m512 wt = _mm512_set1_ps(w[t]);
-    for (int c = 0; c < kD / 16; ++c) a[c] = _mm512_fmadd_ps(wt, _mm512_loadu_ps(rows[t] + 16 * c), a[c]);
+    for (int c = 0; c < kD / 16; ++c) a[c] = _mm512_fmadd_ps(wt, load16(rows[t] + 16 * c), a[c]);
   }
   for (int c = 0; c < kD / 16; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
 #else
@@ -100,7 +147,7 @@ inline void weighted_rows_sum(const float* w, const float* const* rows, int64_t 
   for (int c = 0; c < kD / 8; ++c) a[c] = _mm256_loadu_ps(acc + 8 * c);
   for (int64_t t = 0; t < n; ++t) {
     const __m256 wt = _mm256_set1_ps(w[t]);
-    for (int c = 0; c < kD / 8; ++c) a[c] = _mm256_fmadd_ps(wt, _mm256_loadu_ps(rows[t] + 8 * c), a[c]);
+    for (int c = 0; c < kD / 8; ++c) a[c] = _mm256_fmadd_ps(wt, load8(rows[t] + 8 * c), a[c]);
   }
   for (int c = 0; c < kD / 8; ++c) _mm256_storeu_ps(acc + 8 * c, a[c]);
 #endif
@@ -127,7 +174,8 @@ inline void check_decode_args(const torch::Tensor& q, const torch::Tensor& block
 }
 
 // Decode attention straight from the paged cache: one query token per sequence.
-// q [B, H, D]; keys and values [num_blocks, block_size, KVH, D] each, float32 or int8 (then with
+// q [B, H, D]; keys and values [num_blocks, block_size, KVH, D] each, float32, bfloat16 or float16
+// (`Bf16`, `F16`: widened on load, the arithmetic float32 throughout), or int8 (then with
 // float16 scales [num_blocks, block_size, KVH], a row being int8 * scale); block_tables
 // [B, max_blocks]; seq_lens [B] (keys in the cache, the new token's included). Keys at positions
 // [max(0, seq_len - window), seq_len) are attended (window <= 0: all). Returns [B, H, D].
@@ -196,7 +244,7 @@ inline torch::Tensor decode_attention(const torch::Tensor& q, const KV* keys, co
   at::parallel_for(0, static_cast<int64_t>(entries.size()), 1, [&](int64_t e0, int64_t e1) {
     std::vector<float> scores, acc(static_cast<size_t>(G * D)), maxes(G), sums(G);  // per thread, reused
     std::vector<int64_t> krow;  // cache row (slot * KVH + kv head) of each key of the entry's run
-    std::vector<const float*> key_ptr, value_ptr;
+    std::vector<const KV*> key_ptr, value_ptr;
     for (int64_t e = e0; e < e1; ++e) {
       const Entry& entry = entries[e];
       const int64_t kvh = entry.kvh;
@@ -234,14 +282,14 @@ inline torch::Tensor decode_attention(const torch::Tensor& q, const KV* keys, co
         // A head's keys sit KVH * D floats apart (all kv heads of a slot) in blocks anywhere: the
         // hardware prefetcher loses the stream at each block, so fetch a few keys ahead by hand.
         int64_t t = t0;
-        if constexpr (!kQuantized) {  // float32 keys: 8 at a time (dot8)
+        if constexpr (!kQuantized) {  // float32 or 16-bit keys: 8 at a time (dot8)
           if (D % 8 == 0) {
             const __m256 sv = _mm256_set1_ps(fscale);
             for (; t + 8 <= t1; t += 8) {
               if (fetch)
                 for (int j = 0; j < 8; ++j)
                   if (t + j + kPrefetchKeys < t1) prefetch_row(keys + rows_of[t + j + kPrefetchKeys - t0] * D, D * sizeof(KV));
-              const float* const* rows = key_ptr.data() + (t - run_t0);
+              const KV* const* rows = key_ptr.data() + (t - run_t0);
               for (int64_t g = 0; g < G; ++g)
                 _mm256_storeu_ps(scores.data() + g * n + (t - t0), _mm256_mul_ps(dot8(qh + g * D, rows, D), sv));
             }
@@ -280,9 +328,9 @@ inline torch::Tensor decode_attention(const torch::Tensor& q, const KV* keys, co
         }
         std::fill(acc.begin(), acc.end(), 0.0f);
         bool summed = false;
-        if constexpr (!kQuantized) {  // float32 values, head_dim 64 or 128: accumulators in registers
+        if constexpr (!kQuantized) {  // float32 or 16-bit values, head_dim 64 or 128: accumulators in registers
           if (D == 64 || D == 128) {
-            const float* const* vrows = value_ptr.data() + (t0 - run_t0);
+            const KV* const* vrows = value_ptr.data() + (t0 - run_t0);
             if (fetch)  // the run's rows, fetched while the first ones are summed
               for (int64_t j = 0; j < n; ++j) prefetch_row(vrows[j], D * sizeof(KV));
             for (int64_t g = 0; g < G; ++g) {
@@ -348,17 +396,36 @@ inline torch::Tensor decode_attention(const torch::Tensor& q, const KV* keys, co
 }
 
 
-// The float32 cache: kv_cache [2, num_blocks, block_size, KVH, D].
+// A float cache: kv_cache [2, num_blocks, block_size, KVH, D] in float32, bfloat16 or float16.
+inline void check_float_cache(const torch::Tensor& kv_cache) {
+  const auto t = kv_cache.scalar_type();
+  TORCH_CHECK((t == torch::kFloat32 || t == torch::kBFloat16 || t == torch::kHalf) && kv_cache.is_contiguous() &&
+                  kv_cache.dim() == 5,
+              "kv_cache must be a contiguous float32, bfloat16 or float16 [2, blocks, block_size, kv_heads, head_dim] tensor");
+}
+
+// Calls f with the cache's base pointer typed as its rows are: float, Bf16 or F16.
+template <typename F>
+inline auto with_float_rows(const torch::Tensor& kv_cache, F&& f) {
+  switch (kv_cache.scalar_type()) {
+    case torch::kBFloat16: return f(reinterpret_cast<Bf16*>(kv_cache.data_ptr()));
+    case torch::kHalf: return f(reinterpret_cast<F16*>(kv_cache.data_ptr()));
+    default: return f(kv_cache.data_ptr<float>());
+  }
+}
+
 inline torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& kv_cache,
                                             const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
                                             double scale, int64_t window) {
-  TORCH_CHECK(kv_cache.scalar_type() == torch::kFloat32 && kv_cache.is_contiguous() && kv_cache.dim() == 5,
-              "kv_cache must be a contiguous float32 [2, blocks, block_size, kv_heads, head_dim] tensor");
+  check_float_cache(kv_cache);
   const int64_t NB = kv_cache.size(1), BS = kv_cache.size(2), KVH = kv_cache.size(3), D = kv_cache.size(4);
   check_decode_args(q, block_tables, seq_lens, NB, BS, KVH, D);
-  const float* keys = kv_cache.data_ptr<float>();
-  return decode_attention<float>(q, keys, keys + NB * BS * KVH * D, nullptr, nullptr, BS, KVH, block_tables,
-                                 seq_lens, scale, window);
+  return with_float_rows(kv_cache, [&](auto* keys) {
+    using KV = std::remove_pointer_t<decltype(keys)>;
+    const KV* k = keys;
+    return decode_attention<KV>(q, k, k + NB * BS * KVH * D, nullptr, nullptr, BS, KVH, block_tables, seq_lens,
+                                scale, window);
+  });
 }
 
 inline void check_int8_cache(const torch::Tensor& data, const torch::Tensor& scales) {
@@ -401,22 +468,36 @@ inline const int64_t* check_kv_write(const torch::Tensor& k, const torch::Tensor
 }
 
 // Store the step's keys and values at their cache slots: k, v [T, KVH, D] (packed heads, any row
-// stride: views of the fused projection), kv_cache [2, num_blocks, block_size, KVH, D].
+// stride: views of the fused projection), kv_cache [2, num_blocks, block_size, KVH, D] in float32
+// (copied) or a 16-bit float type (rounded to nearest even, as PyTorch's `.to()`).
 inline void write_kv_(torch::Tensor kv_cache, const torch::Tensor& k, const torch::Tensor& v,
                       const torch::Tensor& slot_mapping) {
-  TORCH_CHECK(kv_cache.scalar_type() == torch::kFloat32 && kv_cache.is_contiguous() && kv_cache.dim() == 5,
-              "kv_cache must be a contiguous float32 [2, blocks, block_size, kv_heads, head_dim] tensor");
+  check_float_cache(kv_cache);
   const int64_t* slot = check_kv_write(k, v, kv_cache.sizes(), slot_mapping);
   const int64_t T = k.size(0), KVH = kv_cache.size(3), D = kv_cache.size(4);
   const int64_t slots = kv_cache.size(1) * kv_cache.size(2), row = KVH * D;
-  float* keys = kv_cache.data_ptr<float>();
-  float* values = keys + slots * row;
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t) {
-    std::memcpy(keys + slot[t] * row, kp + t * k.stride(0), row * sizeof(float));
-    std::memcpy(values + slot[t] * row, vp + t * v.stride(0), row * sizeof(float));
-  }
+  with_float_rows(kv_cache, [&](auto* keys) {
+    using KV = std::remove_pointer_t<decltype(keys)>;
+    KV* values = keys + slots * row;
+    for (int64_t t = 0; t < T; ++t) {
+      const float* ks = kp + t * k.stride(0);
+      const float* vs = vp + t * v.stride(0);
+      KV* kd = keys + slot[t] * row;
+      KV* vd = values + slot[t] * row;
+      if constexpr (std::is_same<KV, float>::value) {
+        std::memcpy(kd, ks, row * sizeof(float));
+        std::memcpy(vd, vs, row * sizeof(float));
+      } else {
+        for (int64_t j = 0; j < row; ++j) {
+          store_row(ks[j], kd + j);
+          store_row(vs[j], vd + j);
+        }
+      }
+    }
+    return 0;
+  });
 }
 
 

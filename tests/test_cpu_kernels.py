@@ -209,6 +209,41 @@ def test_write_kv_stores_strided_keys_and_values_at_their_slots(kernels):
         kernels.write_kv_(cache, k, v, torch.tensor([0, 1, 2, 3, 24]))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_write_kv_rounds_into_a_16_bit_cache_as_pytorch_does(kernels, dtype):
+    gen = torch.Generator().manual_seed(5)
+    cache = torch.zeros(2, 6, 4, 3, 8, dtype=dtype)
+    qkv = torch.randn(5, (4 + 2 * 3) * 8, generator=gen) * 3
+    qkv[0, 40] = float("nan")
+    qkv[1, 41] = 1e6  # past float16's range: inf, as `.to(float16)` gives
+    qkv[2, 42] = 1.00390625  # halfway between two bfloat16 values: to the even one
+    k, v = qkv[:, 32:56].view(5, 3, 8), qkv[:, 56:].view(5, 3, 8)
+    slots = torch.tensor([0, 5, 23, 9, 10])
+    expected = cache.clone()
+    expected.view(2, 24, 3, 8)[0].index_copy_(0, slots, k.to(dtype))
+    expected.view(2, 24, 3, 8)[1].index_copy_(0, slots, v.to(dtype))
+    kernels.write_kv_(cache, k, v, slots)
+    nan = expected.isnan()
+    assert nan.sum() == 1 and torch.equal(cache.isnan(), nan)  # a NaN stays one (its bits are not defined)
+    assert torch.equal(cache.view(torch.int16)[~nan], expected.view(torch.int16)[~nan])  # the rest bit for bit
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window", [None, 50])
+@pytest.mark.parametrize("head_dim", [64, 20])
+def test_paged_decode_attention_on_a_16_bit_cache_is_the_float32_one_of_its_values(kernels, dtype, window, head_dim):
+    # The kernel widens each 16-bit key and value exactly: its result is the float32 kernel's on
+    # the widened cache, up to the order of float32 sums (16 lanes or 8).
+    gen = torch.Generator().manual_seed(head_dim)
+    seq_lens = [1, 9, 200, 33]
+    q, cache, tables = _paged_case(gen, seq_lens, 9, 3, head_dim, 16, num_blocks=64)
+    low = cache.to(dtype)
+    args = (tables, torch.tensor(seq_lens), head_dim**-0.5, window or 0)
+    got = kernels.paged_decode_attention(q, low, *args)
+    want = kernels.paged_decode_attention(q, low.float(), *args)
+    assert torch.allclose(got, want, rtol=1e-5, atol=2e-6)
+
+
 def _thread_count() -> int:
     return len(os.listdir("/proc/self/task"))
 
