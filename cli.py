@@ -15,6 +15,14 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-threads", type=int)
     parser.add_argument("--tensor-parallel-size", type=int, help="split the model over this many ranks (torch.distributed)")
     parser.add_argument("--data-parallel-size", type=int, help="serve this many engine replicas behind one port")
+    # The settings vLLM users reach for first, under vLLM's names (each also a config key).
+    parser.add_argument("--max-model-len", type=int, help="longest sequence, prompt and output (model.max_model_len)")
+    parser.add_argument("--max-num-seqs", type=int, help="sequences in one batch (scheduler.max_num_seqs)")
+    parser.add_argument("--max-num-batched-tokens", type=int, help="tokens in one step (scheduler.max_num_batched_tokens)")
+    parser.add_argument("--kv-cache-memory", metavar="SIZE", help="memory for the KV cache, e.g. 512MiB (cache.memory_budget)")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "float16", "int8"],
+                        help="what keys and values are stored as (cache.dtype)")
+    parser.add_argument("--load-format", choices=["auto", "dummy"], help="dummy: random weights of --model's shape (model.load_format)")
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -25,6 +33,12 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "model.num_threads": args.num_threads,
         "parallel.tensor_parallel_size": args.tensor_parallel_size,
         "parallel.data_parallel_size": args.data_parallel_size,
+        "model.max_model_len": args.max_model_len,
+        "scheduler.max_num_seqs": args.max_num_seqs,
+        "scheduler.max_num_batched_tokens": args.max_num_batched_tokens,
+        "cache.memory_budget": args.kv_cache_memory,
+        "cache.dtype": args.kv_cache_dtype,
+        "model.load_format": args.load_format,
         "server.host": getattr(args, "host", None),
         "server.port": getattr(args, "port", None),
         "server.api_key": getattr(args, "api_key", None),

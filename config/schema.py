@@ -132,9 +132,10 @@ class CacheConfig(_Section):
         None, description="Memory for the KV cache: bytes, or a size such as '512MiB', '2GiB', "
         "'1.5GB'. Set this or num_blocks, not both.",
     )
-    dtype: Literal["auto", "float32", "bfloat16", "int8"] = Field(
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "int8"] = Field(
         "auto", description="What keys and values are stored as. 'auto': the dtype attention computes "
-        "in; 'int8': quantized per token and kv head (a float16 scale each), about half the bytes of "
+        "in; float16 or bfloat16 halve float32's bytes (attention still computes in its own dtype); "
+        "'int8': quantized per token and kv head (a float16 scale each), about half the bytes of "
         "bfloat16 and a quarter of float32, so the same memory_budget holds 2-4x the tokens.",
     )
     eviction_policy: str = Field(
