@@ -36,7 +36,7 @@ def is_single_prompt(prompts: Any) -> bool:
 def tokenize_prompt(prompt: Prompt, tokenizer: Tokenizer, vocab_size: int) -> tuple[str | None, list[int]]:
     """(prompt text or None, token ids); chat messages go through the model's chat template."""
     if isinstance(prompt, str):
-        _check_encodable(prompt, "the prompt")
+        check_encodable(prompt, "the prompt")
         ids = tokenizer.encode(prompt)
         text: str | None = prompt
     elif isinstance(prompt, ChatPrompt) or (isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt)):
@@ -44,7 +44,7 @@ def tokenize_prompt(prompt: Prompt, tokenizer: Tokenizer, vocab_size: int) -> tu
         for i, message in enumerate(chat.messages):
             if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
                 raise PromptError(f"messages[{i}] needs string 'role' and 'content' fields")
-            _check_encodable(message["content"], f"messages[{i}].content")
+            check_encodable(message["content"], f"messages[{i}].content")
         kwargs = {"tools": list(chat.tools)} if chat.tools else {}
         text = tokenizer.apply_chat_template(chat.messages, add_generation_prompt=True, **kwargs)
         ids = tokenizer.encode(text, add_special_tokens=False)
@@ -60,7 +60,7 @@ def tokenize_prompt(prompt: Prompt, tokenizer: Tokenizer, vocab_size: int) -> tu
     return text, ids
 
 
-def _check_encodable(text: str, what: str) -> None:
+def check_encodable(text: str, what: str) -> None:
     """Text a tokenizer can take: valid Unicode (a lone surrogate is not, though `json.loads` lets one by)."""
     try:
         text.encode("utf-8")

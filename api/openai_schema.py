@@ -34,11 +34,15 @@ class _OpenAPIJsonSchema(GenerateJsonSchema):
 def openapi_schemas(model_name: str) -> dict[str, dict[str, Any]]:
     """The request models and every model they use, as OpenAPI components (what `$ref`s point to);
     `model` is the one model this server serves (any other is a 404)."""
-    pairs = [(m, "validation") for m in REQUEST_MODELS]
+    from cadenza.api.tokenizer_routes import REQUEST_MODELS as TOKENIZER_MODELS  # imports this module
+
+    pairs = [(m, "validation") for m in (*REQUEST_MODELS, *TOKENIZER_MODELS)]
     _, document = models_json_schema(pairs, ref_template=_REF, schema_generator=_OpenAPIJsonSchema)
     schemas = document["$defs"]
     for model in REQUEST_MODELS:
         schemas[model.__name__]["properties"]["model"]["enum"] = [model_name]
+    for model in TOKENIZER_MODELS:  # optional there: the served name or null
+        schemas[model.__name__]["properties"]["model"]["anyOf"] = [{"enum": [model_name]}, {"type": "null"}]
     return schemas
 
 

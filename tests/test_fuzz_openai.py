@@ -88,6 +88,8 @@ OPERATIONS = [
     ("POST", "/v1/completions", GenerationMode.NEGATIVE),
     ("POST", "/v1/chat/completions", GenerationMode.POSITIVE),
     ("POST", "/v1/chat/completions", GenerationMode.NEGATIVE),
+    *((("POST", path, mode) for path in ("/tokenize", "/detokenize", "/apply-template")
+       for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE))),
     # No parameters, so nothing to negate and a single case each.
     ("GET", "/v1/models", GenerationMode.POSITIVE),
     ("GET", "/health", GenerationMode.POSITIVE),
