@@ -214,7 +214,7 @@ def build_model_shard(config: CadenzaConfig, plugins: Plugins, ctx=None) -> Mode
         transform = functools.partial(shard_model, ctx=ctx)
     loaded = load_model(config.model.path, dtype=dtype, device=device, max_model_len=config.model.max_model_len,
                         cpu_kernels=config.model.cpu_kernels, quantization=config.model.quantization,
-                        transform=transform)  # fmt: skip
+                        transform=transform, load_format=config.model.load_format, seed=config.model.seed)  # fmt: skip
     arch = cache_arch = loaded.arch
     if ctx is not None:
         from cadenza.parallel.tensor_parallel import local_arch, max_local_kv_heads, rank_partition

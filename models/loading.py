@@ -1,4 +1,5 @@
-"""`load_model`: a path (HF directory or .gguf file) or None (the embedded default) to a ready model."""
+"""`load_model`: a path (HF directory or .gguf file) or None (the embedded default) to a ready model;
+with `load_format="dummy"`, a config.json (or a shipped shape's name) with random weights."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from cadenza.models.tokenizer import Tokenizer, load_hf_tokenizer
 log = structlog.get_logger(__name__)
 
 QUANTIZATION_MODES = ("auto", "none", "int8")
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass
@@ -46,6 +48,8 @@ def load_model(
     cpu_kernels: str = "off",
     quantization: str = "none",
     transform: Callable[[LlamaForCausalLM], object] | None = None,
+    load_format: str = "auto",
+    seed: int = 0,
 ) -> LoadedModel:
     """`cpu_fp32_matmul`: "auto" keeps a float32 copy of bf16/fp16 linear weights for batched
     matmuls when the CPU has no native bf16 (see `models/dual_linear.py`); "on" always, "off" never.
@@ -57,26 +61,33 @@ def load_model(
     every weight to `dtype`; "int8" also quantizes a float checkpoint's linears to Q8_0 blocks on
     load (`models/int8_weights.py`), and runs a GGUF as "auto" does, whatever `dtype`.
     `transform`: called with the model once its weights are in, before dual-precision copies and
-    kernels are set up (tensor parallelism cuts the model to a rank's shard there)."""
+    kernels are set up (tensor parallelism cuts the model to a rank's shard there).
+    `load_format`: "auto" reads `path`'s weights; "dummy" makes random ones, seeded by `seed`, of
+    the shape `path` gives (a config.json, a directory holding one, or a shipped shape's name; see
+    `models/dummy.py`), with a stand-in tokenizer."""
     if quantization not in QUANTIZATION_MODES:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, not {quantization!r}")
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, not {load_format!r}")
     started = time.perf_counter()
-    resolved = default_model_path() if path is None else Path(path).expanduser()
-    if not resolved.exists():
-        raise ModelLoadError(f"model path {str(resolved)!r} does not exist")
     device = torch.device(device)
-    source = str(resolved)
     kernels = None
-    if resolved.is_file() and resolved.suffix == ".gguf":
-        why_not, kernels = _why_not_native(quantization, device, dtype, cpu_kernels)
-        arch, weights, tokenizer, native = _read_gguf(resolved, dtype, source, why_not)
-    elif resolved.is_dir():
-        why_not, kernels = _why_not_native(quantization, device, dtype, cpu_kernels) if quantization == "int8" else (None, None)
-        if why_not is not None:
-            raise ModelLoadError(f"model.quantization int8 cannot run here: {why_not}")
-        arch, weights, tokenizer, native = _read_hf(resolved, dtype, int8=quantization == "int8")
+    if load_format == "dummy":
+        kernels = _int8_kernels(quantization, device, dtype, cpu_kernels)
+        arch, weights, tokenizer, native, source = _read_dummy(path, dtype, device, seed, int8=quantization == "int8")
     else:
-        raise ModelLoadError(f"{source}: expected a Hugging Face model directory or a .gguf file")
+        resolved = default_model_path() if path is None else Path(path).expanduser()
+        if not resolved.exists():
+            raise ModelLoadError(f"model path {str(resolved)!r} does not exist")
+        source = str(resolved)
+        if resolved.is_file() and resolved.suffix == ".gguf":
+            why_not, kernels = _why_not_native(quantization, device, dtype, cpu_kernels)
+            arch, weights, tokenizer, native = _read_gguf(resolved, dtype, source, why_not)
+        elif resolved.is_dir():
+            kernels = _int8_kernels(quantization, device, dtype, cpu_kernels)
+            arch, weights, tokenizer, native = _read_hf(resolved, dtype, int8=quantization == "int8")
+        else:
+            raise ModelLoadError(f"{source}: expected a Hugging Face model directory or a .gguf file")
     limit = arch.max_position_embeddings if max_model_len is None else max_model_len
     if limit > arch.max_position_embeddings:
         raise ModelLoadError(
@@ -123,9 +134,15 @@ def load_model(
     return LoadedModel(model, arch, tokenizer, source, limit, dtype, device, model.compute_dtype or dtype)
 
 
-def load_tokenizer(path: str | Path | None, max_model_len: int | None = None) -> tuple[ModelArchConfig, Tokenizer, int]:
+def load_tokenizer(path: str | Path | None, max_model_len: int | None = None, load_format: str = "auto"
+                   ) -> tuple[ModelArchConfig, Tokenizer, int]:
     """(architecture, tokenizer, context limit) of a model without loading its weights: what a
     server that only routes requests to engine replicas needs."""
+    if load_format == "dummy":
+        from cadenza.models.dummy import dummy_tokenizer, read_dummy_arch
+
+        arch, _ = read_dummy_arch(path)
+        return arch, dummy_tokenizer(arch), arch.max_position_embeddings if max_model_len is None else max_model_len
     resolved = default_model_path() if path is None else Path(path).expanduser()
     if not resolved.exists():
         raise ModelLoadError(f"model path {str(resolved)!r} does not exist")
@@ -151,6 +168,33 @@ def _read_hf(directory: Path, dtype: torch.dtype, int8: bool):
     native = plan_int8_weights(safetensors_shapes(files))
     # Quantized from float32 (exact for any checkpoint dtype), not from a bf16 rounding of it.
     return arch, iter_int8_weights(iter_safetensors(files, torch.float32) if native else weights, native), tokenizer, native
+
+
+def _read_dummy(path, dtype: torch.dtype, device: torch.device, seed: int, int8: bool):
+    """(arch, weights, tokenizer, quantized names, source) of random weights in `path`'s shape:
+    each tensor drawn on `device` in `dtype` (float32 on the host, to be quantized, for int8)."""
+    from cadenza.models.dummy import dummy_tokenizer, hf_weight_shapes, iter_dummy_weights, read_dummy_arch
+    from cadenza.models.int8_weights import iter_int8_weights, plan_int8_weights
+
+    arch, source = read_dummy_arch(path)
+    log.warning("Weights are random (model.load_format dummy): a benchmark of the shape; the text means nothing",
+                config=source, seed=seed)
+    tokenizer = dummy_tokenizer(arch)
+    if not int8:
+        return arch, iter_dummy_weights(arch, dtype, device, seed), tokenizer, frozenset(), source
+    native = plan_int8_weights(hf_weight_shapes(arch))
+    return arch, iter_int8_weights(iter_dummy_weights(arch, torch.float32, "cpu", seed), native), tokenizer, native, source
+
+
+def _int8_kernels(quantization: str, device: torch.device, dtype: torch.dtype, cpu_kernels: str):
+    """The CPU kernels a float checkpoint's `quantization: int8` runs on (None for other modes);
+    raises where they cannot run."""
+    if quantization != "int8":
+        return None
+    why_not, kernels = _why_not_native(quantization, device, dtype, cpu_kernels)
+    if why_not is not None:
+        raise ModelLoadError(f"model.quantization int8 cannot run here: {why_not}")
+    return kernels
 
 
 def _why_not_native(quantization: str, device: torch.device, dtype: torch.dtype, cpu_kernels: str):
