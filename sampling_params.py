@@ -102,7 +102,12 @@ LogitBias = Annotated[
     dict[TokenId, _float("logit_bias", "Added to the token's logit.")],
     Field(description="Token id -> bias in [-100, 100] added to its logit."),
 ]
-Seed = _int("seed", "Seeds this request's own generator: the same seed gives the same tokens whatever else runs.")
+Seed = _int(
+    "seed",
+    "Seeds this request's own generator: the same seed gives the same tokens whatever else runs. Any "
+    "integer torch takes, negatives too: -1 is a seed like any other (not llama.cpp's 'random'); leave "
+    "the field out for an unseeded request.",
+)
 StopTokenIds = Annotated[list[_int("stop_token_ids", "A token id.")], Field(description="Token ids that end the output.")]
 StopStrings = Annotated[
     list[Annotated[str, Field(min_length=1)]],

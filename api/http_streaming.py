@@ -51,7 +51,9 @@ async def parse_body(request: Request, model: type[M], limit: int = MAX_BODY_BYT
     except ClientDisconnect:
         raise APIError(400, "client_disconnected", "the client went away while sending the body") from None
     try:
-        return model.model_validate_json(bytes(body))
+        # Strict: JSON types as the schema gives them, as OpenAI checks them ("8" is no integer, 0
+        # no boolean); numbers still stand for floats, and JSON's string keys for integer ones.
+        return model.model_validate_json(bytes(body), strict=True)
     except ValidationError as exc:
         raise validation_error(RequestValidationError(exc.errors(include_url=False))) from None
 

@@ -373,3 +373,13 @@ def test_logprob_token_text_keeps_a_sentencepiece_space():
     assert [texts(i)[0] for i in (1, 2, 3)] == [" hello", " wor", "ld"]
     assert texts(1)[1] == list(b" hello")
     assert texts(4) == ("\ufffd", [0xC3])  # half of a character: its exact byte
+
+
+@pytest.mark.parametrize("field, value", [("max_tokens", "8"), ("echo", 0), ("stream", "true"), ("temperature", "0.5"),
+                                          ("n", 1.0), ("logprobs", True), ("prompt", [1, "2"])])
+def test_json_types_are_checked_as_the_schema_gives_them(server, model, field, value):
+    # OpenAI answers 400 to a number in a string or a 0 for false; so does cadenza (not a coercion).
+    error = error_of(post(server, "/v1/completions", {"model": model, "prompt": "x", "max_tokens": 2, field: value}), 400)
+    assert error["param"].split(".")[0] == field, error
+    ok = post(server, "/v1/completions", {"model": model, "prompt": "x", "max_tokens": 2, "temperature": 1, "logit_bias": {"5": 1}})
+    assert ok.status_code == 200, ok.text  # an integer is a number; JSON's keys stand for token ids
