@@ -122,7 +122,8 @@ class TopKTopPProcessor(LogitsProcessor):
     The nucleus is the smallest set of most likely tokens whose probability (renormalized after
     top-k) reaches `top_p`; the top token is always kept. Ties at the k-th logit all survive, as in
     HF's `TopKLogitsWarper`. Top-k alone uses `topk`; a full sort happens only when a row sets
-    top-p.
+    top-p. CUDA logits go to cupy's fused kernel instead (cupy_ops/top_k_top_p.py), which sorts
+    nothing, where it is available.
     """
 
     name = "top_k_top_p"
@@ -140,12 +141,23 @@ class TopKTopPProcessor(LogitsProcessor):
         return any(not p.is_greedy and (p.top_k > 0 or p.top_p < 1.0) for p in batch.params)
 
     def apply(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        ks, ps = self._row_params(batch, logits.shape[-1])
+        if logits.is_cuda:
+            # One fused cupy kernel, no sort; it calls `filter` where cupy's kernels are unavailable.
+            from cadenza.cupy_ops.top_k_top_p import top_k_top_p
+
+            return top_k_top_p(logits, ks, ps)
+        return self.filter(logits, ks, ps)
+
+    @classmethod
+    def filter(cls, logits: torch.Tensor, ks: list[int], ps: list[float]) -> torch.Tensor:
+        """The torch implementation: row i of `logits` keeps its `ks[i]` largest (V: off), then
+        the nucleus reaching `ps[i]` (1: off); the rest become -inf, in place."""
         vocab = logits.shape[-1]
-        ks, ps = self._row_params(batch, vocab)
         if all(p >= 1.0 for p in ps):
             if all(k >= vocab for k in ks):
                 return logits
-            return self._top_k_only(logits, ks)
+            return cls._top_k_only(logits, ks)
 
         # Ascending sort, as HF and vLLM do: the kept tokens are those whose ascending cumulative
         # probability exceeds 1 - top_p, which is exactly "the smallest set reaching top_p".
@@ -162,7 +174,8 @@ class TopKTopPProcessor(LogitsProcessor):
         sorted_logits.masked_fill_(drop, _NEG_INF)
         return logits.scatter_(1, order, sorted_logits)
 
-    def _top_k_only(self, logits: torch.Tensor, ks: list[int]) -> torch.Tensor:
+    @staticmethod
+    def _top_k_only(logits: torch.Tensor, ks: list[int]) -> torch.Tensor:
         max_k = max(k for k in ks if k < logits.shape[-1])
         top = logits.topk(max_k, dim=-1).values
         # Rows without top-k compare against -inf, which masks nothing.
