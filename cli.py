@@ -23,6 +23,8 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "float16", "int8"],
                         help="what keys and values are stored as (cache.dtype)")
     parser.add_argument("--load-format", choices=["auto", "dummy"], help="dummy: random weights of --model's shape (model.load_format)")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where the model runs (model.device)")
+    parser.add_argument("--cuda-graphs", choices=["auto", "on", "off"], help="decode steps as CUDA graphs (model.cuda_graphs)")
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -39,6 +41,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
         "cache.memory_budget": args.kv_cache_memory,
         "cache.dtype": args.kv_cache_dtype,
         "model.load_format": args.load_format,
+        "model.device": args.device,
+        "model.cuda_graphs": args.cuda_graphs,
         "server.host": getattr(args, "host", None),
         "server.port": getattr(args, "port", None),
         "server.api_key": getattr(args, "api_key", None),

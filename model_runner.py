@@ -10,15 +10,15 @@ import itertools
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
-import numpy as np
 import torch
 
-from cadenza.attention_backends.base import AttentionBackend, AttentionMetadata
+from cadenza.attention_backends.base import AttentionBackend
 from cadenza.models.llama import LlamaForCausalLM
 from cadenza.samplers.base import SamplerOutput, SamplingBatch, SamplingError
 from cadenza.sampling_params import SamplingParams
 from cadenza.speculative.speculator import Speculator
 from cadenza.step import PENDING_TOKEN, ScheduledChunk, Speculation
+from cadenza.step_inputs import StepInputs, StepPacker
 
 __all__ = ["PENDING_TOKEN", "ModelRunner", "ScheduledChunk", "StepResult"]
 
@@ -50,27 +50,6 @@ class StepResult:
     speculated: list[Speculation] = field(default_factory=list)
 
 
-class _PackingBuffers:
-    """Host arrays reused every step, grown when a step needs more; tensors are views of them."""
-
-    def __init__(self) -> None:
-        self.tokens = np.empty(0, dtype=np.int64)
-        self.tables = np.empty((0, 0), dtype=np.int64)
-
-    def token_array(self, n: int) -> np.ndarray:
-        if self.tokens.shape[0] < n:
-            self.tokens = np.empty(max(n, 2 * self.tokens.shape[0]), dtype=np.int64)
-        return self.tokens[:n]
-
-    def table_array(self, rows: int, cols: int) -> np.ndarray:
-        have_rows, have_cols = self.tables.shape
-        if have_rows < rows or have_cols < cols:
-            self.tables = np.empty((max(rows, have_rows), max(cols, have_cols)), dtype=np.int64)
-        table = self.tables[:rows, :cols]
-        table.fill(0)
-        return table
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -90,7 +69,9 @@ class ModelRunner:
         self.sampling_pipeline = sampling_pipeline
         self.block_size = block_size
         self.device = device
-        self._buffers = _PackingBuffers()
+        self._packer = StepPacker(device, block_size)
+        self.graphs = None  # a `DecodeGraphRunner` (cuda_graphs.py) takes the decodes it can pad
+        self._host_outputs = _HostOutputs(device)
         self._last_sampled: dict[str, int] = {}  # what the previous step sampled, by request
         self._requests: dict[str, _RequestRecord] = {}  # by request id, until finish_requests
 
@@ -117,6 +98,8 @@ class ModelRunner:
             self._last_sampled = {}
             raise
         result.failed[:0] = failed
+        if result.sampled is not None:
+            result = replace(result, sampled=self._host_outputs.fetch(result.sampled))
         if len(self._methods) > len(guesses):  # asked, found nothing: the scheduler's policy counts those too
             sampled_ids = set(result.request_ids)
             result.speculated.extend(
@@ -144,27 +127,26 @@ class ModelRunner:
         return resolved, unresolved
 
     def _run(self, chunks: Sequence[ScheduledChunk], return_logits: bool, guesses: dict[str, list[int]]) -> StepResult:
-        input_ids, positions, meta = self._prepare(chunks)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
         sampling_rows = [i for i, c in enumerate(chunks) if c.sample]
         request_ids = [chunks[i].request_id for i in sampling_rows]
+        ends = list(itertools.accumulate(len(c.token_ids) for c in chunks))  # one past each chunk's last row
+        counts = [len(guesses.get(request_id, ())) for request_id in request_ids]
+        # A speculating chunk samples first where its guesses start, the position before them;
+        # then every guessed position, in the same product (rows are independent in the head's
+        # kernel, so each row's logits are what a call of its own would give).
+        first = [ends[i] - 1 - n for i, n in zip(sampling_rows, counts)]
+        guessed = [p + 1 + j for p, n in zip(first, counts) for j in range(n)]
+        inputs, hidden = self._forward(chunks, first + guessed)
         if not sampling_rows:
             return StepResult(request_ids, None)
+        selected = hidden.index_select(0, inputs.sample_rows)
+        last_hidden = selected[: len(first)]
         guess_logits = None
-        if guesses:  # a speculating chunk samples first where its guesses start, the position before them
-            ends = (meta.query_start_loc[1:] - 1).tolist()
-            counts = [len(guesses.get(chunks[i].request_id, ())) for i in sampling_rows]
-            first = [ends[i] - n for i, n in zip(sampling_rows, counts)]
-            last_hidden = hidden[first]
-            # Every guessed position's logits in the same product as the sampled rows': one pass
-            # over the LM head, however many verification rounds follow (rows are independent in
-            # the head's kernel, so each row's logits are what a call of its own would give).
-            guessed = [p + 1 + j for p, n in zip(first, counts) for j in range(n)]
-            all_logits = self.model.compute_logits(hidden[first + guessed])
+        if guesses:
+            all_logits = self.model.compute_logits(selected)
             logits, guess_logits = all_logits[: len(first)], all_logits[len(first) :]
             guess_offset = dict(zip(request_ids, itertools.accumulate([0, *counts])))
         else:
-            last_hidden = hidden[(meta.query_start_loc[1:] - 1)[sampling_rows]]
             logits = self.model.compute_logits(last_hidden)
         guess_picks = None
         try:
@@ -344,46 +326,49 @@ class ModelRunner:
                 continue
             return StepResult([chunks[i].request_id for i in rows], sampled, failed=failed)
 
-    def _prepare(self, chunks: Sequence[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        block_size = self.block_size
-        num_seqs = len(chunks)
-        query_lens = [len(c.token_ids) for c in chunks]
-        starts = [c.start_position for c in chunks]
-        seq_lens = [s + q for s, q in zip(starts, query_lens)]
-        for c, seq_len in zip(chunks, seq_lens):
-            if len(c.block_table) * block_size < seq_len:
-                raise ValueError(
-                    f"request {c.request_id}: block table covers {len(c.block_table) * block_size} tokens, "
-                    f"step needs {seq_len}"
-                )
-        num_tokens = sum(query_lens)
-        tables = self._buffers.table_array(num_seqs, max(len(c.block_table) for c in chunks))
-        ids = self._buffers.token_array(num_tokens)
-        offset = 0
-        for row, chunk in enumerate(chunks):
-            tables[row, : len(chunk.block_table)] = chunk.block_table
-            ids[offset : offset + query_lens[row]] = chunk.token_ids
-            offset += query_lens[row]
-        query_lens_np = np.asarray(query_lens, dtype=np.int64)
-        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(query_lens_np, out=query_start_loc[1:])
-        seq_index = np.repeat(np.arange(num_seqs), query_lens_np)
-        context_lens = np.asarray(starts, dtype=np.int64)
-        positions = context_lens[seq_index] + np.arange(num_tokens) - query_start_loc[seq_index]
-        slot_mapping = tables[seq_index, positions // block_size] * block_size + positions % block_size
-        device = self.device
-        meta = AttentionMetadata(
-            query_start_loc=torch.from_numpy(query_start_loc).to(device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
-            context_lens=torch.from_numpy(context_lens).to(device),
-            block_tables=torch.from_numpy(tables).to(device),
-            slot_mapping=torch.from_numpy(slot_mapping).to(device),
-            query_lens_list=query_lens,
-            seq_lens_list=seq_lens,
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-        )
-        return torch.from_numpy(ids).to(device), torch.from_numpy(positions).to(device), meta
+    def _forward(self, chunks: Sequence[ScheduledChunk], sample_rows: list[int]) -> tuple[StepInputs, torch.Tensor]:
+        """The step's packed inputs and the model's hidden states for them (through the decode
+        graphs where they take the step)."""
+        if self.graphs is not None and self.graphs.takes(chunks):
+            return self.graphs.run(chunks, sample_rows)
+        inputs = self._packer.pack(chunks, sample_rows)
+        return inputs, self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend)
+
+
+class _HostOutputs:
+    """Brings a step's sampled outputs to the host in one pinned, non-blocking copy per tensor and
+    one wait, so the compute thread blocks once a step (the event loop schedules meanwhile)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._on_cuda = torch.device(device).type == "cuda"
+        self._pinned: dict[torch.dtype, torch.Tensor] = {}
+
+    def _buffer(self, like: torch.Tensor, offset: int) -> torch.Tensor:
+        need = offset + like.numel()
+        held = self._pinned.get(like.dtype)
+        if held is None or held.numel() < need:
+            held = self._pinned[like.dtype] = torch.empty(max(need, 1024), dtype=like.dtype, pin_memory=True)
+        return held[offset:need].view(like.shape)
+
+    def fetch(self, output: SamplerOutput) -> SamplerOutput:
+        if not self._on_cuda or output.token_ids.device.type == "cpu":
+            return output
+        tensors = [output.token_ids, output.logprobs, *(output.top_logprobs or ())]
+        offsets: dict[torch.dtype, int] = {}
+        host = []
+        for t in tensors:
+            if t is None:
+                host.append(None)
+                continue
+            buffer = self._buffer(t, offsets.get(t.dtype, 0))
+            offsets[t.dtype] = offsets.get(t.dtype, 0) + t.numel()
+            host.append(buffer.copy_(t, non_blocking=True))
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()
+        # Copies out of the pinned buffers: the next step reuses them.
+        token_ids, logprobs, *top = (None if t is None else t.clone() for t in host)
+        return SamplerOutput(token_ids, logprobs, tuple(top) if output.top_logprobs is not None else None)
 
 
 def _select_rows(output: SamplerOutput, rows: list[int]) -> SamplerOutput:

@@ -50,12 +50,19 @@ class Plugins:
         return cls(*args, **kwargs)
 
 
+def attention_backend_name(config: CadenzaConfig) -> str:
+    """The backend `attention_backend` names; auto: triton on CUDA, torch_sdpa on the CPU."""
+    if config.attention_backend != "auto":
+        return config.attention_backend
+    return "triton" if resolve_device(config.model.device).type == "cuda" else "torch_sdpa"
+
+
 def resolve_plugins(config: CadenzaConfig, extra_plugins: Iterable[object] = ()) -> Plugins:
     """Load plugins, resolve the config's names and validate `plugin_options`; loads no model."""
     registries = load_registries(config.plugins, extra_plugins=extra_plugins)
     plugins = Plugins(
         registries,
-        attention_backend=registries.attention_backends.get(config.attention_backend),
+        attention_backend=registries.attention_backends.get(attention_backend_name(config)),
         sampler=registries.samplers.get(config.sampling.sampler),
         logits_processors=[registries.logits_processors.get(n) for n in config.sampling.logits_processors],
         eviction_policy=registries.eviction_policies.get(config.cache.eviction_policy),
@@ -205,7 +212,7 @@ def build_model_shard(config: CadenzaConfig, plugins: Plugins, ctx=None) -> Mode
     dtype = resolve_dtype(config.model.dtype)
     backend_cls.check_available(device)
     if config.cache.dtype == "int8" and not backend_cls.supports_int8_kv_cache:
-        raise ConfigError(f"cache.dtype: attention backend {config.attention_backend!r} cannot read an int8 KV cache")
+        raise ConfigError(f"cache.dtype: attention backend {backend_cls.name!r} cannot read an int8 KV cache")
     torch.manual_seed(config.model.seed)
     transform = None
     if ctx is not None:
@@ -280,6 +287,28 @@ def _build_runtime(config: CadenzaConfig, extra_plugins=()) -> Runtime:
         raise
 
 
+def build_decode_graphs(config: CadenzaConfig, shard: ModelShard, runner: ModelRunner, group):
+    """The decode-graph runner `model.cuda_graphs` asks for, its graphs captured; or None."""
+    from cadenza.cuda_graphs import DecodeGraphRunner
+
+    mode, device = config.model.cuda_graphs, shard.loaded.device
+    able = getattr(shard.backend, "supports_cuda_graphs", False)
+    if mode == "off" or (mode == "auto" and (device.type != "cuda" or not able or group is not None)):
+        return None
+    if not able:
+        raise ConfigError(f"model.cuda_graphs on: attention backend {shard.backend.name!r} cannot pad decode steps; "
+                          "use 'triton' or set model.cuda_graphs to auto or off")
+    if group is not None:
+        raise ConfigError("model.cuda_graphs on: not with tensor parallelism (its collectives run on the host); use auto")
+    # Wide enough for any sequence's table: its longest length plus a speculative step's guesses.
+    longest = shard.loaded.max_model_len + config.speculative.num_tokens
+    graphs = DecodeGraphRunner(shard.model, shard.backend, shard.kv_caches, runner._packer,
+                               max_num_seqs=config.scheduler.max_num_seqs, table_width=-(-longest // config.cache.block_size),
+                               capture=device.type == "cuda")  # fmt: skip
+    graphs.capture_all()
+    return graphs
+
+
 def build_sampling_pipeline(plugins: Plugins, vocab_size: int, tokenizer, device: torch.device) -> SamplingPipeline:
     context = SamplingContext(vocab_size=vocab_size, eos_token_ids=tokenizer.eos_token_ids, device=device, tokenizer=tokenizer)
     return SamplingPipeline(
@@ -293,9 +322,11 @@ def _assemble(config: CadenzaConfig, plugins: Plugins, shard: ModelShard, group)
     pipeline = build_sampling_pipeline(plugins, loaded.arch.vocab_size, loaded.tokenizer, device)
     speculator = build_speculator(config, plugins, loaded, device)
     runner = ModelRunner(shard.model, shard.kv_caches, shard.backend, pipeline, block_size, device, speculator=speculator)
+    runner.graphs = build_decode_graphs(config, shard, runner, group)
     log.info(
         "Runtime ready",
-        attention_backend=config.attention_backend,
+        attention_backend=shard.backend.name,
+        cuda_graphs=None if runner.graphs is None else ("captured" if runner.graphs.capture else "padded, eager"),
         kv_blocks=shard.num_blocks,
         kv_dtype=str(shard.kv_dtype).removeprefix("torch."),
         kv_capacity_tokens=shard.num_blocks * block_size,

@@ -81,6 +81,11 @@ class AttentionBackend(ABC):
     # Whether `forward` can take an `Int8KVCache` (cache.dtype int8); a deployment that asks for
     # one with a backend that cannot is refused at start-up.
     supports_int8_kv_cache: ClassVar[bool] = False
+    # Whether a decode step may be padded to a batch-size bucket and replayed as a CUDA graph
+    # (cuda_graphs.py): its decode path reads only device tensors and their shapes, never
+    # `seq_lens_list` or `max_seq_len` (a captured graph replays with other lengths), skips
+    # the KV write of a slot -1 (padding) and gives a finite output for a sequence length of 0.
+    supports_cuda_graphs: ClassVar[bool] = False
 
     def __init__(
         self,

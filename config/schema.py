@@ -107,8 +107,10 @@ class ModelConfig(_Section):
     cuda_graphs: Literal["auto", "on", "off"] = Field(
         "auto", description="Decode steps replayed as CUDA graphs, one per batch-size bucket (1, 2, 4, "
         "8, then steps of 8 up to scheduler.max_num_seqs), over static input buffers; prefill stays "
-        "eager. auto captures on CUDA where the attention backend supports capture; on fails "
-        "start-up where it cannot; off runs every step eagerly.",
+        "eager. auto captures on CUDA where the attention backend supports capture (single device). "
+        "on pads decodes to their bucket over the static buffers on any device (captured on CUDA, "
+        "run eagerly on the CPU, as the tests run the GPU's path) and fails start-up where the "
+        "attention backend cannot; off runs every step unpadded and eagerly.",
     )
 
     @field_validator("cpu_kernels", "cuda_graphs", mode="before")
@@ -398,7 +400,8 @@ class CadenzaConfig(_Section):
         default_factory=SchedulerConfig, description="Batching and queueing."
     )
     attention_backend: str = Field(
-        "torch_sdpa", min_length=1, description="Name of the attention backend plugin."
+        "auto", min_length=1, description="Name of the attention backend plugin. auto: 'triton' (paged "
+        "attention kernels, CUDA-graph capable) on CUDA, 'torch_sdpa' on the CPU.",
     )
     sampling: SamplingConfig = Field(
         default_factory=SamplingConfig, description="Token sampling."

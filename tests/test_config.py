@@ -341,11 +341,13 @@ def test_the_settings_vllm_users_reach_for_first_are_flags(capsys):
     from cadenza import cli
 
     argv = ["config", "show", "--max-model-len", "1024", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
-            "--kv-cache-memory", "256MiB", "--kv-cache-dtype", "float16", "--load-format", "dummy"]
+            "--kv-cache-memory", "256MiB", "--kv-cache-dtype", "float16", "--load-format", "dummy",
+            "--device", "cpu", "--cuda-graphs", "off"]
     assert cli.main(argv) == 0
     shown = yaml.safe_load(capsys.readouterr().out)
     assert shown["model"]["max_model_len"] == 1024 and shown["model"]["load_format"] == "dummy"
     assert shown["scheduler"]["max_num_seqs"] == 8 and shown["scheduler"]["max_num_batched_tokens"] == 512
     assert shown["cache"]["memory_budget"] == "256MiB" and shown["cache"]["dtype"] == "float16"
+    assert shown["model"]["device"] == "cpu" and shown["model"]["cuda_graphs"] == "off"
     assert cli.main(["config", "show", "--kv-cache-memory", "lots"]) == 2
     assert "cache.memory_budget" in capsys.readouterr().err

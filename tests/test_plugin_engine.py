@@ -4,6 +4,7 @@ down only their own requests."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import anyio
@@ -12,6 +13,7 @@ from pydantic import BaseModel, ConfigDict
 
 from cadenza.attention_backends.base import BackendUnavailableError
 from cadenza.attention_backends.eager import EagerBackend
+from cadenza.attention_backends.triton_paged import TritonPagedBackend
 from cadenza.config import load_config
 from cadenza.engine import AsyncEngine
 from cadenza.plugins.eviction import LRUPolicy
@@ -150,6 +152,21 @@ class FloatCacheOnlyBackend(CountingBackend):
     supports_int8_kv_cache = False
 
 
+class PaddingBackend(TritonPagedBackend):
+    """A backend that pads decodes (the built-in triton's CPU path), counting the rows it sees."""
+
+    name = "padding_test"
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.decode_rows = []
+
+    def forward(self, q, k, v, kv_cache, meta):
+        if meta.is_decode_only:
+            self.decode_rows.append(q.shape[0])
+        return super().forward(q, k, v, kv_cache, meta)
+
+
 class OptionPolicy(LRUPolicy):
     name = "option_policy_test"
     options_model = Level
@@ -170,6 +187,7 @@ class TestPlugin:
         register(CountingBackend.name, CountingBackend)
         register(UnavailableBackend.name, UnavailableBackend)
         register(FloatCacheOnlyBackend.name, FloatCacheOnlyBackend)
+        register(PaddingBackend.name, PaddingBackend)
 
     @hookimpl
     def register_eviction_policies(self, register):
@@ -257,6 +275,23 @@ async def test_an_int8_kv_cache_goes_only_to_a_backend_that_reads_it(model_path)
     with pytest.raises(ConfigError, match="float_cache_only_test' cannot read an int8 KV cache"):
         make_runtime(model_path, attention_backend="float_cache_only_test", **{"cache.dtype": "int8"})
     make_runtime(model_path, attention_backend="float_cache_only_test")  # a float cache is fine
+
+
+@covers("AttentionBackend.supports_cuda_graphs")
+async def test_padded_decode_steps_go_only_to_a_backend_that_supports_them(model_path):
+    from cadenza.config import ConfigError
+
+    runtime = make_runtime(model_path, attention_backend="padding_test", **{"model.cuda_graphs": "on", "scheduler.max_num_seqs": 4})
+    async with AsyncEngine.serve(runtime) as engine:
+        results = await asyncio.gather(*(collect(engine, [5, 6, 7 + i], greedy(4 + i)) for i in range(3)))
+    async with AsyncEngine.serve(make_runtime(model_path, attention_backend="eager")) as engine:
+        expected = await asyncio.gather(*(collect(engine, [5, 6, 7 + i], greedy(4 + i)) for i in range(3)))
+    assert [r[0] for r in results] == [r[0] for r in expected]
+    rows = runtime.runner.backend.decode_rows
+    assert rows and set(rows) <= {1, 2, 4} and 4 in rows  # three decoding requests pad to the bucket of 4
+    with pytest.raises(ConfigError, match="'counting_test' cannot pad decode steps"):
+        make_runtime(model_path, attention_backend="counting_test", **{"model.cuda_graphs": "on"})
+    assert make_runtime(model_path, attention_backend="counting_test").runner.graphs is None  # auto, on the CPU
 
 
 @covers("AttentionBackend.use_cpu_kernels")

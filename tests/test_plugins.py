@@ -31,7 +31,7 @@ from cadenza.plugins.registry import (
 )
 from cadenza.samplers.base import LogitsProcessor, Sampler, SamplerOutput
 
-BUILTIN_BACKENDS = ["eager", "torch_sdpa", "xformers"]
+BUILTIN_BACKENDS = ["eager", "torch_sdpa", "triton", "xformers"]
 BUILTIN_SAMPLERS = ["default"]
 BUILTIN_PROCESSORS = ["logit_bias", "min_p", "min_tokens", "penalties", "structured_output", "temperature", "top_k_top_p"]
 BUILTIN_POLICIES = ["fifo", "lfu", "lru"]

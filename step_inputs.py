@@ -1,0 +1,167 @@
+"""A step's model inputs, packed on the host and sent to the device in one copy.
+
+Every integer a step needs (token ids, positions, KV slots, query starts, sequence and context
+lengths, block tables, the rows whose logits are sampled) goes into one int64 array, laid out as
+`StepLayout` says; on CUDA that array lives in pinned memory and reaches the GPU in one
+non-blocking copy, and every device tensor of the step is a view of the copy. Nothing in the
+model call then waits on the host: no `.item()`, `.tolist()` or `.cpu()` (a test compiles the
+decode call with `torch.compile(fullgraph=True)`, which refuses any).
+
+A step may be padded to a batch-size bucket (`pad_to`, for the CUDA-graph decode): padding rows
+carry token 0 at position 0, slot -1 (the backends skip the write) and sequence length 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from cadenza.attention_backends.base import AttentionMetadata
+from cadenza.step import ScheduledChunk
+
+PAD_SLOT = -1
+
+
+@dataclass(frozen=True, slots=True)
+class StepLayout:
+    """Offsets of each field in the packed array for `num_tokens` rows of `num_seqs` sequences,
+    block tables `table_width` wide and `num_sample_rows` sampled rows. The prefix without the
+    sampled rows is the same whatever their number (the graph runner relies on it)."""
+
+    num_tokens: int
+    num_seqs: int
+    table_width: int
+    num_sample_rows: int
+
+    def spans(self) -> dict[str, tuple[int, int]]:
+        t, b = self.num_tokens, self.num_seqs
+        sizes = [("input_ids", t), ("positions", t), ("slot_mapping", t), ("query_start_loc", b + 1), ("seq_lens", b),
+                 ("context_lens", b), ("block_tables", b * self.table_width), ("sample_rows", self.num_sample_rows)]
+        spans, offset = {}, 0
+        for name, size in sizes:
+            spans[name] = (offset, offset + size)
+            offset += size
+        return spans
+
+    @property
+    def size(self) -> int:
+        return self.spans()["sample_rows"][1]
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """The step's device tensors (views of one buffer) and the host facts the runner keeps."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # rows of the model's output whose logits are computed
+    num_real_tokens: int  # rows before any padding
+
+
+def views(buffer: torch.Tensor, layout: StepLayout) -> dict[str, torch.Tensor]:
+    """The named tensors of `layout` inside `buffer` (no copies)."""
+    out = {name: buffer[start:end] for name, (start, end) in layout.spans().items()}
+    out["block_tables"] = out["block_tables"].view(layout.num_seqs, layout.table_width)
+    return out
+
+
+class StepPacker:
+    """Packs steps into reused host arrays and sends each to the device in one copy.
+
+    On CUDA two pinned host buffers alternate, each guarded by the event of the copy that last
+    read it, so packing step n+1 never overwrites what step n's copy has not read yet. On the CPU
+    the tensors are views of the host array itself (no copy at all).
+    """
+
+    def __init__(self, device: torch.device, block_size: int) -> None:
+        self.device = torch.device(device)
+        self.block_size = block_size
+        self._on_cuda = self.device.type == "cuda"
+        self._host: list[torch.Tensor] = [torch.empty(0, dtype=torch.int64)] * 2
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+
+    def _host_buffer(self, size: int) -> torch.Tensor:
+        turn = self._turn = 1 - self._turn if self._on_cuda else 0
+        if (event := self._copied[turn]) is not None:
+            event.synchronize()  # the copy issued two steps ago: long done in practice
+        if self._host[turn].numel() < size:
+            grown = max(size, 2 * self._host[turn].numel())
+            self._host[turn] = torch.empty(grown, dtype=torch.int64, pin_memory=self._on_cuda)
+        return self._host[turn][:size]
+
+    def pack(self, chunks: Sequence[ScheduledChunk], sample_rows: Sequence[int], *, pad_to: int | None = None,
+             table_width: int | None = None, into: torch.Tensor | None = None) -> StepInputs:
+        """`chunks`' inputs (every token id resolved), logits at flat rows `sample_rows`; padded
+        to `pad_to` one-token sequences (decode only) with tables `table_width` wide when given;
+        copied into the device buffer `into` (the graph runner's static one) when given."""
+        block_size = self.block_size
+        query_lens = np.fromiter((len(c.token_ids) for c in chunks), dtype=np.int64, count=len(chunks))
+        starts = np.fromiter((c.start_position for c in chunks), dtype=np.int64, count=len(chunks))
+        seq_lens = starts + query_lens
+        widths = [len(c.block_table) for c in chunks]
+        for chunk, width, seq_len in zip(chunks, widths, seq_lens.tolist()):
+            if width * block_size < seq_len:
+                raise ValueError(f"request {chunk.request_id}: block table covers {width * block_size} tokens, "
+                                 f"step needs {seq_len}")
+        num_real, num_seqs = int(query_lens.sum()), len(chunks)
+        if pad_to is not None:
+            if (num_seqs and int(query_lens.max()) != 1) or pad_to < num_seqs:
+                raise ValueError(f"only a decode of at most {pad_to} sequences pads to {pad_to}")
+            num_seqs = pad_to
+        widest = max(widths, default=0)
+        width = widest if table_width is None else table_width
+        if width < widest:
+            raise ValueError(f"a block table of {widest} blocks is wider than the static {width}")
+        num_tokens = num_real if pad_to is None else pad_to
+        layout = StepLayout(num_tokens, num_seqs, width, len(sample_rows))
+        host = self._host_buffer(layout.size)
+        fields = {name: t.numpy() for name, t in views(host, layout).items()}
+        n = len(chunks)
+        ids, positions, slots, tables = fields["input_ids"], fields["positions"], fields["slot_mapping"], fields["block_tables"]
+        tables.fill(0)
+        offset = 0
+        for row, chunk in enumerate(chunks):
+            tables[row, : widths[row]] = chunk.block_table
+            ids[offset : offset + query_lens[row]] = chunk.token_ids
+            offset += query_lens[row]
+        query_start_loc = fields["query_start_loc"]
+        query_start_loc[0] = 0
+        np.cumsum(query_lens, out=query_start_loc[1 : n + 1])
+        seq_index = np.repeat(np.arange(n), query_lens)
+        positions[:num_real] = starts[seq_index] + np.arange(num_real) - query_start_loc[seq_index]
+        slots[:num_real] = tables[seq_index, positions[:num_real] // block_size] * block_size + positions[:num_real] % block_size
+        fields["seq_lens"][:n], fields["context_lens"][:n] = seq_lens, starts
+        fields["sample_rows"][:] = sample_rows
+        if num_tokens > num_real:  # padding rows: token 0 at position 0, no KV write, no keys
+            ids[num_real:], positions[num_real:], slots[num_real:] = 0, 0, PAD_SLOT
+            query_start_loc[n + 1 :] = np.arange(num_real + 1, num_tokens + 1)
+            fields["seq_lens"][n:], fields["context_lens"][n:] = 0, 0
+        device_buffer = self._send(host, into)
+        out = views(device_buffer, layout)
+        q_list, s_list = query_lens.tolist(), seq_lens.tolist()
+        if num_seqs > n:
+            q_list, s_list = q_list + [1] * (num_seqs - n), s_list + [0] * (num_seqs - n)
+        meta = AttentionMetadata(
+            query_start_loc=out["query_start_loc"], seq_lens=out["seq_lens"], context_lens=out["context_lens"],
+            block_tables=out["block_tables"], slot_mapping=out["slot_mapping"], query_lens_list=q_list,
+            seq_lens_list=s_list, max_query_len=max(q_list), max_seq_len=max(s_list),
+        )  # fmt: skip
+        return StepInputs(out["input_ids"], out["positions"], meta, out["sample_rows"], num_real)
+
+    def _send(self, host: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
+        if into is not None:
+            target = into[: host.numel()]
+            target.copy_(host, non_blocking=True)
+        elif self.device.type == "cpu":
+            return host
+        else:
+            target = host.to(self.device, non_blocking=True)
+        if self._on_cuda:
+            event = self._copied[self._turn] = torch.cuda.Event()
+            event.record()
+        return target
