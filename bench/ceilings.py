@@ -2,6 +2,8 @@
 
 Decode at batch 1 reads every weight once per token: its floor is weight bytes / memory bandwidth.
 Prefill and large-batch decode are matmuls: their floor is model FLOPs / matmul rate.
+On the CPU the bandwidth is the rate of reading a large tensor (a sum); on a GPU it is a large
+device-to-device copy's bytes read and written over its time, as GPU bandwidth is quoted.
 """
 
 from __future__ import annotations
@@ -12,16 +14,19 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from cadenza.bench.device import elapsed_seconds, synchronize
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_MATMUL_SHAPE = (256, 2048, 2048)
+CUDA_MATMUL_SHAPE = (8192, 8192, 8192)  # about 1 TFLOP: long enough to time, large enough for every SM
 
 
-def _best_seconds(fn, *, min_reps: int = 3, min_seconds: float = 0.3) -> float:
-    fn()  # warm up: page faults, packed weights, thread pool
+def _best_seconds(fn, *, min_reps: int = 3, min_seconds: float = 0.3, device: torch.device = torch.device("cpu")) -> float:
+    fn()  # warm up: page faults, packed weights, thread pool, kernel choice
+    synchronize(device)
     best, reps, started = float("inf"), 0, time.perf_counter()
     while reps < min_reps or time.perf_counter() - started < min_seconds:
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, elapsed_seconds(fn, device))
         reps += 1
     return best
 
@@ -33,13 +38,23 @@ def memory_read_bandwidth(num_bytes: int = 512 << 20) -> float:
     return num_bytes / seconds
 
 
-def matmul_rate(dtype: torch.dtype, m: int = 256, k: int = 2048, n: int = 2048) -> float:
+def device_copy_bandwidth(num_bytes: int, device: torch.device) -> float:
+    """Bytes per second through memory copying a `num_bytes` tensor into another on `device`:
+    `num_bytes` read plus `num_bytes` written per copy (best of several)."""
+    src = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    seconds = _best_seconds(lambda: dst.copy_(src), min_reps=5, device=device)
+    return 2 * src.numel() * 4 / seconds
+
+
+def matmul_rate(dtype: torch.dtype, m: int = 256, k: int = 2048, n: int = 2048,
+                device: torch.device = torch.device("cpu")) -> float:
     """FLOP/s of `F.linear` ([m, k] x [n, k]^T), the op every projection in the model runs."""
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(m, k, generator=gen).to(dtype)
-    w = torch.randn(n, k, generator=gen).to(dtype)
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(m, k, generator=gen, device=device).to(dtype)
+    w = torch.randn(n, k, generator=gen, device=device).to(dtype)
     with torch.inference_mode():
-        seconds = _best_seconds(lambda: F.linear(x, w))
+        seconds = _best_seconds(lambda: F.linear(x, w), device=device)
     return 2 * m * k * n / seconds
 
 
@@ -49,6 +64,7 @@ class Ceilings:
     matmul_bf16: float  # FLOP/s
     matmul_fp32: float  # FLOP/s
     matmul_shape: tuple[int, int, int]
+    memory_measure: str = "memory read"  # or "device copy": bytes read and written
 
     def matmul(self, dtype: torch.dtype) -> float:
         """The best rate at which weights of `dtype` can be multiplied here.
@@ -62,20 +78,33 @@ class Ceilings:
 
     def as_dict(self) -> dict:
         return {
-            "memory_read_GBps": round(self.memory_bandwidth / 1e9, 2),
+            "memory_GBps": round(self.memory_bandwidth / 1e9, 2),
+            "memory_measure": self.memory_measure,
             "matmul_bf16_GFLOPps": round(self.matmul_bf16 / 1e9, 1),
             "matmul_fp32_GFLOPps": round(self.matmul_fp32 / 1e9, 1),
             "matmul_shape_mkn": list(self.matmul_shape),
         }
 
 
-def measure_ceilings(m: int = 256, k: int = 2048, n: int = 2048, read_bytes: int = 512 << 20) -> Ceilings:
-    return Ceilings(
-        memory_bandwidth=memory_read_bandwidth(read_bytes),
-        matmul_bf16=matmul_rate(torch.bfloat16, m, k, n),
-        matmul_fp32=matmul_rate(torch.float32, m, k, n),
+def measure_ceilings(read_bytes: int = 512 << 20, device: torch.device = torch.device("cpu"),
+                     matmul_shape: tuple[int, int, int] | None = None) -> Ceilings:
+    """The memory bandwidth (on the CPU the read rate of a `read_bytes` tensor; on a GPU a copy of
+    one) and the bf16 and fp32 matmul rates at `matmul_shape` (by default the device's)."""
+    m, k, n = matmul_shape or (CUDA_MATMUL_SHAPE if device.type == "cuda" else CPU_MATMUL_SHAPE)
+    if device.type == "cuda":
+        bandwidth, measure = device_copy_bandwidth(read_bytes, device), "device copy"
+    else:
+        bandwidth, measure = memory_read_bandwidth(read_bytes), "memory read"
+    ceilings = Ceilings(
+        memory_bandwidth=bandwidth,
+        matmul_bf16=matmul_rate(torch.bfloat16, m, k, n, device),
+        matmul_fp32=matmul_rate(torch.float32, m, k, n, device),
         matmul_shape=(m, k, n),
+        memory_measure=measure,
     )
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the gigabytes the measurements took go back to the engines
+    return ceilings
 
 
 def quantized_block_bytes(model: torch.nn.Module) -> int:

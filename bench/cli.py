@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Sequence
 
 PEERS = ("hf", "llamacpp")
+HF_VARIANTS = ("generate", "compiled", "continuous")  # what --compare hf runs
 SERVE_PROTOCOLS = ("ws", "http")
+WORKLOADS = ("nano-vllm",)
 
 
 def _add_common(parser: argparse.ArgumentParser, peers: bool = True) -> None:
@@ -48,17 +50,42 @@ def _add_common(parser: argparse.ArgumentParser, peers: bool = True) -> None:
     parser.add_argument("--verbose", action="store_true", help="show the engine's logs")
 
 
+def _add_device(parser: argparse.ArgumentParser) -> None:
+    """Where cadenza runs and how its engine is sized; peers run on the same device."""
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"],
+                        help="cadenza's model.device, and the peers' (default: the config's, auto: cuda when there is one)")
+    parser.add_argument("--load-format", choices=["auto", "dummy"],
+                        help="dummy: random weights (seeded by --seed) of the shape --model names: a config.json, a "
+                             "directory holding one, or a shipped shape (smollm2-135m, qwen3-0.6b, llama-3.2-1b, "
+                             "llama-3.1-8b); transformers gets the very same weights")
+    parser.add_argument("--attention-backend", metavar="NAME", help="cadenza's attention backend (default on CUDA: triton)")
+    parser.add_argument("--cuda-graphs", choices=["auto", "on", "off"], help="cadenza's model.cuda_graphs")
+    parser.add_argument("--max-num-seqs", type=int, metavar="N",
+                        help="cadenza's scheduler.max_num_seqs (default: the config's, raised to the bench's batch)")
+    parser.add_argument("--kv-cache-memory", metavar="SIZE",
+                        help="cadenza's cache.memory_budget, e.g. 16GiB (default on CUDA: the blocks the work holds "
+                             "at once, within the free GPU memory; on the CPU: the engine's default)")
+    parser.add_argument("--hf-variants", nargs="+", choices=HF_VARIANTS, metavar="V",
+                        help="what --compare hf runs: generate (plain), compiled (static cache + torch.compile "
+                             "reduce-overhead), continuous (generate_batch; throughput only); default: all three "
+                             "on CUDA, generate and continuous on the CPU")
+
+
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     """Add `bench` and its subcommands to `cadenza`'s subparsers; returns the `bench` parser."""
     bench = subparsers.add_parser("bench", help="measure throughput and latency against peers and this machine's ceilings")
     commands = bench.add_subparsers(dest="bench_command", required=True)
 
     tp = commands.add_parser("throughput", help="a seeded offline workload (nano-vllm's bench) through cadenza and peers")
-    tp.add_argument("--num-requests", type=int, default=64)
-    tp.add_argument("--prompt-len", type=int, nargs=2, default=(32, 512), metavar=("A", "B"), help="prompt lengths uniform in [A, B]")
-    tp.add_argument("--output-len", type=int, nargs=2, default=(32, 256), metavar=("C", "D"), help="output lengths uniform in [C, D]")
+    tp.add_argument("--workload", choices=WORKLOADS,
+                    help="nano-vllm: its bench.py's exact requests (256, prompts and outputs uniform in 100..1024 "
+                         "tokens, token ids in 0..10000, ignore_eos; --seed 0 gives its 133,966 output tokens)")
+    tp.add_argument("--num-requests", type=int, help="default 64")
+    tp.add_argument("--prompt-len", type=int, nargs=2, metavar=("A", "B"), help="prompt lengths uniform in [A, B] (default 32 512)")
+    tp.add_argument("--output-len", type=int, nargs=2, metavar=("C", "D"), help="output lengths uniform in [C, D] (default 32 256)")
     tp.add_argument("--hf-batch-size", type=int, default=32, help="requests per static transformers batch")
     _add_common(tp)
+    _add_device(tp)
 
     lat = commands.add_parser("latency", help="batch-1 decode, prefill and batch-N decode against the machine's ceilings")
     lat.add_argument("--prefill-lens", type=int, nargs="+", default=[128, 512, 1024], metavar="L")
@@ -66,9 +93,11 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     lat.add_argument("--decode-tokens", type=int, default=64, help="decode tokens timed per request")
     lat.add_argument("--batch-size", type=int, default=32, help="the large-batch decode's batch")
     lat.add_argument("--repeats", type=int, default=3, help="best of this many per measurement")
-    lat.add_argument("--read-mib", type=int, default=512, help="size of the tensor the memory read rate is measured on")
+    lat.add_argument("--read-mib", type=int, default=512,
+                     help="size of the tensor the memory bandwidth is measured on (read on the CPU, copied on a GPU)")
     lat.add_argument("--no-model-step", action="store_true", help="skip timing cadenza's model step without the engine")
     _add_common(lat)
+    _add_device(lat)
 
     srv = commands.add_parser("serve", help="a cadenza server under Poisson load over WebSocket and OpenAI HTTP, "
                                             "next to the same work offline")
@@ -131,86 +160,97 @@ def _load_engine(args: argparse.Namespace):
                          config_path=args.config)
 
 
-def _setup(args: argparse.Namespace):
-    """Logging, the quiet-machine policy and cadenza's engine, loaded."""
-    policy = _setup_process(args)
-    return _load_engine(args), policy
+def _bench_engine(args: argparse.Namespace, config, arch, needs, policy):
+    """cadenza's engine for `throughput` and `latency`, with the overrides `plan_engine` gives for
+    `needs`; on a GPU the quiet check measures the host but never waits. Returns (engine, notes)."""
+    from cadenza.bench.device import plan_engine
+    from cadenza.bench.engines import CadenzaEngine
+
+    plan = plan_engine(args, config, arch, needs)
+    if plan.device.type == "cuda":
+        policy.enabled = False
+        plan.notes.append("quiet check: the host's other CPU load is measured, never waited for nor repeated (a GPU run)")
+    engine = CadenzaEngine(args.model, dtype=args.dtype, num_threads=args.num_threads, overrides=plan.overrides,
+                           config_path=args.config)
+    return engine, plan.notes
+
+
+def hf_variants(args: argparse.Namespace, device) -> tuple[str, ...]:
+    """`--hf-variants`; by default all on CUDA, and on the CPU all but the compiled static cache
+    (inductor takes a minute or more to compile on a CPU, and "reduce-overhead" is CUDA graphs)."""
+    if args.hf_variants:
+        return tuple(dict.fromkeys(args.hf_variants))
+    return HF_VARIANTS if device.type == "cuda" else tuple(v for v in HF_VARIANTS if v != "compiled")
 
 
 def _throughput(args: argparse.Namespace) -> int:
+    from cadenza.bench.device import WorkNeeds, read_bench_config
     from cadenza.bench.report import environment, write_json
     from cadenza.bench.throughput import run_throughput
-    from cadenza.bench.workload import make_workload
+    from cadenza.bench.workload import bench_workload
 
-    engine, policy = _setup(args)
-    workload = make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), seed=args.seed,
-                             vocab_size=engine.arch.vocab_size, temperature=args.temperature)
-    env = environment(args.num_threads)
-    print(f"cadenza bench throughput: {engine.source} ({args.dtype}), {env['machine']}, {env['torch_threads']} threads, "
-          f"cadenza {env['cadenza_revision']}")
+    policy = _setup_process(args)
+    config, arch = read_bench_config(args)
+    workload = bench_workload(args, arch.vocab_size)
+    needs = WorkNeeds(tuple(len(r.prompt_token_ids) + r.max_tokens + 1 for r in workload.requests))
+    engine, notes = _bench_engine(args, config, arch, needs, policy)
+    env = environment(args.num_threads, engine.device)
+    print(f"cadenza bench throughput: {engine.source} ({args.dtype}) on {env['device']}, {env['machine']}, "
+          f"{env['torch_threads']} threads, cadenza {env['cadenza_revision']}")
+    for note in notes:
+        print(f"  {note}")
     print(f"workload: {workload.describe()}")
     result = run_throughput(engine, workload, compare=args.compare, dtype=args.dtype, policy=policy,
-                            hf_batch_size=args.hf_batch_size, num_threads=args.num_threads,
+                            hf_batch_size=args.hf_batch_size, hf_variants=hf_variants(args, engine.device),
+                            load_format=config.model.load_format, num_threads=args.num_threads,
                             gguf_cache=args.gguf_cache, seed=args.seed, llamacpp_parallel=args.llamacpp_parallel,
                             llamacpp_precisions=args.llamacpp_precisions)
     print()
     print(result.render())
     if args.json:
         write_json(args.json, {"bench": "throughput", "model": engine.source, "dtype": args.dtype,
-                               "environment": env, **result.as_dict()})
+                               "load_format": config.model.load_format, "environment": env, "engine_notes": notes,
+                               **result.as_dict()})
     return 0 if result.cadenza is not None and not result.cadenza.note else 1
 
 
 def _latency(args: argparse.Namespace) -> int:
-    import torch
-
     from cadenza.bench.ceilings import ModelCost, measure_ceilings
-    from cadenza.bench.latency import CadenzaModelProbe, CadenzaProbe, LatencyPlan, run_latency
+    from cadenza.bench.device import WorkNeeds, read_bench_config
+    from cadenza.bench.latency import (CadenzaModelProbe, CadenzaProbe, LatencyPlan, add_peer_probes, describe_ceilings,
+                                       render_latency, run_latency)
     from cadenza.bench.quiet import run_quietly
-    from cadenza.bench.report import environment, percent, table, write_json
+    from cadenza.bench.report import environment, write_json
 
-    engine, policy = _setup(args)
-    env = environment(args.num_threads)
-    print(f"cadenza bench latency: {engine.source} ({args.dtype}), {env['machine']}, {env['torch_threads']} threads, "
-          f"cadenza {env['cadenza_revision']}")
-    ceilings, quiet = run_quietly(lambda: measure_ceilings(read_bytes=args.read_mib << 20), policy)
-    cost = ModelCost.from_arch(engine.arch, engine.dtype, engine.kv_dtype, engine.runtime.loaded.model)
-    c = ceilings.as_dict()
-    print(f"ceilings: memory read {c['memory_read_GBps']} GB/s, matmul bf16 {c['matmul_bf16_GFLOPps']} GFLOP/s, "
-          f"fp32 {c['matmul_fp32_GFLOPps']} GFLOP/s (F.linear {'x'.join(map(str, ceilings.matmul_shape))}) ({quiet.describe()})")
-    print(f"model: {cost.weight_bytes / 1e6:.0f} MB of weights read per decode step, "
-          f"{cost.decode_flops(0) / 1e6:.0f} MFLOP per token")
-    read_ms = 1e3 * cost.weight_bytes / ceilings.memory_bandwidth
-    flop_ms = 1e3 * cost.decode_flops(0) / ceilings.matmul_bf16 if engine.dtype != torch.float32 \
-        else 1e3 * cost.decode_flops(0) / ceilings.matmul_fp32
-    print(f"predicted batch-1 decode step: weights / bandwidth {read_ms:.1f} ms, FLOPs / {str(engine.dtype).removeprefix('torch.')} "
-          f"matmul rate {flop_ms:.1f} ms; prefill: {1e3 * cost.prefill_flops(512) / ceilings.matmul(engine.dtype) / 512:.2f} ms per "
-          f"token at 512 (best matmul rate)")
+    policy = _setup_process(args)
     plan = LatencyPlan(tuple(args.prefill_lens), args.decode_prompt_len, args.decode_tokens, args.batch_size, args.repeats)
+    config, arch = read_bench_config(args)
+    needs = WorkNeeds((plan.decode_prompt_len + plan.decode_tokens + 2,) * plan.batch, alone=max(plan.prefill_lens) + 2)
+    engine, notes = _bench_engine(args, config, arch, needs, policy)
+    device = engine.device
+    env = environment(args.num_threads, device)
+    print(f"cadenza bench latency: {engine.source} ({args.dtype}) on {env['device']}, {env['machine']}, "
+          f"{env['torch_threads']} threads, cadenza {env['cadenza_revision']}")
+    for note in notes:
+        print(f"  {note}")
+    ceilings, quiet = run_quietly(lambda: measure_ceilings(read_bytes=args.read_mib << 20, device=device), policy)
+    cost = ModelCost.from_arch(engine.arch, engine.dtype, engine.kv_dtype, engine.runtime.loaded.model)
+    print(describe_ceilings(ceilings, cost, engine.dtype, quiet))
     probes = [CadenzaProbe(engine, args.temperature)]
     if not args.no_model_step:
         probes.append(CadenzaModelProbe(engine, args.temperature))
-    skipped = _latency_peers(args, engine, plan, probes)
-    rows = run_latency(probes, plan, cost, ceilings, engine.dtype, policy)
+    skipped, weights_check = add_peer_probes(args, engine, config.model.load_format,
+                                             hf_variants(args, device), probes)
+    rows = run_latency(probes, plan, cost, ceilings, engine.dtype, policy, failed=skipped)
     print()
-    print(table(
-        ["measure", "engine", "tok/s", "ceiling tok/s", "achieved", "% bf16 mm", "% fp32 mm", "machine"],
-        [[r.measure, r.engine, r.tokens_per_second, r.ceiling_tokens_per_second,
-          percent(r.tokens_per_second, r.ceiling_tokens_per_second),
-          percent(r.model_flops, ceilings.matmul_bf16), percent(r.model_flops, ceilings.matmul_fp32),
-          r.quiet.describe() if r.quiet else "-"] for r in rows],
-    ))
-    for name, why in skipped.items():
-        print(f"  {name}: skipped ({why})")
-    print("  ceiling: decode = weight (+KV) bytes / memory read rate, or FLOPs / matmul rate if slower; "
-          "prefill = FLOPs / matmul rate; for bf16 weights the faster of the bf16 and fp32 (exact upcast) rates")
-    print("  % bf16 mm, % fp32 mm: the large-batch decode's model FLOP/s over each matmul rate")
+    print(render_latency(rows, ceilings, skipped))
     if args.json:
-        write_json(args.json, {"bench": "latency", "model": engine.source, "dtype": args.dtype, "environment": env,
-                               "ceilings": c, "ceilings_quiet": quiet.as_dict(), "model_cost": cost.as_dict(),
+        write_json(args.json, {"bench": "latency", "model": engine.source, "dtype": args.dtype,
+                               "load_format": config.model.load_format, "environment": env, "engine_notes": notes,
+                               "ceilings": ceilings.as_dict(), "ceilings_quiet": quiet.as_dict(), "model_cost": cost.as_dict(),
                                "plan": {"prefill_lens": list(plan.prefill_lens), "decode_prompt_len": plan.decode_prompt_len,
                                         "decode_tokens": plan.decode_tokens, "batch": plan.batch, "repeats": plan.repeats},
-                               "rows": [r.as_dict() for r in rows], "skipped": skipped})
+                               "rows": [r.as_dict() for r in rows], "skipped": skipped, "weights_check": weights_check})
     return 0
 
 
@@ -299,40 +339,6 @@ def _serve(args: argparse.Namespace) -> int:
         write_json(args.json, {"bench": "serve", "command": command, "model": args.model, "dtype": args.dtype,
                                "config": args.config, "environment": env, **result.as_dict()})
     return 1 if any(run.of_status("failed") for run in result.runs) else 0
-
-
-def _latency_peers(args, engine, plan, probes) -> dict[str, str]:
-    skipped: dict[str, str] = {}
-    if "hf" in args.compare:
-        from cadenza.bench.latency import HFProbe
-        from cadenza.bench.peers import load_hf_model
-
-        try:
-            probes.append(HFProbe(load_hf_model(engine.source, args.dtype), args.temperature))
-        except Exception as exc:
-            skipped["hf"] = f"transformers could not load {engine.source}: {exc}"
-    if "llamacpp" in args.compare:
-        import os
-
-        from cadenza.bench.llamacpp import peer_files, why_llamacpp_cannot_run
-        from cadenza.bench.llamacpp_binaries import LlamaBinaryProbe
-        from cadenza.bench.throughput import default_gguf_cache
-
-        source = Path(engine.source)
-        why = why_llamacpp_cannot_run(source)
-        if why is not None:
-            skipped["llama.cpp"] = why
-        else:
-            threads = args.num_threads or min(os.cpu_count() or 1, _torch_threads())
-            for kind, path in peer_files(source, args.llamacpp_precisions, args.gguf_cache or default_gguf_cache()):
-                probes.append(LlamaBinaryProbe(path, kind, threads))
-    return skipped
-
-
-def _torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

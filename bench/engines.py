@@ -66,6 +66,7 @@ class Finished:
     tpot_seconds: float | None
     e2e_seconds: float
     error: str | None = None
+    token_ids: tuple[int, ...] = ()
 
 
 class CadenzaEngine:
@@ -90,6 +91,10 @@ class CadenzaEngine:
     @property
     def dtype(self):
         return self.runtime.loaded.dtype
+
+    @property
+    def device(self):
+        return self.runtime.loaded.device
 
     @property
     def kv_dtype(self):
@@ -149,9 +154,10 @@ async def _collect_all(engine, prompts, params, anyio) -> list[Finished]:
     results: list[Finished | None] = [None] * len(prompts)
 
     async def one(i: int) -> None:
-        count, last = 0, None
+        count, last, tokens = 0, None, []
         async for out in engine.generate(prompts[i], params[i]):
             count, last = out.num_output_tokens, out
+            tokens.extend(out.token_ids)
         timings = last.timings
         results[i] = Finished(
             num_prompt_tokens=last.num_prompt_tokens,
@@ -161,6 +167,7 @@ async def _collect_all(engine, prompts, params, anyio) -> list[Finished]:
             tpot_seconds=timings.tpot_seconds if timings else None,
             e2e_seconds=timings.e2e_seconds if timings else 0.0,
             error=last.error,
+            token_ids=tuple(tokens),
         )
 
     async with anyio.create_task_group() as tg:

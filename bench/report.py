@@ -32,6 +32,11 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
+def flops(rate: float) -> str:
+    """A FLOP/s rate in GFLOP/s, or TFLOP/s from 10 TFLOP/s up (a GPU's)."""
+    return f"{rate / 1e12:,.1f} TFLOP/s" if rate >= 1e13 else f"{rate / 1e9:,.1f} GFLOP/s"
+
+
 def percent(part: float | None, whole: float | None) -> str:
     if part is None or not whole:
         return "-"
@@ -53,9 +58,12 @@ def source_revision() -> str | None:
     return head + ("+dirty" if dirty else "")
 
 
-def environment(num_threads: int | None) -> dict[str, Any]:
+def environment(num_threads: int | None, device: torch.device | None = None) -> dict[str, Any]:
+    from cadenza.bench.device import describe_device
+
     return {
         "cadenza_revision": source_revision(),
+        "device": describe_device(device or torch.device("cpu")),
         "machine": describe_machine(),
         "python": platform.python_version(),
         "torch": torch.__version__,

@@ -19,6 +19,7 @@ class ThroughputResult:
     runs: list[EngineRun] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)  # peer -> why it did not run
     load_seconds: dict[str, float] = field(default_factory=dict)
+    weights_check: dict | None = None  # cadenza's and transformers' greedy tokens (`greedy_agreement`)
 
     @property
     def cadenza(self) -> EngineRun | None:
@@ -42,6 +43,10 @@ class ThroughputResult:
                          f"allocated-but-unused slots were {100 * base.extra['kv_unused_at_peak']:.1f}% of used ones; "
                          f"{base.extra['preemptions']} preemptions")
         lines += [f"  {name}: skipped ({why})" for name, why in self.skipped.items()]
+        if self.weights_check is not None:
+            from cadenza.bench.peers import describe_agreement
+
+            lines.append(f"  {describe_agreement(self.weights_check)}")
         if self.load_seconds:
             lines.append("  load: " + ", ".join(f"{k} {v:.1f}s" for k, v in self.load_seconds.items()))
         return "\n".join(lines)
@@ -59,6 +64,7 @@ class ThroughputResult:
             "runs": runs,
             "skipped": self.skipped,
             "load_seconds": {k: round(v, 2) for k, v in self.load_seconds.items()},
+            "weights_check": self.weights_check,
         }
 
 
@@ -70,6 +76,8 @@ def run_throughput(
     dtype: str,
     policy: QuietPolicy,
     hf_batch_size: int = 32,
+    hf_variants: Sequence[str] = ("generate", "continuous"),
+    load_format: str = "auto",
     num_threads: int | None = None,
     gguf_cache: Path | None = None,
     seed: int = 0,
@@ -77,7 +85,7 @@ def run_throughput(
     llamacpp_precisions: Sequence[str] = ("file", "Q8_0"),
     log: Callable[[str], None] = print,
 ) -> ThroughputResult:
-    """`cadenza` is a built `CadenzaEngine`; peers are loaded here, one after another."""
+    """`cadenza` is a built `CadenzaEngine`; peers are loaded here, one after another, on its device."""
     result = ThroughputResult(workload, load_seconds={"cadenza": cadenza.load_seconds})
 
     def timed(engine) -> None:
@@ -89,25 +97,39 @@ def run_throughput(
 
     timed(cadenza)
     if "hf" in compare:
-        _run_hf(cadenza.source, dtype, hf_batch_size, result, timed, log)
+        _run_hf(cadenza, dtype, hf_batch_size, hf_variants, load_format, seed, result, timed, log)
     if "llamacpp" in compare:
         _run_llamacpp(cadenza, num_threads, gguf_cache, seed, llamacpp_parallel, llamacpp_precisions, workload,
                       result, timed, log)
     return result
 
 
-def _run_hf(source: str, dtype: str, batch_size: int, result: ThroughputResult, timed, log) -> None:
-    from cadenza.bench.peers import HFContinuousEngine, HFStaticEngine, has_continuous_batching, load_hf_model
+def _run_hf(cadenza, dtype: str, batch_size: int, variants: Sequence[str], load_format: str, seed: int,
+            result: ThroughputResult, timed, log) -> None:
+    from cadenza import compute_thread
+    from cadenza.bench.peers import (HFContinuousEngine, HFStaticEngine, describe_agreement, has_continuous_batching,
+                                     load_hf_model, same_weights_check)
 
     log("loading the transformers model ...")
     started = time.perf_counter()
     try:
-        model = load_hf_model(source, dtype)
+        model = compute_thread.run_sync(load_hf_model, cadenza.source, dtype, device=cadenza.device,
+                                        load_format=load_format, seed=seed)
     except Exception as exc:  # an architecture or GGUF quantization transformers cannot load
-        result.skipped["hf"] = f"transformers could not load {source}: {exc}"
+        result.skipped["hf"] = f"transformers could not load {cadenza.source}: {exc}"
         return
     result.load_seconds["hf"] = time.perf_counter() - started
-    timed(HFStaticEngine(model, batch_size))
+    result.weights_check = same_weights_check(cadenza, model)
+    log(f"  {describe_agreement(result.weights_check)}")
+    if "generate" in variants:
+        timed(HFStaticEngine(model, batch_size))
+    if "compiled" in variants:
+        try:
+            timed(HFStaticEngine(model, batch_size, compiled=True))
+        except Exception as exc:  # a torch.compile failure is transformers' result, not the bench's end
+            result.skipped["hf-compiled"] = f"failed: {exc!r}"
+    if "continuous" not in variants:
+        return
     if has_continuous_batching(model):
         try:
             timed(HFContinuousEngine(model))
@@ -127,7 +149,7 @@ def _run_llamacpp(cadenza, num_threads, gguf_cache, seed, parallel, precisions, 
     from cadenza.bench.llamacpp_server import LlamaServerEngine
 
     source = Path(cadenza.source)
-    why = why_llamacpp_cannot_run(source)
+    why = why_llamacpp_cannot_run(source) if cadenza.device.type == "cpu" else "llama.cpp runs on the CPU here"
     if why is not None:
         result.skipped["llama.cpp"] = why
         return

@@ -24,6 +24,7 @@ class Workload:
     prompt_len: tuple[int, int]
     output_len: tuple[int, int]
     temperature: float
+    preset: str = ""  # a named workload's name ("nano-vllm")
 
     @property
     def num_requests(self) -> int:
@@ -39,8 +40,9 @@ class Workload:
 
     def describe(self) -> str:
         (a, b), (c, d) = self.prompt_len, self.output_len
+        named = f"{self.preset}: " if self.preset else ""
         return (
-            f"{self.num_requests} requests, prompts {a}..{b} ({self.num_prompt_tokens} tokens), "
+            f"{named}{self.num_requests} requests, prompts {a}..{b} ({self.num_prompt_tokens} tokens), "
             f"outputs {c}..{d} ({self.num_output_tokens} tokens), temperature {self.temperature}, "
             f"ignore_eos, seed {self.seed}"
         )
@@ -78,3 +80,35 @@ def random_prompt(length: int, *, seed: int, vocab_size: int = 10_000) -> list[i
     rng = random.Random(seed)
     top = min(vocab_size, 10_000)
     return [rng.randrange(top) for _ in range(length)]
+
+
+NANO_VLLM = {"num_requests": 256, "prompt_len": (100, 1024), "output_len": (100, 1024)}
+DEFAULT = {"num_requests": 64, "prompt_len": (32, 512), "output_len": (32, 256)}
+
+
+def nano_vllm_workload(*, seed: int = 0, vocab_size: int = 10_001, temperature: float = 0.6) -> Workload:
+    """nano-vllm's bench.py, draw for draw: `seed(0)`, then 256 prompts, each of `randint(100, 1024)`
+    token ids `randint(0, 10000)`, then 256 output lengths `randint(100, 1024)`; temperature 0.6,
+    ignore_eos. Seed 0 gives its 133,966 output tokens. Token ids stay below a smaller vocabulary."""
+    rng = random.Random(seed)
+    n, (a, b), (c, d) = NANO_VLLM["num_requests"], NANO_VLLM["prompt_len"], NANO_VLLM["output_len"]
+    top = min(vocab_size - 1, 10_000)
+    prompts = [[rng.randint(0, top) for _ in range(rng.randint(a, b))] for _ in range(n)]
+    requests = [BenchRequest(prompt, rng.randint(c, d)) for prompt in prompts]
+    return Workload(requests, seed, (a, b), (c, d), temperature, preset="nano-vllm")
+
+
+def bench_workload(args, vocab_size: int) -> Workload:
+    """`bench throughput`'s workload: `--workload nano-vllm`, or the sizes its flags give."""
+    given = {"--num-requests": args.num_requests, "--prompt-len": args.prompt_len, "--output-len": args.output_len}
+    if args.workload == "nano-vllm":
+        fixed = [flag for flag, value in given.items() if value is not None]
+        if fixed:
+            raise ValueError(f"--workload nano-vllm fixes the requests; leave out {', '.join(fixed)}")
+        return nano_vllm_workload(seed=args.seed, vocab_size=vocab_size, temperature=args.temperature)
+    if args.workload is not None:
+        raise ValueError(f"unknown workload {args.workload!r}; known: nano-vllm")
+    sizes = {k: DEFAULT[k] if v is None else v for k, v in
+             zip(DEFAULT, (args.num_requests, args.prompt_len, args.output_len))}
+    return make_workload(sizes["num_requests"], tuple(sizes["prompt_len"]), tuple(sizes["output_len"]), seed=args.seed,
+                         vocab_size=vocab_size, temperature=args.temperature)

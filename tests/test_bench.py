@@ -76,7 +76,7 @@ def test_latency_with_hf_peer(tiny_model_dir, tmp_path, capsys):
     assert engines == {"cadenza", "cadenza model step", "hf generate"}
     assert len(result["rows"]) == 3 * 4
     assert all(row["tokens_per_s"] > 0 and row["ceiling_tokens_per_s"] > 0 for row in result["rows"])
-    assert result["ceilings"]["memory_read_GBps"] > 0
+    assert result["ceilings"]["memory_GBps"] > 0 and result["ceilings"]["memory_measure"] == "memory read"
 
 
 def test_bad_workload_is_a_usage_error(tiny_model_dir, capsys):
