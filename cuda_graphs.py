@@ -2,8 +2,8 @@
 
 A decode step's launches (hundreds of small kernels for a small model) cost more than its math
 at small batches; one graph per bucket replays them all in one launch. Each bucket's graph reads
-its inputs from one static device buffer, laid out as `StepLayout(bucket, bucket, table_width, 0)`
-says, into which `StepPacker` copies each step (padded to the bucket) in one non-blocking copy;
+its inputs from one static device buffer, laid out as the padded `StepLayout` of its bucket
+says (the block table last and column-major, so a step sends only the columns it uses), into which `StepPacker` copies each step (padded to the bucket) in one non-blocking copy;
 its output is the graph's own static hidden-state tensor. Prefill and speculative steps (more
 than one token a sequence) stay eager, as do decodes wider than the largest bucket or whose
 block tables outgrow `table_width`.
@@ -44,8 +44,7 @@ class DecodeGraphRunner:
         self.table_width = table_width
         self.capture = capture and packer.device.type == "cuda"
         largest = self.buckets[-1]
-        # Room for the largest bucket's inputs and one sampled row per sequence after them.
-        size = StepLayout(largest, largest, table_width, largest).size
+        size = StepLayout(largest, largest, table_width, largest, padded=True).size
         self.static = torch.zeros(size, dtype=torch.int64, device=packer.device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
@@ -86,9 +85,9 @@ class DecodeGraphRunner:
         return self.packer.pack([], [], pad_to=bucket, table_width=self.table_width, into=self.static)
 
     def _capture(self, bucket: int, inputs: StepInputs) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        # The layout's prefix without sampled rows is what every step of this bucket reads.
-        fields = views(self.static, StepLayout(bucket, bucket, self.table_width, 0))
-        assert fields["input_ids"].data_ptr() == inputs.input_ids.data_ptr()
+        # Every step of this bucket packs into these very views: the graph reads them in place.
+        fields = views(self.static, StepLayout(bucket, bucket, self.table_width, bucket, padded=True))
+        assert fields["block_tables"].data_ptr() == inputs.meta.block_tables.data_ptr()
 
         def step() -> torch.Tensor:
             return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend)

@@ -13,7 +13,7 @@ carry token 0 at position 0, slot -1 (the backends skip the write) and sequence 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
@@ -28,18 +28,25 @@ PAD_SLOT = -1
 @dataclass(frozen=True, slots=True)
 class StepLayout:
     """Offsets of each field in the packed array for `num_tokens` rows of `num_seqs` sequences,
-    block tables `table_width` wide and `num_sample_rows` sampled rows. The prefix without the
-    sampled rows is the same whatever their number (the graph runner relies on it)."""
+    block tables `table_width` wide and `num_sample_rows` sampled rows.
+
+    A padded step (`padded`, the CUDA-graph decode) keeps its block table last and column-major
+    ([table_width, num_seqs], seen as [num_seqs, table_width] with strides (1, num_seqs)): a
+    graph's table is as wide as the longest sequence may grow, but a step fills and sends only
+    the columns its sequences use, a prefix of the array (`sent`)."""
 
     num_tokens: int
     num_seqs: int
     table_width: int
     num_sample_rows: int
+    padded: bool = False
 
     def spans(self) -> dict[str, tuple[int, int]]:
         t, b = self.num_tokens, self.num_seqs
         sizes = [("input_ids", t), ("positions", t), ("slot_mapping", t), ("query_start_loc", b + 1), ("seq_lens", b),
-                 ("context_lens", b), ("block_tables", b * self.table_width), ("sample_rows", self.num_sample_rows)]
+                 ("context_lens", b)]
+        tables = ("block_tables", b * self.table_width)
+        sizes += [("sample_rows", self.num_sample_rows), tables] if self.padded else [tables, ("sample_rows", self.num_sample_rows)]
         spans, offset = {}, 0
         for name, size in sizes:
             spans[name] = (offset, offset + size)
@@ -48,7 +55,13 @@ class StepLayout:
 
     @property
     def size(self) -> int:
-        return self.spans()["sample_rows"][1]
+        return max(end for _, end in self.spans().values())
+
+    def sent(self, columns: int) -> int:
+        """Elements a step sends whose sequences use `columns` table columns."""
+        if not self.padded:
+            return self.size
+        return self.spans()["block_tables"][0] + columns * self.num_seqs
 
 
 @dataclass(slots=True)
@@ -60,12 +73,17 @@ class StepInputs:
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # rows of the model's output whose logits are computed
     num_real_tokens: int  # rows before any padding
+    num_sent: int  # int64s packed and sent to the device for this step
 
 
 def views(buffer: torch.Tensor, layout: StepLayout) -> dict[str, torch.Tensor]:
     """The named tensors of `layout` inside `buffer` (no copies)."""
     out = {name: buffer[start:end] for name, (start, end) in layout.spans().items()}
-    out["block_tables"] = out["block_tables"].view(layout.num_seqs, layout.table_width)
+    tables = out["block_tables"]
+    if layout.padded:
+        out["block_tables"] = tables.view(layout.table_width, layout.num_seqs).t()
+    else:
+        out["block_tables"] = tables.view(layout.num_seqs, layout.table_width)
     return out
 
 
@@ -110,6 +128,8 @@ class StepPacker:
                                  f"step needs {seq_len}")
         num_real, num_seqs = int(query_lens.sum()), len(chunks)
         if pad_to is not None:
+            if into is None or table_width is None:
+                raise ValueError("a padded step goes into a static buffer (into) with a static table_width")
             if (num_seqs and int(query_lens.max()) != 1) or pad_to < num_seqs:
                 raise ValueError(f"only a decode of at most {pad_to} sequences pads to {pad_to}")
             num_seqs = pad_to
@@ -118,12 +138,15 @@ class StepPacker:
         if width < widest:
             raise ValueError(f"a block table of {widest} blocks is wider than the static {width}")
         num_tokens = num_real if pad_to is None else pad_to
-        layout = StepLayout(num_tokens, num_seqs, width, len(sample_rows))
-        host = self._host_buffer(layout.size)
-        fields = {name: t.numpy() for name, t in views(host, layout).items()}
+        padded = pad_to is not None
+        # A padded step reserves a sampled row a sequence, so the table's offset never moves.
+        layout = StepLayout(num_tokens, num_seqs, width, num_seqs if padded else len(sample_rows), padded)
+        sent = layout.sent(max(widest, 1))
+        host = self._host_buffer(layout.size)[:sent]
+        fields = {name: t.numpy() for name, t in views(host, replace(layout, table_width=max(widest, 1)) if padded else layout).items()}
         n = len(chunks)
         ids, positions, slots, tables = fields["input_ids"], fields["positions"], fields["slot_mapping"], fields["block_tables"]
-        tables.fill(0)
+        tables.fill(0)  # the used columns only, for a padded step: the kernels read no further
         offset = 0
         for row, chunk in enumerate(chunks):
             tables[row, : widths[row]] = chunk.block_table
@@ -136,13 +159,17 @@ class StepPacker:
         positions[:num_real] = starts[seq_index] + np.arange(num_real) - query_start_loc[seq_index]
         slots[:num_real] = tables[seq_index, positions[:num_real] // block_size] * block_size + positions[:num_real] % block_size
         fields["seq_lens"][:n], fields["context_lens"][:n] = seq_lens, starts
-        fields["sample_rows"][:] = sample_rows
+        fields["sample_rows"][: len(sample_rows)] = sample_rows
+        fields["sample_rows"][len(sample_rows) :] = 0  # a padded step's unused ones (the buffer is reused uninitialised)
         if num_tokens > num_real:  # padding rows: token 0 at position 0, no KV write, no keys
             ids[num_real:], positions[num_real:], slots[num_real:] = 0, 0, PAD_SLOT
             query_start_loc[n + 1 :] = np.arange(num_real + 1, num_tokens + 1)
             fields["seq_lens"][n:], fields["context_lens"][n:] = 0, 0
         device_buffer = self._send(host, into)
+        if into is not None:
+            device_buffer = into  # the whole static buffer: its tables' unsent columns are never read
         out = views(device_buffer, layout)
+        out["sample_rows"] = out["sample_rows"][: len(sample_rows)]
         q_list, s_list = query_lens.tolist(), seq_lens.tolist()
         if num_seqs > n:
             q_list, s_list = q_list + [1] * (num_seqs - n), s_list + [0] * (num_seqs - n)
@@ -151,7 +178,7 @@ class StepPacker:
             block_tables=out["block_tables"], slot_mapping=out["slot_mapping"], query_lens_list=q_list,
             seq_lens_list=s_list, max_query_len=max(q_list), max_seq_len=max(s_list),
         )  # fmt: skip
-        return StepInputs(out["input_ids"], out["positions"], meta, out["sample_rows"], num_real)
+        return StepInputs(out["input_ids"], out["positions"], meta, out["sample_rows"], num_real, sent)
 
     def _send(self, host: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
         if into is not None:

@@ -84,7 +84,9 @@ class AttentionBackend(ABC):
     # Whether a decode step may be padded to a batch-size bucket and replayed as a CUDA graph
     # (cuda_graphs.py): its decode path reads only device tensors and their shapes, never
     # `seq_lens_list` or `max_seq_len` (a captured graph replays with other lengths), skips
-    # the KV write of a slot -1 (padding) and gives a finite output for a sequence length of 0.
+    # the KV write of a slot -1 (padding), gives a finite output for a sequence length of 0, and
+    # takes block tables of any strides (column-major there) whose entries past a row's last
+    # block are stale: only a row's blocks below its length may be dereferenced.
     supports_cuda_graphs: ClassVar[bool] = False
 
     def __init__(

@@ -56,14 +56,18 @@ def test_a_step_is_packed_in_one_array_with_every_field_a_view_of_it():
 
 def test_a_padded_decode_has_padding_rows_that_write_nothing_and_read_no_key():
     packer = StepPacker(torch.device("cpu"), block_size=4)
-    static = torch.full((StepLayout(4, 4, 3, 4).size,), 99, dtype=torch.int64)
+    static = torch.full((StepLayout(4, 4, 3, 4, padded=True).size,), 99, dtype=torch.int64)
     inputs = packer.pack([chunk("a", [5], 6, [1, 2]), chunk("b", [8], 0, [3])], [0, 1], pad_to=4, table_width=3, into=static)
     meta = inputs.meta
     assert inputs.input_ids.data_ptr() == static.data_ptr()  # the graph's static buffer
     assert inputs.input_ids.tolist() == [5, 8, 0, 0] and meta.slot_mapping.tolist()[2:] == [PAD_SLOT] * 2
     assert meta.seq_lens.tolist() == [7, 1, 0, 0] and meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
-    assert meta.block_tables.tolist() == [[1, 2, 0], [3, 0, 0], [0, 0, 0], [0, 0, 0]]
-    assert meta.is_decode_only and inputs.num_real_tokens == 2
+    # Column-major, and only the columns these sequences use were filled and sent: the third
+    # keeps what the buffer held (no kernel reads past a row's blocks).
+    assert meta.block_tables.stride() == (1, 4) and meta.block_tables[:, 2].tolist() == [99] * 4
+    assert meta.block_tables[:, :2].tolist() == [[1, 2], [3, 0], [0, 0], [0, 0]]
+    assert inputs.num_sent == StepLayout(4, 4, 3, 4, padded=True).sent(2) == StepLayout(4, 4, 3, 4, padded=True).size - 4
+    assert meta.is_decode_only and inputs.num_real_tokens == 2 and inputs.sample_rows.tolist() == [0, 1]
     with pytest.raises(ValueError, match="wider than the static 1"):
         packer.pack([chunk("a", [5], 6, [1, 2])], [0], pad_to=1, table_width=1, into=static)
     with pytest.raises(ValueError, match="only a decode"):

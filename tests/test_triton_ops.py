@@ -278,6 +278,40 @@ def test_paged_decode_attention_writes_into_out():
         assert_close(out, expected, torch.float32)
 
 
+def stale_column_major(tables: torch.Tensor, seq_lens: list[int], block_size: int) -> torch.Tensor:
+    """`tables` as a CUDA-graph step holds them: column-major, two columns wider, and every entry
+    past a row's last block an index far outside the cache (any read of one would fault or show)."""
+    rows, width = tables.shape
+    held = torch.full((width + 2, rows), 2**40, dtype=tables.dtype).t()
+    for row, length in enumerate(seq_lens):
+        used = -(-length // block_size)
+        held[row, :used] = tables[row, :used]
+    return held
+
+
+def test_attention_reads_no_table_entry_past_a_rows_blocks():
+    """A padded decode's block table is column-major and stale past each row's blocks
+    (step_inputs.py); the kernels must give what a clean row-major table gives."""
+    generator = torch.Generator().manual_seed(5)
+    paged = PagedCache.make([9, 40, 17], 16, 64, torch.bfloat16, generator)
+    q = torch.randn(3, NUM_KV_HEADS * 2, 64, generator=generator).to(torch.bfloat16)
+    lens = torch.tensor(paged.seq_lens)
+    key_cache, value_cache, _, _ = paged.kernel_inputs()
+    stale = stale_column_major(paged.tables, paged.seq_lens, 16)
+    assert stale.stride(0) == 1
+    for num_splits in (1, 4):
+        args = (q.to(DEVICE), key_cache, value_cache)
+        clean = paged_attention.paged_decode_attention(*args, paged.tables.to(DEVICE), lens.to(DEVICE), 0.125, num_splits=num_splits)
+        held = paged_attention.paged_decode_attention(*args, stale.to(DEVICE), lens.to(DEVICE), 0.125, num_splits=num_splits)
+        assert torch.equal(held, clean)
+    starts = torch.tensor([0, 1, 2, 3])  # one decode row each
+    clean = paged_attention.paged_prefill_attention(q.to(DEVICE), key_cache, value_cache, paged.tables.to(DEVICE),
+                                                    starts.to(DEVICE), lens.to(DEVICE), 1, 0.125)
+    held = paged_attention.paged_prefill_attention(q.to(DEVICE), key_cache, value_cache, stale.to(DEVICE),
+                                                   starts.to(DEVICE), lens.to(DEVICE), 1, 0.125)
+    assert torch.equal(held, clean)
+
+
 # (cache dtype, q dtype, block size, GQA group, head_dim, sliding window, index dtype)
 PREFILL_CASES = [
     (torch.float32, torch.float32, 16, 1, 64, 0, torch.int64),

@@ -33,11 +33,11 @@ def _sum(x, axis: tl.constexpr):
 
 
 @triton.jit
-def _tile_rows(block_table_row, tokens, token_mask, kv_head, stride_block, stride_offset, stride_head,
+def _tile_rows(block_table_row, stride_btc, tokens, token_mask, kv_head, stride_block, stride_offset, stride_head,
                BLOCK_SIZE: tl.constexpr):
     """Offsets of `tokens` [BLOCK_N] (one sequence) for one kv head, in a tensor with the given
     block, in-block offset and head strides; a masked token gets block 0, never dereferenced."""
-    blocks = tl.load(block_table_row + tokens // BLOCK_SIZE, mask=token_mask, other=0).to(tl.int64)
+    blocks = tl.load(block_table_row + (tokens // BLOCK_SIZE) * stride_btc, mask=token_mask, other=0).to(tl.int64)
     return blocks * stride_block + (tokens % BLOCK_SIZE) * stride_offset + kv_head * stride_head
 
 
@@ -63,19 +63,19 @@ def _softmax_step(m_i, l_i, scores):
 
 
 @triton.jit
-def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, block_table_row,
+def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, block_table_row, stride_btc,
                  tokens, token_mask, visible, dims, dim_mask, kv_head, qk_scale,
                  stride_block, stride_offset, stride_head, scale_stride_block, scale_stride_offset, scale_stride_head,
                  BLOCK_SIZE: tl.constexpr, IS_INT8: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """Fold one key tile into (m_i, l_i, acc) for the query rows `q` [M, BLOCK_D]; `visible`
     [M, BLOCK_N] says which row may see which key."""
-    rows = _tile_rows(block_table_row, tokens, token_mask, kv_head,
+    rows = _tile_rows(block_table_row, stride_btc, tokens, token_mask, kv_head,
                       stride_block, stride_offset, stride_head, BLOCK_SIZE)
     k = _load_tile(k_cache_ptr, rows, token_mask, dims, dim_mask, DOT_DTYPE)
     # "ieee" only matters for float32 operands, which would otherwise be rounded to tf32.
     scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
     if IS_INT8:
-        scale_rows = _tile_rows(block_table_row, tokens, token_mask, kv_head,
+        scale_rows = _tile_rows(block_table_row, stride_btc, tokens, token_mask, kv_head,
                                 scale_stride_block, scale_stride_offset, scale_stride_head, BLOCK_SIZE)
         scores *= tl.load(k_scales_ptr + scale_rows, mask=token_mask, other=0.0).to(tl.float32)[None, :]
     m_i, l_i, alpha, p = _softmax_step(m_i, l_i, tl.where(visible, scores, float("-inf")))
@@ -90,7 +90,7 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_sca
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, lse_ptr,
     qk_scale, sliding_window, head_dim,
-    stride_qb, stride_qh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_bt,
+    stride_qb, stride_qh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_bt, stride_btc,
     stride_block, stride_offset, stride_head, scale_stride_block, scale_stride_offset, scale_stride_head,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, IS_INT8: tl.constexpr, DOT_DTYPE: tl.constexpr, WRITE_LSE: tl.constexpr,
@@ -132,7 +132,7 @@ def _decode_kernel(
         token_mask = tokens < end
         visible = head_mask[:, None] & token_mask[None, :]
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr,
-                                     block_table_row, tokens, token_mask, visible, dims, dim_mask, kv_head, qk_scale,
+                                     block_table_row, stride_btc, tokens, token_mask, visible, dims, dim_mask, kv_head, qk_scale,
                                      stride_block, stride_offset, stride_head,
                                      scale_stride_block, scale_stride_offset, scale_stride_head,
                                      BLOCK_SIZE, IS_INT8, DOT_DTYPE)
@@ -174,7 +174,7 @@ def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, block_tables_ptr, query_start_loc_ptr,
     seq_lens_ptr, out_ptr,
     qk_scale, sliding_window, head_dim,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_btc,
     stride_block, stride_offset, stride_head, scale_stride_block, scale_stride_offset, scale_stride_head,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, IS_INT8: tl.constexpr, DOT_DTYPE: tl.constexpr,
@@ -214,7 +214,7 @@ def _prefill_kernel(
         visible = (tokens[None, :] <= positions[:, None]) & (tokens[None, :] > lowest_visible[:, None])
         visible = visible & row_mask[:, None] & token_mask[None, :]
         m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr,
-                                     block_table_row, tokens, token_mask, visible, dims, dim_mask, kv_head, qk_scale,
+                                     block_table_row, stride_btc, tokens, token_mask, visible, dims, dim_mask, kv_head, qk_scale,
                                      stride_block, stride_offset, stride_head,
                                      scale_stride_block, scale_stride_offset, scale_stride_head,
                                      BLOCK_SIZE, IS_INT8, DOT_DTYPE)
@@ -248,7 +248,8 @@ def paged_decode_attention(
         key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_dim] (kv_cache[0] and
             kv_cache[1]); for an int8 cache the data views, with `k_scales`/`v_scales` float16
             [num_blocks, block_size, num_kv_heads].
-        block_tables: [B, max_blocks] int32 or int64.
+        block_tables: [B, max_blocks] int32 or int64, any strides (the CUDA-graph buffer holds it
+            column-major, so a step sends only the columns its sequences use).
         seq_lens: [B] int32 or int64: row b attends keys 0 .. seq_lens[b] - 1, and only those at
             positions > seq_lens[b] - 1 - sliding_window where sliding_window > 0.
         num_splits: how many programs share one row's keys; each takes an equal share, in whole
@@ -280,7 +281,7 @@ def paged_decode_attention(
         q, key_cache, value_cache, k_scales_arg, v_scales_arg, block_tables, seq_lens, partial, lse,
         scale * math.log2(math.e), sliding_window, head_dim,
         q.stride(0), q.stride(1), partial.stride(0), partial.stride(1), partial_split_stride,
-        lse.stride(0), lse.stride(1), block_tables.stride(0),
+        lse.stride(0), lse.stride(1), block_tables.stride(0), block_tables.stride(1),
         *key_cache.stride()[:3], *scale_strides,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=tiles.block_n,
         BLOCK_D=tiles.block_d, BLOCK_SIZE=block_size, IS_INT8=k_scales is not None,
@@ -335,7 +336,7 @@ def paged_prefill_attention(
     _prefill_kernel[(num_seqs, num_heads, triton.cdiv(max_query_len, tiles.block_m))](
         q, key_cache, value_cache, k_scales_arg, v_scales_arg, block_tables, query_start_loc, seq_lens, out,
         scale * math.log2(math.e), sliding_window, head_dim,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), block_tables.stride(1),
         *key_cache.stride()[:3], *scale_strides,
         GROUP=num_heads // num_kv_heads, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         BLOCK_D=tiles.block_d, BLOCK_SIZE=block_size, IS_INT8=k_scales is not None,

@@ -150,11 +150,15 @@ def _paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_po
 def _gather(cache, scales, block_tables, dtype):
     """Every sequence's blocks in order: [B, max_blocks * block_size, num_kv_heads, head_dim]."""
     batch, max_blocks = block_tables.shape
-    _, block_size, heads, dim = cache.shape
+    num_blocks, block_size, heads, dim = cache.shape
+    # Entries past a row's last block may be stale (a CUDA-graph step sends only the columns its
+    # rows use): the kernels never read them; here every column is gathered, then masked, so any
+    # entry must at least index a block.
+    block_tables = block_tables.clamp(0, num_blocks - 1)
     rows = cache[block_tables].to(dtype)
     if scales is not None:
         rows = rows * scales[block_tables].to(dtype).unsqueeze(-1)
-    return rows.view(batch, max_blocks * block_size, heads, dim)
+    return rows.reshape(batch, max_blocks * block_size, heads, dim)  # a column-major table gathers column-major
 
 
 def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
