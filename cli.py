@@ -8,41 +8,17 @@ from typing import Any, Sequence
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    from cadenza.config.flags import add_config_flags
+
     parser.add_argument("--config", help="deployment YAML file or preset name (default: built-in defaults)")
-    parser.add_argument("--model", help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--attention-backend")
-    parser.add_argument("--num-threads", type=int)
-    parser.add_argument("--tensor-parallel-size", type=int, help="split the model over this many ranks (torch.distributed)")
-    parser.add_argument("--data-parallel-size", type=int, help="serve this many engine replicas behind one port")
-    # The settings vLLM users reach for first, under vLLM's names (each also a config key).
-    parser.add_argument("--max-model-len", type=int, help="longest sequence, prompt and output (model.max_model_len)")
-    parser.add_argument("--max-num-seqs", type=int, help="sequences in one batch (scheduler.max_num_seqs)")
-    parser.add_argument("--max-num-batched-tokens", type=int, help="tokens in one step (scheduler.max_num_batched_tokens)")
-    parser.add_argument("--kv-cache-memory", metavar="SIZE", help="memory for the KV cache, e.g. 512MiB (cache.memory_budget)")
-    parser.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "float16", "int8"],
-                        help="what keys and values are stored as (cache.dtype)")
-    parser.add_argument("--load-format", choices=["auto", "dummy"], help="dummy: random weights of --model's shape (model.load_format)")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], help="where the model runs (model.device)")
-    parser.add_argument("--cuda-graphs", choices=["auto", "on", "off"], help="decode steps as CUDA graphs (model.cuda_graphs)")
+    add_config_flags(parser)
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    from cadenza.config.flags import flag_overrides
+
     return {
-        "model.path": args.model,
-        "model.dtype": args.dtype,
-        "attention_backend": args.attention_backend,
-        "model.num_threads": args.num_threads,
-        "parallel.tensor_parallel_size": args.tensor_parallel_size,
-        "parallel.data_parallel_size": args.data_parallel_size,
-        "model.max_model_len": args.max_model_len,
-        "scheduler.max_num_seqs": args.max_num_seqs,
-        "scheduler.max_num_batched_tokens": args.max_num_batched_tokens,
-        "cache.memory_budget": args.kv_cache_memory,
-        "cache.dtype": args.kv_cache_dtype,
-        "model.load_format": args.load_format,
-        "model.device": args.device,
-        "model.cuda_graphs": args.cuda_graphs,
+        **flag_overrides(args),
         "server.host": getattr(args, "host", None),
         "server.port": getattr(args, "port", None),
         "server.api_key": getattr(args, "api_key", None),

@@ -50,21 +50,25 @@ def _add_common(parser: argparse.ArgumentParser, peers: bool = True) -> None:
     parser.add_argument("--verbose", action="store_true", help="show the engine's logs")
 
 
+# The engine flags `cadenza serve` has too, from one table (config/flags.py), with what the bench adds.
+ENGINE_FLAGS = ("--device", "--load-format", "--attention-backend", "--cuda-graphs", "--max-num-seqs", "--kv-cache-memory",
+                "--max-model-len", "--block-size")  # fmt: skip
+ENGINE_FLAG_NOTES = {
+    "--device": "The peers run on the same device.",
+    "--load-format": "With dummy, --model names a config.json, a directory holding one, or a shipped shape "
+                     "(smollm2-135m, qwen3-0.6b, llama-3.2-1b, llama-3.1-8b), seeded by --seed; transformers gets "
+                     "the very same weights.",
+    "--attention-backend": "Default on CUDA: triton.",
+    "--max-num-seqs": "Default: the config's, raised to the bench's batch.",
+    "--kv-cache-memory": "Default on CUDA: the blocks the work holds at once, within the free GPU memory.",
+}
+
+
 def _add_device(parser: argparse.ArgumentParser) -> None:
     """Where cadenza runs and how its engine is sized; peers run on the same device."""
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"],
-                        help="cadenza's model.device, and the peers' (default: the config's, auto: cuda when there is one)")
-    parser.add_argument("--load-format", choices=["auto", "dummy"],
-                        help="dummy: random weights (seeded by --seed) of the shape --model names: a config.json, a "
-                             "directory holding one, or a shipped shape (smollm2-135m, qwen3-0.6b, llama-3.2-1b, "
-                             "llama-3.1-8b); transformers gets the very same weights")
-    parser.add_argument("--attention-backend", metavar="NAME", help="cadenza's attention backend (default on CUDA: triton)")
-    parser.add_argument("--cuda-graphs", choices=["auto", "on", "off"], help="cadenza's model.cuda_graphs")
-    parser.add_argument("--max-num-seqs", type=int, metavar="N",
-                        help="cadenza's scheduler.max_num_seqs (default: the config's, raised to the bench's batch)")
-    parser.add_argument("--kv-cache-memory", metavar="SIZE",
-                        help="cadenza's cache.memory_budget, e.g. 16GiB (default on CUDA: the blocks the work holds "
-                             "at once, within the free GPU memory; on the CPU: the engine's default)")
+    from cadenza.config.flags import add_config_flags
+
+    add_config_flags(parser, ENGINE_FLAGS, ENGINE_FLAG_NOTES)
     parser.add_argument("--hf-variants", nargs="+", choices=HF_VARIANTS, metavar="V",
                         help="what --compare hf runs: generate (plain), compiled (static cache + torch.compile "
                              "reduce-overhead), continuous (generate_batch; throughput only); default: all three "

@@ -93,12 +93,11 @@ class EnginePlan:
 
 def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """cadenza's config keys the bench's flags set (None: not given)."""
-    return {
-        "model.seed": args.seed, "model.quantization": args.quantization, "model.device": args.device,
-        "model.load_format": args.load_format, "model.cuda_graphs": args.cuda_graphs,
-        "attention_backend": args.attention_backend, "scheduler.max_num_seqs": args.max_num_seqs,
-        "cache.memory_budget": args.kv_cache_memory,
-    }
+    from cadenza.bench.cli import ENGINE_FLAGS
+    from cadenza.config import flags
+
+    engine = {flags.BY_FLAG[f].path: getattr(args, flags.BY_FLAG[f].dest, None) for f in ENGINE_FLAGS}
+    return {"model.seed": args.seed, "model.quantization": args.quantization, **engine}
 
 
 def read_bench_config(args: argparse.Namespace):

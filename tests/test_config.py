@@ -351,3 +351,25 @@ def test_the_settings_vllm_users_reach_for_first_are_flags(capsys):
     assert shown["model"]["device"] == "cpu" and shown["model"]["cuda_graphs"] == "off"
     assert cli.main(["config", "show", "--kv-cache-memory", "lots"]) == 2
     assert "cache.memory_budget" in capsys.readouterr().err
+
+
+def test_the_common_flags_come_from_the_schema_and_show_their_yaml_key(capsys):
+    from cadenza import cli
+    from cadenza.bench.cli import ENGINE_FLAGS
+    from cadenza.config.flags import BY_FLAG, CONFIG_FLAGS, schema_field
+
+    assert {"--max-model-len", "--max-num-seqs", "--kv-cache-memory", "--block-size"} <= set(BY_FLAG) >= set(ENGINE_FLAGS)
+    parser = cli.build_parser()
+    for command in (["serve"], ["bench", "latency"], ["bench", "throughput"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args([*command, "--help"])
+        shown = " ".join(capsys.readouterr().out.split())
+        wanted = CONFIG_FLAGS if command == ["serve"] else [BY_FLAG[f] for f in ENGINE_FLAGS]
+        for flag in wanted:
+            assert schema_field(flag.path).description  # a key that exists, described
+            assert flag.flag in shown and f"[YAML: {flag.path}]" in shown, (command, flag)
+    args = parser.parse_args(["serve", "--block-size", "32", "--max-model-len", "2048", "--kv-cache-dtype", "int8"])
+    config = load_config(None, overrides=cli._overrides(args), env=NO_ENV)
+    assert (config.cache.block_size, config.model.max_model_len, config.cache.dtype) == (32, 2048, "int8")
+    with pytest.raises(KeyError, match="no.such"):
+        schema_field("cache.no.such")
