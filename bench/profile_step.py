@@ -1,6 +1,6 @@
 """Where a model step's time goes: torch.profiler over `ModelRunner.execute`, no engine around it.
 
-    .venv/bin/python benchmarks/profile_step.py [--model PATH] [--dtype bfloat16] [--batch 1] \
+    .venv/bin/python -m cadenza.bench.profile_step [--model PATH] [--dtype bfloat16] [--batch 1] \
         [--context 64] [--steps 20] [--prefill 512]
 
 Prints the wall time per decode step (without the profiler), then, from a profiled pass, the time
@@ -75,7 +75,7 @@ def instrument(runtime) -> None:
     backend.forward = label(backend.forward, "attention (all: write, gather, sdpa)")
     backend.begin_step = label(backend.begin_step, "attention.begin_step (masks)")
     runner.sampling_pipeline = _Labelled(runner.sampling_pipeline, "sampling pipeline")
-    runner._prepare = label(runner._prepare, "runner._prepare (packing)")
+    runner._packer.pack = label(runner._packer.pack, "step_inputs.pack (packing)")
     model.compute_logits = label(model.compute_logits, "compute_logits (lm_head)")
 
 

@@ -2,7 +2,7 @@
 
     .venv/bin/py-spy record --format raw --rate 100 -o /tmp/cadenza.txt -- \
         .venv/bin/python -m cadenza.bench.cli throughput --num-requests 16 --no-quiet-check
-    .venv/bin/python benchmarks/pyspy_summary.py /tmp/cadenza.txt
+    .venv/bin/python -m cadenza.bench.pyspy_summary /tmp/cadenza.txt
 
 Each sample is filed under the innermost frame that is cadenza's own code (torch's C++ time shows
 as the cadenza line that called it) and under a part: the model step, the actors, the event loop.
