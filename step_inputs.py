@@ -13,6 +13,7 @@ carry token 0 at position 0, slot -1 (the backends skip the write) and sequence 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -42,6 +43,10 @@ class StepLayout:
     padded: bool = False
 
     def spans(self) -> dict[str, tuple[int, int]]:
+        """Field -> (start, end); computed once per layout (a step's packing asks every time)."""
+        return _spans(self)
+
+    def _compute_spans(self) -> dict[str, tuple[int, int]]:
         t, b = self.num_tokens, self.num_seqs
         sizes = [("input_ids", t), ("positions", t), ("slot_mapping", t), ("query_start_loc", b + 1), ("seq_lens", b),
                  ("context_lens", b)]
@@ -55,13 +60,23 @@ class StepLayout:
 
     @property
     def size(self) -> int:
-        return max(end for _, end in self.spans().values())
+        return _size(self)
 
     def sent(self, columns: int) -> int:
         """Elements a step sends whose sequences use `columns` table columns."""
         if not self.padded:
             return self.size
         return self.spans()["block_tables"][0] + columns * self.num_seqs
+
+
+@functools.lru_cache(maxsize=1024)
+def _spans(layout: StepLayout) -> dict[str, tuple[int, int]]:
+    return layout._compute_spans()
+
+
+@functools.lru_cache(maxsize=1024)
+def _size(layout: StepLayout) -> int:
+    return max(end for _, end in _spans(layout).values())
 
 
 @dataclass(slots=True)
@@ -76,14 +91,14 @@ class StepInputs:
     num_sent: int  # int64s packed and sent to the device for this step
 
 
-def views(buffer: torch.Tensor, layout: StepLayout) -> dict[str, torch.Tensor]:
-    """The named tensors of `layout` inside `buffer` (no copies)."""
+def views(buffer, layout: StepLayout) -> dict:
+    """The named fields of `layout` inside `buffer`, a tensor or a numpy array (no copies)."""
     out = {name: buffer[start:end] for name, (start, end) in layout.spans().items()}
     tables = out["block_tables"]
     if layout.padded:
-        out["block_tables"] = tables.view(layout.table_width, layout.num_seqs).t()
+        out["block_tables"] = tables.reshape(layout.table_width, layout.num_seqs).T
     else:
-        out["block_tables"] = tables.view(layout.num_seqs, layout.table_width)
+        out["block_tables"] = tables.reshape(layout.num_seqs, layout.table_width)
     return out
 
 
@@ -100,17 +115,20 @@ class StepPacker:
         self.block_size = block_size
         self._on_cuda = self.device.type == "cuda"
         self._host: list[torch.Tensor] = [torch.empty(0, dtype=torch.int64)] * 2
+        self._host_np: list[np.ndarray] = [h.numpy() for h in self._host]  # the same memory, for packing
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
 
-    def _host_buffer(self, size: int) -> torch.Tensor:
+    def _host_buffer(self, size: int) -> int:
+        """The turn whose host buffer holds at least `size` and is free to overwrite."""
         turn = self._turn = 1 - self._turn if self._on_cuda else 0
         if (event := self._copied[turn]) is not None:
             event.synchronize()  # the copy issued two steps ago: long done in practice
         if self._host[turn].numel() < size:
-            grown = max(size, 2 * self._host[turn].numel())
+            grown = max(size, 2 * self._host[turn].numel(), 1024)
             self._host[turn] = torch.empty(grown, dtype=torch.int64, pin_memory=self._on_cuda)
-        return self._host[turn][:size]
+            self._host_np[turn] = self._host[turn].numpy()
+        return turn
 
     def pack(self, chunks: Sequence[ScheduledChunk], sample_rows: Sequence[int], *, pad_to: int | None = None,
              table_width: int | None = None, into: torch.Tensor | None = None) -> StepInputs:
@@ -142,8 +160,8 @@ class StepPacker:
         # A padded step reserves a sampled row a sequence, so the table's offset never moves.
         layout = StepLayout(num_tokens, num_seqs, width, num_seqs if padded else len(sample_rows), padded)
         sent = layout.sent(max(widest, 1))
-        host = self._host_buffer(layout.size)[:sent]
-        fields = {name: t.numpy() for name, t in views(host, replace(layout, table_width=max(widest, 1)) if padded else layout).items()}
+        turn = self._host_buffer(layout.size)
+        fields = views(self._host_np[turn][:sent], replace(layout, table_width=max(widest, 1)) if padded else layout)
         n = len(chunks)
         ids, positions, slots, tables = fields["input_ids"], fields["positions"], fields["slot_mapping"], fields["block_tables"]
         tables.fill(0)  # the used columns only, for a padded step: the kernels read no further
@@ -165,7 +183,7 @@ class StepPacker:
             ids[num_real:], positions[num_real:], slots[num_real:] = 0, 0, PAD_SLOT
             query_start_loc[n + 1 :] = np.arange(num_real + 1, num_tokens + 1)
             fields["seq_lens"][n:], fields["context_lens"][n:] = 0, 0
-        device_buffer = self._send(host, into)
+        device_buffer = self._send(self._host[turn][:sent], into)
         if into is not None:
             device_buffer = into  # the whole static buffer: its tables' unsent columns are never read
         out = views(device_buffer, layout)
