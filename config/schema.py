@@ -317,7 +317,8 @@ class ParallelConfig(_Section):
     data_parallel_size: int = Field(
         1, ge=1, description="Engine replicas (processes) behind one server port; a router sends "
         "each request to the replica whose prefix cache holds the longest part of its prompt, else "
-        "to the least loaded one.",
+        "to the least loaded one. Each replica may itself be tensor-parallel: data_parallel_size x "
+        "tensor_parallel_size ranks must fit the CPU cores (or GPUs) of this machine or the Ray cluster.",
     )
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="torch.distributed backend for tensor parallelism: auto is nccl on CUDA "
@@ -330,8 +331,13 @@ class ParallelConfig(_Section):
     )
     launcher: Literal["local", "ray"] = Field(
         "local", description="Where data-parallel replicas run: local starts them as processes on "
-        "this machine; ray starts each as a Ray actor on the cluster this process is connected to "
-        "(the cadenza[ray] extra).",
+        "this machine; ray starts each under a Ray actor (the cadenza[ray] extra), on the cluster at "
+        "RAY_ADDRESS, else the one this machine joined, else a local Ray instance cadenza starts and stops.",
+    )
+    max_restarts: int = Field(
+        3, ge=0, description="launcher ray: how many times Ray restarts a replica that died after it "
+        "served (its open requests end with engine_failed; the others serve meanwhile). 0: a dead "
+        "replica stays dead and the engine turns unhealthy, as with local replicas.",
     )
     router: Literal["prefix", "round_robin", "least_loaded"] = Field(
         "prefix", description="How data parallelism picks a replica: prefix (longest cached prompt "

@@ -8,8 +8,14 @@
 - `worker.py`: the loop ranks other than 0 run.
 - `launch.py`: spawning the ranks on one machine, watching them, stopping them.
 - `errors.py`: the typed errors.
+- `lifecycle.py`: `ManagedProcess`, how every process cadenza starts (a rank, a replica, a replica on
+  Ray) starts, reports ready, fails and stops; `LocalProcess`, a child of this process.
+- `placement.py`: a deployment's shape (replicas x ranks) checked against the cores or GPUs.
 - `router.py`: data parallelism's choice of replica (longest cached prefix by block hashes, else least loaded).
-- `replicas.py`, `replica_server.py`, `ray_replicas.py`: starting replica processes (locally or as Ray
+- `replicas.py`, `replica_server.py`, `ray_replicas.py`: starting replica processes (locally or under Ray
   actors), and what each runs.
-- `dp_engine.py`, `wire.py`: the server's `AsyncEngine`-like view of the replicas, and its frames.
+- `dp_engine.py`, `replica_client.py`, `wire.py`: the server's `AsyncEngine`-like view of the
+  replicas, its connection to each, and their frames.
+
+Imports point one way: lifecycle, placement <- launch, ray_replicas, replica_client <- dp_engine <- replicas.
 """

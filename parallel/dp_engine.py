@@ -2,26 +2,31 @@
 
 `generate` tokenizes the prompt (only to route it: the replica tokenizes again, exactly as it
 would alone), asks the `Router` for a replica, sends the request over that replica's connection
-(`ReplicaClient`) and relays its outputs. A replica whose connection drops, or that reports itself
-unhealthy, ends its open requests with `engine_failed` and makes the engine unhealthy.
+(`ReplicaClient`, `replica_client.py`) and relays its outputs. A replica whose connection drops, or that reports itself
+unhealthy, ends its open requests with `engine_failed` (`REPLICA_FAILED`) and the router sends it
+nothing more. Then either its handle `restarts` (a Ray actor with restarts left): the others serve
+meanwhile, and once the restarted replica reports ready the engine connects to it and routes there
+again; or it does not (a local replica): the engine turns unhealthy.
+
+It reads the runtime it serves (`FrontendRuntime`, `replicas.py`) only through `ReplicaSet`'s
+attributes, so this module imports no launcher.
 """
 
 from __future__ import annotations
 
 import uuid
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Protocol, Sequence
 
 import anyio
 import structlog
 
 from cadenza.engine import SERVER_SHUTDOWN, EngineClosedError
 from cadenza.metrics import EngineMetrics
-from cadenza.parallel.errors import ReplicaFailedError
+from cadenza.parallel.lifecycle import ManagedProcess
+from cadenza.parallel.replica_client import REPLICA_FAILED, ReplicaClient
 from cadenza.parallel.replica_server import error_output
-from cadenza.parallel.replicas import FrontendRuntime, ReplicaProcess
 from cadenza.parallel.router import Router
-from cadenza.parallel.wire import FrameStream
 from cadenza.prompts import tokenize_prompt
 from cadenza.sampling_params import SamplingParams
 from cadenza.streams import GenerationOutput
@@ -29,80 +34,30 @@ from cadenza.streams import GenerationOutput
 log = structlog.get_logger(__name__)
 
 METRICS_SECONDS = 1.0
+RESTART_SECONDS = 300.0  # longest wait for a restarted replica to report ready
+DEATH_SECONDS = 10.0  # longest wait for a replica's handle to see the death its dropped connection showed
 
 
-class ReplicaClient:
-    """The server's connection to one replica: sends requests, routes outputs to their streams."""
+class ReplicaSet(Protocol):
+    """What the engine reads of the runtime it serves (`replicas.FrontendRuntime`)."""
 
-    def __init__(self, replica: ReplicaProcess, frames: FrameStream) -> None:
-        self.replica = replica
-        self.frames = frames
-        self.closing = False
-        self.on_metrics = lambda: None
-        self.streams: dict[str, anyio.abc.ObjectSendStream[GenerationOutput]] = {}
-        self.snapshot: dict[str, float] = {}
-        self.failure: str | None = None
+    config: Any
+    loaded: Any  # .arch, .tokenizer
+    replicas: Sequence[ManagedProcess]  # each with its `address` once ready
+    num_blocks: int
+    closed: bool
 
-    @classmethod
-    async def connect(cls, replica: ReplicaProcess) -> "ReplicaClient":
-        return cls(replica, FrameStream(await anyio.connect_tcp(replica.host, replica.port)))
+    @property
+    def tokenizer(self) -> Any: ...
 
-    async def send(self, message: tuple) -> None:
-        await self.frames.send(message)
-
-    async def read(self) -> None:
-        """Deliver outputs until the connection ends; then every open request ends with an error."""
-        try:
-            while True:
-                message = await self.frames.receive()
-                match message:
-                    case ("out", batch):
-                        for request_id, out in batch:
-                            stream = self.streams.get(request_id)
-                            if stream is None:
-                                continue
-                            try:
-                                stream.send_nowait(out)
-                            except anyio.WouldBlock:  # its reader fell too far behind: cut it off
-                                self.end(request_id, "slow_reader", "the client is not reading the stream")
-                                await self.send(("abort", request_id))
-                            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                                self.streams.pop(request_id, None)
-                    case ("metrics", snapshot, healthy):
-                        self.snapshot = snapshot
-                        self.on_metrics()
-                        if not healthy:
-                            self.fail(f"data-parallel replica {self.replica.index} is unhealthy")
-                    case _:
-                        raise ReplicaFailedError(f"unknown message from replica {self.replica.index}: {message!r}")
-        except Exception as exc:
-            if not self.closing:
-                self.fail(f"lost data-parallel replica {self.replica.index}: {exc!r}")
-
-    def fail(self, reason: str) -> None:
-        if self.failure is None:
-            self.failure = reason
-            log.error("Replica failed", replica=self.replica.index, reason=reason)
-        for request_id in list(self.streams):
-            self.end(request_id, "engine_failed", reason)
-
-    def end(self, request_id: str, code: str, message: str, finish_reason: str = "error") -> None:
-        stream = self.streams.pop(request_id, None)
-        if stream is not None:
-            last = error_output(request_id, code, message)
-            if finish_reason != "error":
-                last = GenerationOutput(request_id, "", (), None, finish_reason, 0, 0, 0)
-            try:
-                stream.send_nowait(last)
-            except (anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):
-                pass
-            stream.close()
+    @property
+    def block_size(self) -> int: ...
 
 
 class DataParallelEngine:
     """`AsyncEngine`'s interface over replicas, each request sent where the router says."""
 
-    def __init__(self, runtime: FrontendRuntime, clients: list[ReplicaClient], max_pending_tokens: int) -> None:
+    def __init__(self, runtime: ReplicaSet, clients: list[ReplicaClient], max_pending_tokens: int) -> None:
         self.runtime = runtime
         self.clients = clients
         self.router = Router(len(clients), runtime.block_size, runtime.config.parallel.router, capacity_blocks=runtime.num_blocks)
@@ -111,18 +66,20 @@ class DataParallelEngine:
         self._open: dict[str, int] = {}  # request id -> replica
         self._accepting = False
         self._changed = anyio.Event()
+        self._tasks: anyio.abc.TaskGroup | None = None
+        self.restarted = [0] * len(clients)  # per replica: how often it came back
 
     @classmethod
     @asynccontextmanager
     async def serve(
-        cls, runtime: FrontendRuntime, *, shutdown_grace: float = 5.0, max_pending_tokens: int = 1 << 16
+        cls, runtime: ReplicaSet, *, shutdown_grace: float = 5.0, max_pending_tokens: int = 1 << 16
     ) -> AsyncIterator["DataParallelEngine"]:
-        clients = [await ReplicaClient.connect(r) for r in runtime.replicas]
+        clients = [await ReplicaClient.connect(i, r) for i, r in enumerate(runtime.replicas)]
         engine = cls(runtime, clients, max_pending_tokens)
         async with anyio.create_task_group() as tg:
+            engine._tasks = tg
             for client in clients:
-                client.on_metrics = engine._aggregate
-                tg.start_soon(client.read)
+                engine._watch(client)
             tg.start_soon(engine._poll_replicas)
             engine._accepting = True
             log.info("Started data-parallel engine", replicas=len(clients), router=engine.router.policy)
@@ -131,24 +88,71 @@ class DataParallelEngine:
             finally:
                 with anyio.CancelScope(shield=True):
                     await engine.shutdown(shutdown_grace)
-                    for client in clients:
+                    for client in engine.clients:
                         client.closing = True
                         await client.frames.aclose()  # the replica cancels whatever still ran for us
                 tg.cancel_scope.cancel()
 
+    def _watch(self, client: ReplicaClient) -> None:
+        client.on_metrics = self._aggregate
+        client.on_failure = self._replica_failed
+        self._tasks.start_soon(client.read)
+
+    def _replica_failed(self, client: ReplicaClient) -> None:
+        """Route nothing more there; wait for it to come back where its handle restarts it."""
+        self.router.mark_dead(client.index)
+        if client.handle.restarts and not client.closing and not self.runtime.closed:
+            client.recovering = True
+            self._tasks.start_soon(self._recover, client)
+        else:
+            self._accepting = False
+
+    async def _recover(self, failed: ReplicaClient) -> None:
+        index, handle = failed.index, failed.handle
+        deadline = anyio.current_time() + RESTART_SECONDS
+        try:
+            if failed.unhealthy:  # it runs, but cannot serve: restart it
+                await anyio.to_thread.run_sync(handle.kill, abandon_on_cancel=True)
+            with anyio.move_on_after(DEATH_SECONDS):  # a dropped connection is its death: let the handle see it
+                while handle.is_alive():
+                    await anyio.sleep(0.1)
+            while True:  # the next incarnation's address, until one answers
+                left = max(1.0, deadline - anyio.current_time())
+                address = await anyio.to_thread.run_sync(handle.wait_ready, left, abandon_on_cancel=True)
+                try:
+                    client = await ReplicaClient.connect(index, handle, address)
+                    break
+                except OSError:
+                    if anyio.current_time() > deadline:
+                        raise
+                    await anyio.sleep(0.5)
+        except Exception as exc:
+            failed.recovering = False
+            failed.failure = f"{failed.failure}; it did not come back: {exc}"
+            log.error("Replica did not come back", replica=index, error=str(exc))
+            self._accepting = False
+            return
+        with anyio.move_on_after(1, shield=True):
+            await failed.frames.aclose()
+        self.clients[index] = client
+        self._watch(client)
+        self.router.revive(index)
+        self.restarted[index] += 1
+        log.info("Replica restarted and serving again", replica=index, port=address.port, restarts=self.restarted[index])
+
     async def _poll_replicas(self) -> None:
-        """Per-replica metrics and liveness, every METRICS_SECONDS: a dead replica fails the engine."""
+        """Per-replica metrics and liveness, every METRICS_SECONDS: a dead replica fails its client."""
         while True:
-            for index, client in enumerate(self.clients):
-                reason = client.failure or (self.runtime.failure() if not self.runtime.closed else None)
-                if reason is None and client.replica.exit_status() is None:
-                    try:
-                        await client.send(("metrics",))
-                    except Exception as exc:
-                        client.fail(f"lost data-parallel replica {index}: {exc!r}")
-                if client.failure is not None and self.router.stats[index].alive:
-                    self.router.mark_dead(index)
-                    self._accepting = False
+            for client in list(self.clients):
+                if client.failure is not None:
+                    continue
+                if not client.handle.is_alive():
+                    client.fail(client.handle.failure() or f"data-parallel replica {client.index} is not running")
+                    continue
+                try:
+                    await client.send(("metrics",))
+                except Exception as exc:
+                    client.fail(f"lost data-parallel replica {client.index}: {exc!r}")
             await anyio.sleep(METRICS_SECONDS)
 
     def _aggregate(self) -> None:
@@ -168,7 +172,7 @@ class DataParallelEngine:
     def replica_metrics(self) -> list[dict[str, Any]]:
         """Per replica: the router's counts and the replica's own engine metrics."""
         return [
-            {"replica": i, "alive": s.alive, "in_flight": s.in_flight, "routed": s.routed,
+            {"replica": i, "alive": s.alive, "in_flight": s.in_flight, "routed": s.routed, "restarts": self.restarted[i],
              "predicted_prefix_blocks": s.matched_blocks, "prompt_blocks": s.prompt_blocks, **c.snapshot}
             for i, (s, c) in enumerate(zip(self.router.stats, self.clients))
         ]  # fmt: skip
@@ -183,7 +187,8 @@ class DataParallelEngine:
             def collect(self):
                 rows = engine.replica_metrics()
                 for name, key in (("in_flight", "in_flight"), ("routed", "routed"), ("generation_tokens", "generation_tokens"),
-                                  ("prefix_cached_tokens", "prefix_cached_tokens"), ("prefix_hit_rate", "prefix_hit_rate")):  # fmt: skip
+                                  ("prefix_cached_tokens", "prefix_cached_tokens"), ("prefix_hit_rate", "prefix_hit_rate"),
+                                  ("restarts", "restarts")):  # fmt: skip
                     family = GaugeMetricFamily(f"cadenza_replica_{name}", f"Per data-parallel replica: {name}", labels=["replica"])
                     for row in rows:
                         family.add_metric([str(row["replica"])], float(row.get(key, 0) or 0))
@@ -199,7 +204,15 @@ class DataParallelEngine:
 
     @property
     def unhealthy_reason(self) -> str | None:
-        return next((c.failure for c in self.clients if c.failure), None)
+        """A replica that failed for good, or every replica down at once; one coming back while
+        another serves is not a failure of the engine."""
+        failures = [c for c in self.clients if c.failure]
+        for client in failures:
+            if not client.recovering:
+                return client.failure
+        if failures and len(failures) == len(self.clients):
+            return f"every data-parallel replica is restarting; {failures[0].failure}"
+        return None
 
     @property
     def num_active_requests(self) -> int:
@@ -229,7 +242,10 @@ class DataParallelEngine:
         self.metrics.requests_started += 1
         finished = False
         try:
-            await client.send(("generate", request_id, prompt, params, priority))
+            try:
+                await client.send(("generate", request_id, prompt, params, priority))
+            except Exception as exc:  # its connection broke: it ends like the replica's other requests
+                client.fail(f"lost data-parallel replica {index}: {exc!r}")
             async with receive:
                 async for output in receive:
                     finished = output.finished
@@ -238,7 +254,7 @@ class DataParallelEngine:
                         return
             # The stream was closed with its last output undelivered (its buffer was full).
             finished = True
-            yield error_output(request_id, "engine_failed", client.failure or "the replica's stream ended early")
+            yield error_output(request_id, REPLICA_FAILED, client.failure or "the replica's stream ended early")
         finally:
             client.streams.pop(request_id, None)
             if not finished and client.failure is None:
@@ -255,8 +271,10 @@ class DataParallelEngine:
     async def abort(self, request_id: str) -> None:
         index = self._open.get(request_id)
         if index is not None:
-            self.clients[index].end(request_id, "abort", "aborted", finish_reason="abort")
-            await self.clients[index].send(("abort", request_id))
+            client = self.clients[index]
+            client.end(request_id, "abort", "aborted", finish_reason="abort")
+            if client.failure is None:
+                await client.send(("abort", request_id))
 
     async def wait_for_requests(self, timeout: float) -> int:
         self._accepting = False

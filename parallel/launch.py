@@ -6,6 +6,10 @@ Two ways in, one rendezvous (`env://`):
   dies with its parent (PR_SET_PDEATHSIG on Linux), and in any case leaves when a collective fails.
 - `torchrun --nnodes ... --nproc-per-node K -m cadenza serve ...`: torchrun starts every rank and
   sets the rendezvous variables; rank 0 serves, the others run `worker.run_worker` from the CLI.
+
+A rank this process starts is a `LocalProcess` (`lifecycle.py`), as a local replica is; it reports
+ready at the group's barrier (`groups.loaded_barrier`), not on stdout. This module imports neither
+`worker.py` nor the runtime (which imports it).
 """
 
 from __future__ import annotations
@@ -19,15 +23,17 @@ from dataclasses import dataclass, field
 import structlog
 import torch
 
+from cadenza import environment
 from cadenza.config import CadenzaConfig
-from cadenza.parallel.errors import ParallelError
+from cadenza.parallel.errors import ParallelError, RankFailedError
 from cadenza.parallel.groups import ParallelContext, destroy_group, env_rank, free_port, init_group, launched_by_torchrun
+from cadenza.parallel.lifecycle import Address, LocalProcess
 from cadenza.parallel.tp_runner import TensorParallelModel
-from cadenza.parallel.worker import CONFIG_ENV
 
 log = structlog.get_logger(__name__)
 
 STOP_SECONDS = 10.0  # how long ranks get to leave after STOP before they are terminated
+TERM_SECONDS = 5.0  # then how long a terminated rank gets before it is killed
 
 
 @dataclass
@@ -36,9 +42,13 @@ class TensorParallelGroup:
     once the model is loaded, the driver that sends them every step."""
 
     ctx: ParallelContext
-    processes: dict[int, subprocess.Popen] = field(default_factory=dict)
+    ranks: dict[int, LocalProcess] = field(default_factory=dict)
     driver: TensorParallelModel | None = None
     closed: bool = False
+
+    @property
+    def processes(self) -> dict[int, subprocess.Popen]:
+        return {rank: handle.process for rank, handle in self.ranks.items()}
 
     def wrap(self, model: torch.nn.Module, timeout: float) -> TensorParallelModel:
         self.driver = TensorParallelModel(model, self.ctx, heartbeat_seconds=max(0.5, timeout / 4))
@@ -48,10 +58,9 @@ class TensorParallelGroup:
         """Why the group cannot serve any more, or None while it can."""
         if self.closed:
             return None
-        for rank, process in self.processes.items():
-            code = process.poll()
-            if code is not None:
-                return f"tensor-parallel rank {rank} exited with status {code}"
+        for handle in self.ranks.values():
+            if (reason := handle.failure()) is not None:
+                return reason
         return self.driver.failure if self.driver is not None else None
 
     def close(self) -> None:
@@ -61,17 +70,10 @@ class TensorParallelGroup:
         self.closed = True
         if self.driver is not None:
             self.driver.stop()
-        for rank, process in self.processes.items():
-            try:
-                process.wait(STOP_SECONDS)
-            except subprocess.TimeoutExpired:
-                log.warning("Terminating a tensor-parallel rank that did not stop", rank=rank, pid=process.pid)
-                process.terminate()
-                try:
-                    process.wait(5)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+        for rank, handle in self.ranks.items():
+            if handle.wait_exit(STOP_SECONDS) is None:
+                log.warning("Terminating a tensor-parallel rank that did not stop", rank=rank, pid=handle.pid)
+                handle.stop(TERM_SECONDS)
         destroy_group()
         log.info("Tensor-parallel group stopped", world_size=self.ctx.world_size)
 
@@ -86,35 +88,27 @@ def start_group(config: CadenzaConfig, device: torch.device) -> TensorParallelGr
         if rank != 0:
             raise ParallelError(f"rank {rank} runs the model only; only rank 0 builds an engine")
         return TensorParallelGroup(init_group(0, size, device, config.parallel.backend, timeout))
+    # Every group this process starts has its own port: replicas on one machine never share one.
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(free_port())
-    processes = {}
+    rendezvous = Address(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    ranks = {rank: rank_process(config, rank, size, rendezvous) for rank in range(1, size)}
     try:
-        for rank in range(1, size):
-            processes[rank] = _spawn_rank(config, rank, size)
-        log.info("Started tensor-parallel ranks", world_size=size, pids=[p.pid for p in processes.values()])
-        group = TensorParallelGroup(init_group(0, size, device, config.parallel.backend, timeout), processes)
+        for handle in ranks.values():
+            handle.start()
+        log.info("Started tensor-parallel ranks", world_size=size, pids=[h.pid for h in ranks.values()])
+        group = TensorParallelGroup(init_group(0, size, device, config.parallel.backend, timeout), ranks)
         atexit.register(group.close)  # whoever forgets `Runtime.close()`: no rank outlives us
         return group
     except BaseException:
-        for process in processes.values():
-            process.kill()
-            process.wait()
+        for handle in ranks.values():
+            handle.kill()
         raise
 
 
-def _spawn_rank(config: CadenzaConfig, rank: int, world_size: int) -> subprocess.Popen:
+def rank_process(config: CadenzaConfig, rank: int, world_size: int, rendezvous: Address) -> LocalProcess:
+    """Rank `rank` of a group this process leads, as a `LocalProcess` not yet started."""
     env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    env[CONFIG_ENV] = config.model_dump_json()
-    return subprocess.Popen(
-        [sys.executable, "-m", "cadenza.parallel.worker"], env=env, preexec_fn=_die_with_parent, stdin=subprocess.DEVNULL
-    )
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM it when the parent dies (Linux; elsewhere nothing)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    env[environment.PARALLEL_CONFIG.name] = config.model_dump_json()
+    return LocalProcess(f"tensor-parallel rank {rank}", [sys.executable, "-m", "cadenza.parallel.worker"], env,
+                        address=rendezvous, error=RankFailedError)  # fmt: skip

@@ -1,47 +1,294 @@
-"""`parallel.launcher: ray`: data-parallel replicas as Ray actors, across a Ray cluster's machines.
+"""`parallel.launcher: ray`: data-parallel replicas under Ray actors, on one machine or a cluster.
 
-Imported only for that launcher; Ray comes with the `cadenza[ray]` extra. Each actor starts one
-`replica_server` process on its node, listening on all interfaces, and reports its address; the
-server then connects to each over TCP exactly as to local replicas. Connect this process to the
-cluster with RAY_ADDRESS (default "auto": the cluster this machine belongs to).
+Imported only for that launcher; Ray comes with the `cadenza[ray]` extra. Where Ray runs:
+- `RAY_ADDRESS` set: that cluster (`auto`: the one this machine belongs to).
+- unset: a cluster this machine has joined (`ray start`), else a local instance that cadenza starts
+  (`ray.init(num_cpus=..., include_dashboard=False)`) and shuts down when it stops.
+
+Each replica reserves its CPUs (and a GPU a rank on CUDA) in a placement group of one bundle, so
+its tensor-parallel ranks share a node. Its actor, a `ReplicaSupervisor`, starts one
+`replica_server` process there and lives exactly as long as it: when the replica dies, the actor
+exits and Ray restarts it (`parallel.max_restarts`), which starts a new replica; when the actor
+dies, the replica sees its stdin close and leaves. The server connects to each replica over TCP as
+to a local one, and reconnects to a restarted one once it reports ready (`RayReplica.wait_ready`).
 """
 
 from __future__ import annotations
 
+import functools
 import os
-import subprocess
-import sys
+import threading
+import time
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import structlog
 
 from cadenza.config import CadenzaConfig
-from cadenza.parallel.errors import ParallelError
+from cadenza.config.errors import ConfigError
+from cadenza.parallel.errors import ParallelError, ReplicaFailedError
+from cadenza.parallel.lifecycle import Address, LocalProcess, ManagedProcess
+from cadenza.parallel.placement import ReplicaShape, plan_replicas
+
+log = structlog.get_logger(__name__)
+
+START_SECONDS = 300.0
+OBJECT_STORE_BYTES = 100 << 20  # a local instance's shared memory: frames go over TCP, not Ray
+POLL_SECONDS = 0.25
 
 
-def start_ray_replicas(config: CadenzaConfig, size: int) -> list:
+def _ray():
     try:
         import ray
     except ImportError as exc:
         raise ParallelError("parallel.launcher is ray, but Ray is not installed: pip install 'cadenza[ray]'") from exc
-    from cadenza.parallel.replica_server import CONFIG_ENV, HOST_ENV, INDEX_ENV
-    from cadenza.parallel.replicas import ReplicaProcess, _wait_ready
+    return ray
 
-    ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), ignore_reinit_error=True)
 
-    @ray.remote
-    class ReplicaActor:
-        """Owns one replica process on its node; killing the actor ends the process with it."""
+@dataclass
+class RaySession:
+    """This process's link to Ray. `started`: cadenza started a local instance (and stops it);
+    `connected`: cadenza connected to a cluster (and disconnects); neither: someone else did."""
 
-        def __init__(self, config_json: str, index: int) -> None:
-            env = dict(os.environ, **{CONFIG_ENV: config_json, INDEX_ENV: str(index), HOST_ENV: "0.0.0.0"})
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "cadenza.parallel.replica_server"], env=env, stdout=subprocess.PIPE, text=True
-            )
-            self.index = index
+    started: bool
+    connected: bool
+    single_node: bool  # every node is this machine: replicas listen on loopback only
 
-        def address(self) -> tuple[str, int, int]:
-            _, port, blocks = _wait_ready(self.process, self.index)
-            return ray.util.get_node_ip_address(), port, blocks
+    def close(self) -> None:
+        ray = _ray()
+        if (self.started or self.connected) and ray.is_initialized():
+            ray.shutdown()
+            log.info("Stopped the local Ray instance" if self.started else "Disconnected from the Ray cluster")
 
-    threads = config.model.num_threads or 1
-    actors = [ReplicaActor.options(num_cpus=threads).remote(config.model_dump_json(), i) for i in range(size)]
-    addresses = ray.get([actor.address.remote() for actor in actors])
-    return [ReplicaProcess(i, host, port, blocks, None, actor) for i, ((host, port, blocks), actor) in enumerate(zip(addresses, actors))]
+
+def connect_ray(num_cpus: int) -> RaySession:
+    """Join RAY_ADDRESS's cluster, or this machine's, or start a local instance of `num_cpus`."""
+    ray = _ray()
+    if ray.is_initialized():
+        return RaySession(False, False, _single_node())
+    address = os.environ.get("RAY_ADDRESS")
+    try:
+        ray.init(address=address or "auto")
+        log.info("Connected to a Ray cluster", address=address or "auto", nodes=len(ray.nodes()))
+        return RaySession(False, True, _single_node())
+    except ConnectionError:
+        if address:
+            raise
+    started = time.perf_counter()
+    ray.init(num_cpus=num_cpus, include_dashboard=False, object_store_memory=OBJECT_STORE_BYTES)
+    log.info("Started a local Ray instance", num_cpus=num_cpus, seconds=round(time.perf_counter() - started, 2))
+    return RaySession(True, False, True)
+
+
+def _single_node() -> bool:
+    ray = _ray()
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    return len(nodes) == 1 and nodes[0]["NodeManagerAddress"] == ray.util.get_node_ip_address()
+
+
+class ReplicaSupervisor:
+    """The body of a replica's Ray actor: runs one replica process on its node, and exits when
+    that dies after it served (so that Ray restarts both). One that never got ready is not
+    restarted: it would fail again. Methods answer plain tuples, never raise across Ray."""
+
+    def __init__(self, config_json: str, index: int, host: str) -> None:
+        from cadenza.parallel.replica_server import READY, replica_command
+
+        argv, env = replica_command(config_json, index, host=host, lifeline=True)
+        self.host = host
+        self.replica = LocalProcess(f"data-parallel replica {index}", argv, env, ready=READY, error=ReplicaFailedError,
+                                    lifeline=True)  # fmt: skip
+        self.replica.start()
+        self._address: Address | None = None
+        self._ready, self._exited = threading.Event(), threading.Event()
+        self._stopping = False
+        threading.Thread(target=self._wait_ready, daemon=True).start()
+        threading.Thread(target=self._exit_with_replica, daemon=True).start()
+
+    def _wait_ready(self) -> None:
+        try:
+            self._address = self.replica.wait_ready(START_SECONDS)
+        except ReplicaFailedError:
+            pass
+        self._ready.set()
+
+    def _exit_with_replica(self) -> None:
+        self.replica.process.wait()
+        self._exited.set()
+        if self._address is not None and not self._stopping:
+            os._exit(1)  # Ray restarts this actor, and with it the replica
+
+    def address(self, wait: float) -> tuple[str, Address | int | None]:
+        """("ready", address); ("starting", None) after `wait` seconds; ("failed", status): it never
+        got ready; ("exited", status): it served, then died (this actor is about to exit)."""
+        if not self._ready.wait(wait):
+            return ("starting", None)
+        if self._address is None:
+            return ("failed", self.replica.exit_status())
+        if self._exited.is_set():
+            return ("exited", self.replica.exit_status())
+        if self.host == "0.0.0.0":
+            import ray
+
+            return ("ready", replace(self._address, host=ray.util.get_node_ip_address()))
+        return ("ready", self._address)
+
+    def watch(self) -> int | None:
+        """Returns once the replica exited (its status); fails when the actor dies first."""
+        self._exited.wait()
+        return self.replica.exit_status()
+
+    def stop(self, grace: float) -> int | None:
+        self._stopping = True
+        self.replica.stop(grace)
+        return self.replica.exit_status()
+
+
+class RayReplica(ManagedProcess):
+    """The server's handle on one replica under a Ray actor (see `ReplicaSupervisor`)."""
+
+    def __init__(self, index: int, config_json: str, bundle: dict[str, float], max_restarts: int, host: str) -> None:
+        self.name = f"data-parallel replica {index}"
+        self.index = index
+        self.config_json, self.bundle, self.max_restarts, self.host = config_json, bundle, max_restarts, host
+        self.restarts = max_restarts > 0
+        self.actor = None
+        self.group = None
+        self.address: Address | None = None
+        self._watch = None  # resolves when the current incarnation's replica exits
+        self._placed = self._stopped = False
+
+    def start(self) -> None:
+        _ray()  # a clear error without Ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.group = placement_group([self.bundle], strategy="STRICT_PACK")
+        options = dict(
+            num_cpus=self.bundle["CPU"], num_gpus=self.bundle.get("GPU", 0), max_restarts=self.max_restarts,
+            max_task_retries=0, max_concurrency=4,  # address, watch and stop at once
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=0),
+        )  # fmt: skip
+        self.actor = _supervisor_class().options(**options).remote(self.config_json, self.index, self.host)
+
+    def wait_ready(self, timeout: float) -> Address:
+        ray = _ray()
+        from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError
+
+        if self.actor is None:
+            raise ReplicaFailedError(f"{self.name} was never started")
+        if self.is_alive():
+            return self.address
+        deadline = time.monotonic() + timeout
+        if not self._placed:
+            try:
+                ray.get(self.group.ready(), timeout=timeout)
+            except GetTimeoutError:
+                raise ReplicaFailedError(f"Ray could not place {self.name} within {timeout:.0f} s: it needs {self.bundle} on one node") from None
+            self._placed = True
+        while not self._stopped:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            try:
+                state, value = ray.get(self.actor.address.remote(min(left, 5.0)), timeout=left + 10)
+            except ActorUnavailableError:  # restarting
+                time.sleep(POLL_SECONDS)
+                continue
+            except ActorDiedError as exc:
+                raise ReplicaFailedError(f"{self.name} died and Ray does not restart it (max_restarts {self.max_restarts}): {exc}") from None
+            except GetTimeoutError:
+                break
+            if state == "ready":
+                self.address = value
+                self._watch = self.actor.watch.remote()
+                return value
+            if state == "exited" and self.restarts:
+                time.sleep(POLL_SECONDS)  # its actor is about to exit, and Ray to restart it
+                continue
+            if state != "starting":
+                raise ReplicaFailedError(f"{self.name} did not start (status {value})" if state == "failed"
+                                         else f"{self.name} exited with status {value}")  # fmt: skip
+        raise ReplicaFailedError(f"{self.name} was stopped" if self._stopped else f"{self.name} did not start within {timeout:.0f} s")
+
+    def is_alive(self) -> bool:
+        if self._watch is None or self._stopped:
+            return False
+        ready, _ = _ray().wait([self._watch], timeout=0)
+        return not ready
+
+    def kill(self) -> None:
+        """SIGKILL the actor (and so its replica); Ray restarts it while restarts are left."""
+        ray = _ray()
+        watch = self._watch
+        if self.actor is not None:
+            ray.kill(self.actor, no_restart=not self.restarts)
+        if watch is not None:
+            ray.wait([watch], timeout=10)  # gone before anyone asks it for its address again
+
+    def stop(self, grace: float) -> None:
+        if self._stopped or self.actor is None:
+            self._stopped = True
+            return
+        self._stopped = True
+        ray = _ray()
+        from ray.util.placement_group import remove_placement_group
+
+        try:
+            ray.get(self.actor.stop.remote(grace), timeout=grace + 5)
+        except Exception as exc:  # a dead or restarting actor: killing it is all that is left
+            log.info("Replica actor did not stop itself", replica=self.index, error=type(exc).__name__)
+        try:
+            ray.kill(self.actor, no_restart=True)
+            remove_placement_group(self.group)
+        except Exception as exc:  # Ray itself is gone (shut down, or the cluster lost): so is the actor
+            log.warning("Could not remove a replica's actor", replica=self.index, error=repr(exc))
+
+
+@functools.cache
+def _supervisor_class():
+    return _ray().remote(ReplicaSupervisor)
+
+
+def start_ray_replicas(
+    config: CadenzaConfig, one_replica: Callable[[ReplicaShape], CadenzaConfig]
+) -> tuple[list[RayReplica], Callable[[], None]]:
+    """Start `data_parallel_size` replicas on Ray and wait for each; returns them and what closes
+    the Ray session. `one_replica(shape)`: the config each replica runs."""
+    parallel = config.parallel
+    world = parallel.data_parallel_size * parallel.tensor_parallel_size
+    session = connect_ray(max(os.cpu_count() or 1, world * (config.model.num_threads or 1)))
+    replicas: list[RayReplica] = []
+    try:
+        ray = _ray()
+        resources = ray.cluster_resources()
+        cores, gpus = int(resources.get("CPU", 0)), int(resources.get("GPU", 0))
+        if session.started:  # its CPUs are logical (enough for the bundles); the cores are this machine's
+            cores = os.cpu_count() or 1
+        use_gpus = config.model.device == "cuda" or (config.model.device == "auto" and gpus > 0)
+        where = "this machine" if session.started else "the Ray cluster"
+        shape = plan_replicas(parallel.data_parallel_size, parallel.tensor_parallel_size, config.model.num_threads,
+                              cores=cores, gpus=gpus, use_gpus=use_gpus, where=where)  # fmt: skip
+        _check_a_node_fits(shape.resources())
+        host = "127.0.0.1" if session.single_node else "0.0.0.0"
+        config_json = one_replica(shape).model_dump_json()
+        replicas = [RayReplica(i, config_json, shape.resources(), parallel.max_restarts, host) for i in range(shape.replicas)]
+        for replica in replicas:
+            replica.start()
+        for replica in replicas:
+            replica.wait_ready(START_SECONDS)
+        log.info("Started replicas on Ray", replicas=len(replicas), bundle=shape.resources(), max_restarts=parallel.max_restarts)
+    except BaseException:
+        for replica in replicas:
+            replica.stop(0)
+        session.close()
+        raise
+    return replicas, session.close
+
+
+def _check_a_node_fits(bundle: dict[str, float]) -> None:
+    """A replica's ranks share one node: some node must hold its whole bundle."""
+    nodes = [n["Resources"] for n in _ray().nodes() if n.get("Alive")]
+    if not any(all(node.get(k, 0) >= v for k, v in bundle.items()) for node in nodes):
+        raise ConfigError(f"parallel: each replica needs {bundle} on one node (its tensor-parallel ranks share "
+                          "a machine), and no node of the Ray cluster has that much")  # fmt: skip

@@ -4,7 +4,8 @@
 runtime, starts an `AsyncEngine`, listens on a TCP port and prints `cadenza replica ready on
 HOST:PORT blocks N`. It serves one router connection at a time (a reconnecting server finds its
 cache warm) until it is terminated; started locally, it also ends when its parent dies
-(PR_SET_PDEATHSIG), so a replica never outlives its server. Messages in: ("generate", id, prompt, params,
+(PR_SET_PDEATHSIG; under Ray, `--exit-with-stdin`: when its actor's end of stdin closes), so a
+replica never outlives its server. Messages in: ("generate", id, prompt, params,
 priority), ("abort", id), ("metrics",). Out: ("out", [(id, GenerationOutput), ...]),
 ("metrics", snapshot).
 """
@@ -12,6 +13,7 @@ priority), ("abort", id), ("metrics",). Out: ("out", [(id, GenerationOutput), ..
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import anyio
@@ -30,6 +32,22 @@ CONFIG_ENV = environment.REPLICA_CONFIG.name
 INDEX_ENV = environment.REPLICA_INDEX.name
 HOST_ENV = environment.REPLICA_HOST.name  # where to listen: loopback unless a remote server connects
 OUTBOX_CAPACITY = 1024
+READY = re.compile(r"cadenza replica ready on (?P<host>\S+):(?P<port>\d+) blocks (?P<blocks>\d+)")
+LIFELINE_FLAG = "--exit-with-stdin"
+# A replica starts its own tensor-parallel group: none of a launcher's rendezvous variables leak in.
+_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+def replica_command(
+    config_json: str, index: int, *, host: str | None = None, lifeline: bool = False, extra_env: dict[str, str] | None = None
+) -> tuple[list[str], dict[str, str]]:
+    """The argv and environment that start replica `index` (listening on `host`, loopback by default)."""
+    env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
+    env.update({CONFIG_ENV: config_json, INDEX_ENV: str(index), **(extra_env or {})})
+    if host is not None:
+        env[HOST_ENV] = host
+    argv = [sys.executable, "-m", "cadenza.parallel.replica_server", *([LIFELINE_FLAG] if lifeline else [])]
+    return argv, env
 
 
 def error_output(request_id: str, code: str, message: str) -> GenerationOutput:
@@ -105,6 +123,10 @@ async def _main(config: CadenzaConfig, index: int) -> None:
 def main() -> int:
     from cadenza.logging_setup import configure_logging
 
+    if LIFELINE_FLAG in sys.argv[1:]:
+        from cadenza.parallel.lifecycle import exit_with_stdin
+
+        exit_with_stdin()
     config = CadenzaConfig.model_validate_json(os.environ[CONFIG_ENV])
     configure_logging(config.logging.level, config.logging.format)
     structlog.contextvars.bind_contextvars(replica=int(os.environ.get(INDEX_ENV, 0)))

@@ -1,63 +1,37 @@
 """Data parallelism: N engine replicas (processes) behind one server port, started and stopped.
 
-The server process loads no model: `start_replicas` starts the replicas (`replica_server.py`) and
-returns a `FrontendRuntime` (tokenizer, limits, plugins: what the API layer reads). The app then
-serves a `DataParallelEngine` (`dp_engine.py`), which has `AsyncEngine`'s interface.
-`FrontendRuntime.close` terminates the replicas, and a local one also dies with its parent, so
-none outlives its server.
+The server process loads no model: `start_replicas` checks the deployment's shape
+(`placement.py`), starts the replicas (`replica_server.py`), each a `ManagedProcess`
+(`lifecycle.py`), and returns a `FrontendRuntime` (tokenizer, limits, plugins: what the API layer
+reads). The app then serves a `DataParallelEngine` (`dp_engine.py`), which has `AsyncEngine`'s
+interface. `FrontendRuntime.close` stops the replicas (and a Ray instance cadenza started), and a
+local one also dies with its parent, so none outlives its server.
 
-Replicas on other machines: `launcher: ray` (the `cadenza[ray]` extra) starts each replica as a
-Ray actor and connects to it over TCP; see docs/scale-out.md.
+A replica with `tensor_parallel_size` > 1 starts its own tensor-parallel group (its ranks, its
+MASTER_PORT); locally on CUDA it sees only its own GPUs. `launcher: ray` (the `cadenza[ray]` extra)
+starts each replica under a Ray actor instead (`ray_replicas.py`); see docs/scale-out.md.
 """
 
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-import sys
-import threading
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Callable
 
 import structlog
 
 from cadenza.config import CadenzaConfig
-from cadenza.parallel.errors import ParallelError, ReplicaFailedError
-from cadenza.parallel.replica_server import CONFIG_ENV, INDEX_ENV
+from cadenza.parallel.dp_engine import DataParallelEngine
+from cadenza.parallel.errors import ReplicaFailedError
+from cadenza.parallel.lifecycle import LocalProcess, ManagedProcess
+from cadenza.parallel.placement import ReplicaShape, plan_replicas, visible_devices
+from cadenza.parallel.replica_server import READY, replica_command
 
 log = structlog.get_logger(__name__)
 
-_READY = re.compile(r"cadenza replica ready on (\S+):(\d+) blocks (\d+)")
-START_SECONDS = 300.0
-
-
-@dataclass
-class ReplicaProcess:
-    index: int
-    host: str
-    port: int
-    num_blocks: int
-    process: subprocess.Popen | None = None  # None for a replica another launcher started (Ray)
-    handle: Any = None  # the Ray actor that runs it, for `launcher: ray`
-
-    def exit_status(self) -> int | None:
-        return None if self.process is None else self.process.poll()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        if self.handle is not None:
-            import ray
-
-            ray.kill(self.handle)
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.terminate()  # nothing to save: its requests have ended with the server's
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+START_SECONDS = 300.0  # loading a model in a fresh process on a busy machine
+STOP_SECONDS = 10.0
 
 
 @dataclass
@@ -67,9 +41,10 @@ class FrontendRuntime:
     config: CadenzaConfig
     registries: Any
     loaded: Any  # .arch, .tokenizer, .max_model_len
-    replicas: list[ReplicaProcess]
+    replicas: list[ManagedProcess]  # each has its `address` once ready
     extra_params: Any = None
     num_blocks: int = 0
+    on_close: Callable[[], None] | None = None  # what else the launcher tears down (a Ray instance)
     closed: bool = field(default=False)
 
     @property
@@ -85,53 +60,62 @@ class FrontendRuntime:
         return self.config.cache.block_size
 
     def serve_engine(self, runtime, **kwargs):
-        from cadenza.parallel.dp_engine import DataParallelEngine
-
         return DataParallelEngine.serve(self, **kwargs)
 
     def failure(self) -> str | None:
-        for replica in self.replicas:
-            code = replica.exit_status()
-            if code is not None and not self.closed:
-                return f"data-parallel replica {replica.index} exited with status {code}"
-        return None
+        """Why a replica that will not come back by itself stopped, or None."""
+        if self.closed:
+            return None
+        return next((r.failure() for r in self.replicas if not r.restarts and r.failure()), None)
 
     def close(self) -> None:
+        """Stop every replica, then whatever the launcher started; idempotent."""
+        if self.closed:
+            return
         self.closed = True
         for replica in self.replicas:
-            replica.stop()
+            try:
+                replica.stop(STOP_SECONDS)
+            except Exception as exc:  # one that cannot be stopped must not keep the others running
+                log.warning("Could not stop a replica", replica=replica.name, error=repr(exc))
+        if self.on_close is not None:
+            self.on_close()
+        log.info("Data-parallel replicas stopped", replicas=len(self.replicas))
 
 
 def start_replicas(config: CadenzaConfig) -> FrontendRuntime:
-    """Start `parallel.data_parallel_size` replicas and wait until each listens."""
+    """Start `parallel.data_parallel_size` replicas, each of `tensor_parallel_size` ranks, and wait
+    until each listens. The shape is checked first (`ConfigError` when it does not fit)."""
     from cadenza.models.loading import load_tokenizer
     from cadenza.runtime import build_sampling_pipeline, resolve_plugins
 
-    size = config.parallel.data_parallel_size
-    if config.parallel.tensor_parallel_size > 1:
-        raise ParallelError("data_parallel_size > 1 with tensor_parallel_size > 1 is not supported yet")
     plugins = resolve_plugins(config)
-    one = config.model_copy(update={"parallel": config.parallel.model_copy(update={"data_parallel_size": 1})})
-    if config.model.num_threads is None:  # the replicas share this machine's cores
-        threads = max(1, (os.cpu_count() or 1) // size)
-        one = one.model_copy(update={"model": one.model.model_copy(update={"num_threads": threads})})
     if config.parallel.launcher == "ray":
         from cadenza.parallel.ray_replicas import start_ray_replicas
 
-        replicas = start_ray_replicas(one, size)
+        replicas, on_close = start_ray_replicas(config, lambda shape: _one_replica(config, shape))
     else:
-        replicas = _start_local(one, size)
+        replicas, on_close = _start_local(config), None
     try:
         arch, tokenizer, max_model_len = load_tokenizer(config.model.path, config.model.max_model_len)
         pipeline = build_sampling_pipeline(plugins, arch.vocab_size, tokenizer, _cpu())
     except BaseException:
         for replica in replicas:
-            if replica.process is not None:
-                replica.process.kill()
+            replica.kill()
+        if on_close is not None:
+            on_close()
         raise
     loaded = SimpleNamespace(arch=arch, tokenizer=tokenizer, max_model_len=max_model_len)
-    log.info("Data-parallel replicas ready", replicas=size, ports=[r.port for r in replicas])
-    return FrontendRuntime(config, plugins.registries, loaded, replicas, pipeline.extra_params, min(r.num_blocks for r in replicas))
+    log.info("Data-parallel replicas ready", replicas=len(replicas), ports=[r.address.port for r in replicas])
+    num_blocks = min(r.address.num_blocks for r in replicas)
+    return FrontendRuntime(config, plugins.registries, loaded, replicas, pipeline.extra_params, num_blocks, on_close)
+
+
+def _one_replica(config: CadenzaConfig, shape: ReplicaShape) -> CadenzaConfig:
+    """The config each replica runs: one engine of `shape.ranks` ranks, `shape.threads` threads a rank."""
+    parallel = config.parallel.model_copy(update={"data_parallel_size": 1})
+    model = config.model.model_copy(update={"num_threads": shape.threads})
+    return config.model_copy(update={"parallel": parallel, "model": model})
 
 
 def _cpu():
@@ -140,43 +124,34 @@ def _cpu():
     return torch.device("cpu")
 
 
-def _start_local(config: CadenzaConfig, size: int) -> list[ReplicaProcess]:
-    from cadenza.parallel.launch import _die_with_parent
+def _local_devices(config: CadenzaConfig) -> list[str]:
+    """The GPUs local replicas share out (CUDA_VISIBLE_DEVICES' order), or [] on the CPU."""
+    import torch
 
-    processes = []
-    for index in range(size):
-        env = dict(os.environ, **{CONFIG_ENV: config.model_dump_json(), INDEX_ENV: str(index)})
-        processes.append(subprocess.Popen(
-            [sys.executable, "-m", "cadenza.parallel.replica_server"], env=env, stdout=subprocess.PIPE, text=True,
-            stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
-        ))  # fmt: skip
+    if config.model.device == "cpu" or not torch.cuda.is_available():
+        return []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+
+
+def _start_local(config: CadenzaConfig) -> list[LocalProcess]:
+    parallel = config.parallel
+    devices = _local_devices(config)
+    shape = plan_replicas(parallel.data_parallel_size, parallel.tensor_parallel_size, config.model.num_threads,
+                          cores=os.cpu_count() or 1, gpus=len(devices), use_gpus=bool(devices), where="this machine")  # fmt: skip
+    config_json = _one_replica(config, shape).model_dump_json()
     replicas = []
+    for index in range(shape.replicas):
+        extra = {"CUDA_VISIBLE_DEVICES": visible_devices(index, shape.ranks, devices)} if devices else None
+        argv, env = replica_command(config_json, index, extra_env=extra)
+        replicas.append(LocalProcess(f"data-parallel replica {index}", argv, env, ready=READY, error=ReplicaFailedError))
     try:
-        for index, process in enumerate(processes):
-            host, port, blocks = _wait_ready(process, index)
-            replicas.append(ReplicaProcess(index, host, port, blocks, process))
+        for replica in replicas:
+            replica.start()
+        for replica in replicas:
+            replica.wait_ready(START_SECONDS)
     except BaseException:
-        for process in processes:
-            process.kill()
-            process.wait()
+        for replica in replicas:
+            replica.kill()
         raise
     return replicas
-
-
-def _wait_ready(process: subprocess.Popen, index: int) -> tuple[str, int, int]:
-    found: list[tuple[str, int, int]] = []
-
-    def read() -> None:
-        for line in process.stdout:
-            match = _READY.search(line)
-            if match:
-                found.append((match.group(1), int(match.group(2)), int(match.group(3))))
-                break
-        process.stdout.close()
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    reader.join(START_SECONDS)
-    if not found:
-        raise ReplicaFailedError(f"data-parallel replica {index} did not start (status {process.poll()})")
-    return found[0]

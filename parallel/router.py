@@ -90,6 +90,10 @@ class Router:
         self.stats[replica].alive = False
         self._index[replica].clear()
 
+    def revive(self, replica: int) -> None:
+        """Route to `replica` again (restarted: its cache starts empty, as its index does)."""
+        self.stats[replica].alive = True
+
     def _match(self, replica: int, hashes: list[bytes]) -> int:
         index = self._index[replica]
         count = 0

@@ -185,3 +185,174 @@ def test_serve_with_dp2_answers_and_reports_per_replica_metrics(tiny_model_dir):
         assert 'cadenza_replica_routed{replica="0"}' in metrics
         assert server.stop() == 0
     assert not any(child.is_running() for child in children)
+
+
+# --- data parallelism x tensor parallelism ------------------------------------------------------------
+
+
+def test_the_shape_is_checked_against_the_cores_or_gpus_and_names_the_problem():
+    from cadenza.config import ConfigError
+    from cadenza.parallel.placement import plan_replicas, visible_devices
+
+    with pytest.raises(ConfigError, match=r"parallel: data_parallel_size 2 x tensor_parallel_size 2 = 4 ranks, "
+                                          r"one process each, but this machine has 2 CPU cores"):  # fmt: skip
+        plan_replicas(2, 2, None, cores=2, gpus=0, use_gpus=False, where="this machine")
+    with pytest.raises(ConfigError, match="= 4 ranks, one GPU each, but the Ray cluster has 3 GPUs"):
+        plan_replicas(2, 2, None, cores=64, gpus=3, use_gpus=True, where="the Ray cluster")
+    cpu = plan_replicas(2, 2, None, cores=4, gpus=0, use_gpus=False, where="this machine")
+    assert (cpu.world_size, cpu.threads, cpu.resources()) == (4, 1, {"CPU": 2.0})
+    gpu = plan_replicas(2, 2, 3, cores=16, gpus=4, use_gpus=True, where="this machine")
+    assert gpu.resources() == {"CPU": 6.0, "GPU": 2.0}  # a Ray bundle: num_gpus = the replica's TP size
+    assert [visible_devices(i, 2, ["0", "1", "2", "3"]) for i in range(2)] == ["0,1", "2,3"]
+
+
+def test_dp_x_tp_beyond_this_machine_s_cores_is_refused_before_anything_starts(model_path):
+    import psutil
+
+    from cadenza.config import ConfigError
+
+    cores = os.cpu_count() or 1
+    config = load_config(None, overrides={"model.path": str(model_path), "model.device": "cpu", "parallel.data_parallel_size": 2,
+                                          "parallel.tensor_parallel_size": cores}, env={})  # fmt: skip
+    before = psutil.Process().children()
+    with pytest.raises(ConfigError, match=f"= {2 * cores} ranks, one process each, but this machine has {cores} CPU"):
+        start_replicas(config)
+    assert psutil.Process().children() == before
+
+
+def test_a_replica_of_tp2_starts_its_own_group_and_generates_what_one_engine_does(model_path):
+    """1 x 2: one replica process that is rank 0 of its own tensor-parallel group (gloo)."""
+    import psutil
+
+    from cadenza.engine import AsyncEngine
+    from cadenza.runtime import build_runtime
+
+    overrides = {"model.path": str(model_path), "model.dtype": "float32", "model.cpu_kernels": "off", "cache.num_blocks": 64}
+    prompts = [[3 + i, 4, 5] * (1 + i) for i in range(3)]
+
+    async def run(serve, runtime) -> list[list[int]]:
+        async with serve(runtime) as engine:
+            return [(await generate(engine, p, 6))[0] for p in prompts]
+
+    single = build_runtime(load_config(None, overrides=overrides, env={}))
+    try:
+        want = anyio.run(run, AsyncEngine.serve, single)
+    finally:
+        single.close()
+    runtime = start_replicas(load_config(None, overrides={**overrides, "parallel.tensor_parallel_size": 2,
+                                                          "parallel.timeout_seconds": 30}, env={}))  # fmt: skip
+    replica = psutil.Process(runtime.replicas[0].pid)
+    try:
+        (rank1,) = replica.children()
+        assert "cadenza.parallel.worker" in " ".join(rank1.cmdline())
+        assert anyio.run(run, DataParallelEngine.serve, runtime) == want
+    finally:
+        runtime.close()
+    psutil.wait_procs([rank1], timeout=10)
+    assert not replica.is_running() and not rank1.is_running()
+
+
+# --- replicas that restart, and one that does not come back (fake replicas in this event loop) -------
+
+
+class FakeReplica:
+    """A `ManagedProcess` whose "process" is a TCP server in the test's event loop: it answers
+    every request at once with one token, except prompts starting with 0, which it holds.
+    `die()` drops its connection; it comes back (`wait_ready`) `comebacks` times."""
+
+    restarts = True
+
+    def __init__(self, index: int, comebacks: int) -> None:
+        self.name, self.comebacks = f"data-parallel replica {index}", comebacks
+        self.address, self.alive, self.connection = None, True, None
+
+    async def listen(self, tg) -> None:
+        from anyio.abc import SocketAttribute
+
+        from cadenza.parallel.lifecycle import Address
+
+        listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+        self.address = Address("127.0.0.1", listener.extra(SocketAttribute.local_port), 64)
+        tg.start_soon(listener.serve, self.serve)
+
+    async def serve(self, stream) -> None:
+        from cadenza.parallel.wire import FrameStream
+        from cadenza.streams import GenerationOutput
+
+        self.connection = frames = FrameStream(stream)
+        try:
+            while True:
+                match await frames.receive():
+                    case ("generate", request_id, prompt, _, _) if prompt[0] != 0:
+                        await frames.send(("out", [(request_id, GenerationOutput(request_id, "", (1,), None, "length", len(prompt), 1, 0))]))
+                    case ("metrics",):
+                        await frames.send(("metrics", {}, True))
+        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.ClosedResourceError, anyio.BrokenResourceError):
+            pass
+
+    async def die(self) -> None:
+        self.alive = False
+        await self.connection.aclose()
+
+    def wait_ready(self, timeout: float):
+        from cadenza.parallel.errors import ReplicaFailedError
+
+        if self.comebacks == 0:
+            raise ReplicaFailedError(f"{self.name} is past its restarts")
+        self.comebacks -= 1
+        self.alive = True
+        return self.address
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def failure(self) -> str | None:
+        return None if self.alive else f"{self.name} is not running"
+
+    def start(self) -> None: ...
+    def kill(self) -> None: ...
+    def stop(self, grace: float) -> None: ...
+
+
+def test_a_restarting_replica_is_routed_around_then_back_and_one_past_its_restarts_fails_the_engine():
+    from types import SimpleNamespace
+
+    from cadenza.engine import EngineClosedError
+
+    replicas = [FakeReplica(0, 0), FakeReplica(1, 1)]
+    runtime = SimpleNamespace(config=load_config(None, env={}), loaded=SimpleNamespace(arch=SimpleNamespace(vocab_size=100)),
+                              tokenizer=None, replicas=replicas, num_blocks=64, block_size=4, closed=False)  # fmt: skip
+
+    async def scenario():
+        async with anyio.create_task_group() as servers:
+            for replica in replicas:
+                await replica.listen(servers)
+            async with DataParallelEngine.serve(runtime) as engine:
+                engine.router = Router(2, 4, "round_robin")
+                assert (await generate(engine, [5, 6], 1))[1][-1].finish_reason == "length"  # replica 0
+                held = []
+
+                async def hold():  # replica 1 holds it
+                    held.extend((await generate(engine, [0, 6], 1))[1])
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(hold)
+                    await anyio.wait_all_tasks_blocked()
+                    await replicas[1].die()
+                assert (held[-1].finish_reason, held[-1].error_code) == ("error", "engine_failed")
+                with anyio.fail_after(10):
+                    while not engine.router.stats[1].alive:
+                        assert engine.healthy  # replica 0 serves meanwhile
+                        await anyio.sleep(0.01)
+                assert engine.restarted == [0, 1]
+                assert [(await generate(engine, [5, 6], 1))[1][-1].finish_reason for _ in range(2)] == ["length"] * 2
+                await replicas[1].die()  # again: past its restarts
+                with anyio.fail_after(10):
+                    while engine.healthy:
+                        await anyio.sleep(0.01)
+                assert "replica 1" in engine.unhealthy_reason and "did not come back" in engine.unhealthy_reason
+                with pytest.raises(EngineClosedError):
+                    await generate(engine, [5, 6], 1)
+            servers.cancel_scope.cancel()
+
+    anyio.run(scenario)
