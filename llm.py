@@ -172,6 +172,7 @@ class LLM:
         pieces: list[str] = []
         tokens: list[int] = []
         logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
+        prompt_logprobs: list[TokenLogprob | None] | None = None
         last = None
         async for out in self.engine.generate(ids, params):
             last = out
@@ -179,6 +180,8 @@ class LLM:
             tokens.extend(out.token_ids)
             if logprobs is not None and out.logprobs:
                 logprobs.extend(out.logprobs)
+            if out.prompt_logprobs is not None:
+                prompt_logprobs = list(out.prompt_logprobs)
         assert last is not None and last.finished
         return RequestOutput(
             request_id=last.request_id,
@@ -193,6 +196,7 @@ class LLM:
             error=last.error,
             error_code=last.error_code,
             index=index,
+            prompt_logprobs=prompt_logprobs,
         )
 
 

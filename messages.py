@@ -13,7 +13,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from cadenza.outputs import TokenLogprob
 from cadenza.sampling_params import SamplingParams
-from cadenza.step import ScheduledChunk, Speculation
+from cadenza.step import PromptLogprobs, ScheduledChunk, Speculation
 
 # --- to the ingress -------------------------------------------------------------------------------
 
@@ -64,13 +64,15 @@ class SampledToken:
 @dataclass(frozen=True, slots=True)
 class StepOutput:
     """What one step produced: a token per sampling request (a speculating request's accepted
-    guesses first, then its token, in order); requests that failed alone; what speculation did."""
+    guesses first, then its token, in order); requests that failed alone; what speculation did;
+    the prompt logprobs its prompt chunks computed."""
 
     step_id: int
     sampled: tuple[SampledToken, ...]
     failed: tuple[tuple[str, str], ...] = ()  # (request_id, error message)
     seconds: float = 0.0
     speculated: tuple[Speculation, ...] = ()
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,11 +100,13 @@ class BlockNeed:
 @dataclass(frozen=True, slots=True)
 class Candidate:
     """A queued request the step may admit: the cache manager first reuses cached blocks for the
-    longest cached prefix of `token_ids` (all its tokens), then covers `num_new_tokens` more."""
+    longest cached prefix of `token_ids` (all its tokens), at most `max_cached_tokens` of them
+    (None: no limit; 0: no lookup), then covers `num_new_tokens` more."""
 
     request_id: str
     token_ids: tuple[int, ...]
     num_new_tokens: int
+    max_cached_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,7 +213,8 @@ class TrackRequest:
 
 @dataclass(frozen=True, slots=True)
 class NewTokens:
-    """Tokens a request generated; `finish_reason` is set on its last message from the scheduler."""
+    """Tokens a request generated; `finish_reason` is set on its last message from the scheduler.
+    Its first tokens carry its `prompt_logprobs` when it asked (one per prompt token, None first)."""
 
     request_id: str
     token_ids: tuple[int, ...]
@@ -220,6 +225,7 @@ class NewTokens:
     queue_seconds: float | None = None  # on a request's first tokens
     error: str | None = None
     error_code: str | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,13 +14,19 @@ import torch
 
 from cadenza.attention_backends.base import AttentionBackend
 from cadenza.models.llama import LlamaForCausalLM
+from cadenza.outputs import TokenLogprob
 from cadenza.samplers.base import SamplerOutput, SamplingBatch, SamplingError
 from cadenza.sampling_params import SamplingParams
 from cadenza.speculative.speculator import Speculator
-from cadenza.step import PENDING_TOKEN, ScheduledChunk, Speculation
+from cadenza.step import PENDING_TOKEN, PromptLogprobs, ScheduledChunk, Speculation
 from cadenza.step_inputs import StepInputs, StepPacker
 
 __all__ = ["PENDING_TOKEN", "ModelRunner", "ScheduledChunk", "StepResult"]
+
+# Prompt logprobs take the logits of this many rows at a time (a 49,152-token vocabulary: 100 MB
+# in float32, and as much again for their log-softmax), so a step's memory stays bounded however
+# many prompt rows it has.
+PROMPT_LOGPROB_ROWS = 512
 
 
 @dataclass(slots=True)
@@ -39,7 +45,8 @@ class StepResult:
 
     `failed` lists (request_id, message) for requests a failing sampler plugin took down; they
     are not in `request_ids`. `accepted[request_id]`: a speculating request's verified guesses,
-    which come before its sampled token; `speculated`: what each speculating request's guesses did.
+    which come before its sampled token; `speculated`: what each speculating request's guesses did;
+    `prompt_logprobs`: what the step's prompt chunks that asked for them computed.
     """
 
     request_ids: list[str]
@@ -48,6 +55,7 @@ class StepResult:
     failed: list[tuple[str, str]] = field(default_factory=list)
     accepted: dict[str, list[int]] = field(default_factory=dict)
     speculated: list[Speculation] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -128,23 +136,36 @@ class ModelRunner:
 
     def _run(self, chunks: Sequence[ScheduledChunk], return_logits: bool, guesses: dict[str, list[int]]) -> StepResult:
         sampling_rows = [i for i, c in enumerate(chunks) if c.sample]
-        request_ids = [chunks[i].request_id for i in sampling_rows]
         ends = list(itertools.accumulate(len(c.token_ids) for c in chunks))  # one past each chunk's last row
-        counts = [len(guesses.get(request_id, ())) for request_id in request_ids]
+        counts = [len(guesses.get(chunks[i].request_id, ())) for i in sampling_rows]
         # A speculating chunk samples first where its guesses start, the position before them;
         # then every guessed position, in the same product (rows are independent in the head's
         # kernel, so each row's logits are what a call of its own would give).
         first = [ends[i] - 1 - n for i, n in zip(sampling_rows, counts)]
         guessed = [p + 1 + j for p, n in zip(first, counts) for j in range(n)]
-        inputs, hidden = self._forward(chunks, first + guessed)
-        if not sampling_rows:
-            return StepResult(request_ids, None)
+        # Prompt logprobs: more rows of the same product, after the sampled ones.
+        prompt_rows, prompt_spans = _prompt_rows(chunks, ends)
+        inputs, hidden = self._forward(chunks, first + guessed + prompt_rows, graphs=not prompt_rows)
+        if not sampling_rows and not prompt_rows:
+            return StepResult([], None)
         selected = hidden.index_select(0, inputs.sample_rows)
-        last_hidden = selected[: len(first)]
+        prompt = self._prompt_logprobs(selected[len(first) + len(guessed) :], prompt_spans) if prompt_rows else []
+        if not sampling_rows:
+            return StepResult([], None, prompt_logprobs=prompt)
+        result = self._sample(chunks, selected[: len(first) + len(guessed)], return_logits, guesses, sampling_rows, counts)
+        return replace(result, prompt_logprobs=prompt) if prompt else result
+
+    def _sample(self, chunks, selected: torch.Tensor, return_logits: bool, guesses: dict[str, list[int]],
+                sampling_rows: list[int], counts: list[int]) -> StepResult:
+        """Sample each sampling chunk's token from `selected` (its hidden state, then its guessed
+        positions'), and verify the guesses."""
+        request_ids = [chunks[i].request_id for i in sampling_rows]
+        num_first = len(sampling_rows)
+        last_hidden = selected[:num_first]
         guess_logits = None
         if guesses:
             all_logits = self.model.compute_logits(selected)
-            logits, guess_logits = all_logits[: len(first)], all_logits[len(first) :]
+            logits, guess_logits = all_logits[:num_first], all_logits[num_first:]
             guess_offset = dict(zip(request_ids, itertools.accumulate([0, *counts])))
         else:
             logits = self.model.compute_logits(last_hidden)
@@ -155,7 +176,7 @@ class ModelRunner:
                 # Greedy rows that nothing else touches: every position's token in one argmax,
                 # exactly what the pipeline would pick position by position.
                 picks = all_logits.argmax(dim=-1)
-                sampled, guess_picks = SamplerOutput(token_ids=picks[: len(first)]), picks[len(first) :].tolist()
+                sampled, guess_picks = SamplerOutput(token_ids=picks[:num_first]), picks[num_first:].tolist()
             else:
                 sampled = self.sampling_pipeline(logits.clone() if return_logits else logits, batch)
         except SamplingError as exc:
@@ -326,10 +347,36 @@ class ModelRunner:
                 continue
             return StepResult([chunks[i].request_id for i in rows], sampled, failed=failed)
 
-    def _forward(self, chunks: Sequence[ScheduledChunk], sample_rows: list[int]) -> tuple[StepInputs, torch.Tensor]:
+    def _prompt_logprobs(self, hidden: torch.Tensor, spans: list["_PromptSpan"]) -> list[PromptLogprobs]:
+        """Each prompt row's next prompt token: its log-probability and rank under the raw model
+        distribution (log-softmax in float32, before any processor, as `logprobs` reports) and the
+        most likely tokens, from `hidden` (the prompt rows' hidden states, spans in order)."""
+        k = max(1, *(span.top for span in spans))  # each span takes its own from these (0: none)
+        targets = torch.tensor([t for span in spans for t in span.targets], dtype=torch.long).to(hidden.device)
+        parts: list[list[torch.Tensor]] = []
+        for lo in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+            logprobs = torch.log_softmax(self.model.compute_logits(hidden[lo : lo + PROMPT_LOGPROB_ROWS]).float(), dim=-1)
+            chosen = logprobs.gather(1, targets[lo : lo + PROMPT_LOGPROB_ROWS].unsqueeze(1))
+            ranks = (logprobs > chosen).sum(dim=1) + 1
+            top_values, top_ids = logprobs.topk(k, dim=-1)  # sorted, most likely first
+            parts.append([chosen.squeeze(1), ranks, top_ids, top_values])
+            del logprobs  # the slice's logits go before the next slice's come
+        chosen, ranks, top_ids, top_values = (torch.cat(p).tolist() for p in zip(*parts))
+        out, row = [], 0
+        for span in spans:
+            entries = []
+            for target in span.targets:
+                top = tuple(zip(top_ids[row][: span.top], top_values[row][: span.top]))
+                entries.append(TokenLogprob(target, chosen[row], top, ranks[row]))
+                row += 1
+            out.append(PromptLogprobs(span.request_id, span.start, tuple(entries)))
+        return out
+
+    def _forward(self, chunks: Sequence[ScheduledChunk], sample_rows: list[int], graphs: bool = True) -> tuple[StepInputs, torch.Tensor]:
         """The step's packed inputs and the model's hidden states for them (through the decode
-        graphs where they take the step)."""
-        if self.graphs is not None and self.graphs.takes(chunks):
+        graphs where they take the step and `graphs` allows: a padded step has one sampled row a
+        sequence, so prompt logprobs' rows never go there)."""
+        if graphs and self.graphs is not None and self.graphs.takes(chunks):
             return self.graphs.run(chunks, sample_rows)
         inputs = self._packer.pack(chunks, sample_rows)
         return inputs, self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.backend)
@@ -369,6 +416,37 @@ class _HostOutputs:
         # Copies out of the pinned buffers: the next step reuses them.
         token_ids, logprobs, *top = (None if t is None else t.clone() for t in host)
         return SamplerOutput(token_ids, logprobs, tuple(top) if output.top_logprobs is not None else None)
+
+
+@dataclass(frozen=True, slots=True)
+class _PromptSpan:
+    """One chunk's prompt rows: the next prompt tokens `targets`, the first at position `start`,
+    with the `top` most likely tokens each."""
+
+    request_id: str
+    start: int
+    targets: Sequence[int]
+    top: int
+
+
+def _prompt_rows(chunks: Sequence[ScheduledChunk], ends: list[int]) -> tuple[list[int], list[_PromptSpan]]:
+    """The flat rows whose logits give prompt logprobs (each chunk's positions from its
+    `prompt_logprobs_from` on that have a next prompt token) and what each chunk's rows report."""
+    rows: list[int] = []
+    spans: list[_PromptSpan] = []
+    for chunk, end in zip(chunks, ends):
+        if chunk.prompt_logprobs_from is None:
+            continue
+        start = chunk.start_position
+        lo = max(start, chunk.prompt_logprobs_from)
+        hi = min(start + len(chunk.token_ids), len(chunk.prompt_token_ids) - 1)
+        if lo >= hi:
+            continue
+        base = end - len(chunk.token_ids) - start  # the flat row of position 0
+        rows.extend(range(base + lo, base + hi))
+        top = (chunk.params.prompt_logprobs or 0) if chunk.params is not None else 0
+        spans.append(_PromptSpan(chunk.request_id, lo + 1, chunk.prompt_token_ids[lo + 1 : hi + 1], top))
+    return rows, spans
 
 
 def _select_rows(output: SamplerOutput, rows: list[int]) -> SamplerOutput:

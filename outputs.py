@@ -17,18 +17,23 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
-    """The chosen token's log-probability and the `top` most likely alternatives at that step."""
+    """A token's log-probability at its position (a sampled token's, or a prompt token's given the
+    tokens before it) and the `top` most likely tokens there, most likely first; `rank`: the token's
+    1-based rank in that distribution, where it was computed (prompt tokens)."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class TextDelta:
     """Detokenizer -> a request's stream: what the request produced since its last delta.
 
-    The last one has `finish_reason` (with `error` and `error_code` when it is "error").
+    The last one has `finish_reason` (with `error` and `error_code` when it is "error"). The first
+    one of a request that asked for `prompt_logprobs` carries them, aligned with `prompt_token_ids`
+    (None for the first token).
     """
 
     request_id: str
@@ -41,6 +46,8 @@ class TextDelta:
     error: str | None = None
     error_code: str | None = None
     queue_seconds: float | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +65,7 @@ class RequestOutput:
     """`LLM.generate`'s result for one completion: the whole text of one request.
 
     A prompt asked for `n` completions gets `n` of these, one after the other, `index` 0..n-1.
+    `prompt_logprobs` (when the params asked): one per prompt token, None for the first.
     """
 
     request_id: str
@@ -72,6 +80,7 @@ class RequestOutput:
     error: str | None = None
     error_code: str | None = None
     index: int = 0  # which of its prompt's `n` completions
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:

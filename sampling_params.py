@@ -74,6 +74,7 @@ BOUNDS: dict[str, Bound] = {
     "seed": Bound(SEED_MIN, SEED_MAX, integer=True),
     "stop_token_ids": Bound(0, integer=True),  # each id; the vocabulary's size is checked at the ingress
     "logprobs": Bound(0, MAX_LOGPROBS, integer=True),
+    "prompt_logprobs": Bound(0, MAX_LOGPROBS, integer=True),
 }
 
 
@@ -115,6 +116,12 @@ StopStrings = Annotated[
     Field(description="Strings that end the output (not included unless include_stop_str_in_output)."),
 ]
 Logprobs = _int("logprobs", "Return the chosen token's log-probability and this many most likely tokens.")
+PromptLogprobs = _int(
+    "prompt_logprobs",
+    "Return each prompt token's log-probability given the tokens before it (the first token has none) and "
+    "this many most likely tokens at its position; 0: the prompt token's own only. The prompt is then "
+    "computed whole, never taken from the prefix cache.",
+)
 
 MAX_GRAMMAR_CHARS = 200_000  # a regex or grammar; a JSON schema is bounded by the request body
 MAX_CHOICES = 1024
@@ -217,7 +224,8 @@ class SamplingParams(BaseModel):
     `temperature == 0` means greedy. `top_k <= 0` and `top_p == 1` switch those filters off.
     Penalties follow OpenAI (presence, frequency: additive) and HF/vLLM (repetition: multiplicative,
     applied to prompt and output tokens). `logprobs=N` returns the chosen token's log-probability
-    and the N most likely tokens of the model's raw distribution at each step.
+    and the N most likely tokens of the model's raw distribution at each step; `prompt_logprobs=K`
+    the same for every prompt token after the first (given the tokens before it, K most likely).
     `extra` carries parameters for sampler plugins, keyed by plugin name.
     Invalid values raise `SamplingParamsError` (a `ValueError`) naming each field and its range.
     """
@@ -241,6 +249,7 @@ class SamplingParams(BaseModel):
     stop_token_ids: StopTokenIds = Field(default_factory=list)
     include_stop_str_in_output: bool = Field(False, description="Keep the stop string that ended the output.")
     logprobs: Logprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     skip_special_tokens: bool = Field(True, description="Leave special tokens out of the text.")
     structured_outputs: StructuredOutputs | None = Field(
         None, description="Constrain the output to a JSON schema, a regex, a choice or a grammar."

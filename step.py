@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from cadenza.outputs import TokenLogprob
 from cadenza.sampling_params import SamplingParams
 
 # A decode scheduled before the step that samples its input token has finished carries this in
@@ -36,6 +37,11 @@ class ScheduledChunk:
     `num_speculative` (a decode only): the most tokens the runner may guess after `token_ids` and
     verify in the same pass; `block_table` covers them too. The step then returns up to that many
     accepted guesses and one token more (see docs/speculative.md).
+
+    `prompt_logprobs_from` (a prompt chunk of a request with `params.prompt_logprobs`): each of the
+    chunk's positions from this one on that has a next prompt token reports that token's
+    log-probability from its own logits (`PromptLogprobs`); positions before it reported theirs
+    before a preemption. None: the chunk reports none.
     """
 
     request_id: str
@@ -47,6 +53,7 @@ class ScheduledChunk:
     prompt_token_ids: Sequence[int] = ()
     num_output_tokens: int | None = None
     num_speculative: int = 0
+    prompt_logprobs_from: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,3 +65,13 @@ class Speculation:
     method: str
     proposed: int
     accepted: int
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """A step's prompt logprobs for one request: `entries[i]` is prompt token `start + i`'s
+    log-probability given the tokens before it (`start` >= 1: the first token has none)."""
+
+    request_id: str
+    start: int
+    entries: tuple[TokenLogprob, ...]

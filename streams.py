@@ -22,7 +22,8 @@ from cadenza.outputs import RequestTimings, TextDelta, TokenLogprob
 class GenerationOutput:
     """A request's stream -> its reader (`AsyncEngine.generate`): what is new since the last read,
     the `TextDelta`s that arrived in between merged, plus running totals; the last has
-    `finish_reason` and the request's `timings`."""
+    `finish_reason` and the request's `timings`. The first carries the request's
+    `prompt_logprobs` when it asked, aligned with `prompt_token_ids` (None for the first token)."""
 
     request_id: str
     text: str
@@ -35,6 +36,8 @@ class GenerationOutput:
     timings: RequestTimings | None = None
     error: str | None = None
     error_code: str | None = None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
 
     @property
     def finished(self) -> bool:
@@ -94,9 +97,11 @@ class RequestStream:
     def _merge(self, deltas: list[TextDelta]) -> GenerationOutput:
         tokens: list[int] = []
         logprobs: list[TokenLogprob] | None = None
-        finish = error = code = None
+        finish = error = code = prompt_logprobs = prompt_ids = None
         for d in deltas:
             tokens.extend(d.token_ids)
+            if d.prompt_logprobs is not None:  # one delta carries them
+                prompt_logprobs, prompt_ids = d.prompt_logprobs, d.prompt_token_ids
             if d.logprobs is not None:
                 logprobs = (logprobs or []) + list(d.logprobs)
             finish = d.finish_reason or finish
@@ -128,4 +133,6 @@ class RequestStream:
             timings,
             error,
             code,
+            prompt_logprobs,
+            prompt_ids,
         )

@@ -128,7 +128,7 @@ class KVCacheManager:
         admitted: list[BlockGrant] = []
         if not preempted:
             for candidate in waiting:
-                grant = self.admit(candidate.request_id, candidate.token_ids, candidate.num_new_tokens)
+                grant = self.admit(candidate.request_id, candidate.token_ids, candidate.num_new_tokens, candidate.max_cached_tokens)
                 if grant is None:
                     break
                 admitted.append(grant)
@@ -155,13 +155,20 @@ class KVCacheManager:
                     room += 1
         return kept
 
-    def admit(self, request_id: str, tokens: tuple[int, ...], num_new_tokens: int) -> BlockGrant | None:
-        """Reuse the longest cached prefix of `tokens`, then cover `num_new_tokens` more; None if no room."""
+    def admit(
+        self, request_id: str, tokens: tuple[int, ...], num_new_tokens: int, max_cached_tokens: int | None = None
+    ) -> BlockGrant | None:
+        """Reuse the longest cached prefix of `tokens` (at most `max_cached_tokens` of them: a
+        request owed prompt logprobs computes those positions itself), then cover `num_new_tokens`
+        more; None if no room."""
         if request_id in self._tables:
             raise ValueError(f"request {request_id} already holds blocks")
-        hits, hashes = self._match(tokens)
         # Keep at least one token to compute, and never write into a shared block.
-        usable = min(len(hits), (len(tokens) - 1) // self.block_size)
+        limit = (len(tokens) - 1) // self.block_size
+        if max_cached_tokens is not None:
+            limit = min(limit, max_cached_tokens // self.block_size)
+        hits, hashes = self._match(tokens) if limit else ([], [])
+        usable = min(len(hits), limit)
         hits, hashes = hits[:usable], hashes[:usable]
         cached_tokens = usable * self.block_size
         target = min(len(tokens), cached_tokens + num_new_tokens)
@@ -175,8 +182,9 @@ class KVCacheManager:
             table.blocks.append(block)
         self._tables[request_id] = table
         self._grow(request_id, target)
-        self.prefix_queries += len(tokens)
-        self.prefix_hits += cached_tokens
+        if max_cached_tokens is None or max_cached_tokens >= self.block_size:  # tokens looked up
+            self.prefix_queries += len(tokens)
+            self.prefix_hits += cached_tokens
         return BlockGrant(request_id, self.block_table(request_id), cached_tokens)
 
     def commit(self, request_id: str, token_ids: tuple[int, ...]) -> None:

@@ -37,6 +37,7 @@ class _Stream:
     num_decoded: int = 0  # leading `token_ids` whose text is in `text`; the rest the decoder holds
     stop_max: int = field(default=0)
     stopped: bool = False  # a stop string was hit: the request's text is complete
+    prompt_token_ids: tuple[int, ...] = ()  # kept when it asked for prompt logprobs, to go with them
 
 
 class IncrementalDetokenizer:
@@ -46,10 +47,15 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self._streams: dict[str, _Stream] = {}
 
-    def start(self, request_id: str, params: SamplingParams) -> None:
+    def start(self, request_id: str, params: SamplingParams, prompt_token_ids: tuple[int, ...] = ()) -> None:
         self._streams[request_id] = _Stream(
-            params, DecodeStream(skip_special_tokens=params.skip_special_tokens), stop_max=max(map(len, params.stop), default=0)
-        )
+            params, DecodeStream(skip_special_tokens=params.skip_special_tokens), stop_max=max(map(len, params.stop), default=0),
+            prompt_token_ids=prompt_token_ids if params.prompt_logprobs is not None else (),
+        )  # fmt: skip
+
+    def prompt_token_ids(self, request_id: str) -> tuple[int, ...]:
+        """The prompt of a request that asked for prompt logprobs (what they align with)."""
+        return self._streams[request_id].prompt_token_ids
 
     def is_active(self, request_id: str) -> bool:
         return request_id in self._streams
@@ -147,8 +153,8 @@ class DetokenizerActor(Actor[DetokenizerMessage]):
 
     async def handle(self, message: DetokenizerMessage) -> None:
         match message:
-            case TrackRequest(request_id=request_id, params=params):
-                self.core.start(request_id, params)
+            case TrackRequest(request_id=request_id, params=params, prompt_token_ids=prompt_token_ids):
+                self.core.start(request_id, params, prompt_token_ids)
             case NewTokens():
                 await self._on_tokens(message)
             case RequestFailed(request_id=request_id, message=text, code=code):
@@ -162,6 +168,7 @@ class DetokenizerActor(Actor[DetokenizerMessage]):
         if not self.core.is_active(request_id):
             return  # finished already (a stop string), or unknown: each request finishes once
         finishing = message.finish_reason is not None
+        prompt_ids = self.core.prompt_token_ids(request_id) if message.prompt_logprobs is not None else None
         text, hit_stop = self.core.add(request_id, message.token_ids, finishing)
         reason = "stop" if hit_stop else message.finish_reason
         if reason is not None:
@@ -180,6 +187,8 @@ class DetokenizerActor(Actor[DetokenizerMessage]):
                 error=message.error,
                 error_code=message.error_code or ("internal_error" if message.error else None),
                 queue_seconds=message.queue_seconds,
+                prompt_logprobs=message.prompt_logprobs,
+                prompt_token_ids=prompt_ids,
             )
         )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cadenza.outputs import TokenLogprob
 from cadenza.sampling_params import SamplingParams
 from cadenza.speculative.policy import SpeculationState
 from cadenza.step import PENDING_TOKEN
@@ -28,6 +29,11 @@ class Request:
     epoch: int = 0  # bumped on preemption: results of steps planned before it are stale
     num_draft_slots: int = 0  # guesses the step in flight may verify past num_computed_tokens
     speculation: SpeculationState | None = None  # its recent speculation, once it has decoded
+    # Prompt logprobs (params.prompt_logprobs): those computed and not handed over yet (from
+    # position 1, until its first token carries them out), and how many positions have had theirs
+    # (a preempted request does not report those again).
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_prompt_logprobs: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -41,6 +47,25 @@ class Request:
     def num_planned_tokens(self) -> int:
         """Tokens once the steps in flight have delivered theirs."""
         return self.num_tokens + self.num_pending
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """It asked for prompt logprobs and some prompt position has not had its own yet."""
+        return self.params.prompt_logprobs is not None and self.num_prompt_logprobs < self.num_prompt_tokens - 1
+
+    @property
+    def max_cached_tokens(self) -> int | None:
+        """The most leading tokens the prefix cache may supply (None: any): a request owed prompt
+        logprobs computes every position that has not had its logprob (vLLM's rule), though the
+        blocks it computes are cached for others like any."""
+        return self.num_prompt_logprobs if self.wants_prompt_logprobs else None
+
+    def take_prompt_logprobs(self) -> tuple[TokenLogprob | None, ...] | None:
+        """Its prompt logprobs, one per prompt token (None for the first), handed over once."""
+        if self.params.prompt_logprobs is None:
+            return None
+        entries, self.prompt_logprobs = self.prompt_logprobs, []
+        return (None, *entries)
 
     def tokens(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output, without building the whole list; positions

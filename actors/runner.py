@@ -64,7 +64,10 @@ class RunnerActor(Actor[RunnerMessage]):
         for outcome in result.speculated:
             self.metrics.record_speculation(outcome.method, outcome.proposed, outcome.accepted)
         await self.scheduler.send(
-            StepOutput(message.step_id, sampled_tokens(result, message), tuple(result.failed), seconds, tuple(result.speculated))
+            StepOutput(
+                message.step_id, sampled_tokens(result, message), tuple(result.failed), seconds, tuple(result.speculated),
+                tuple(result.prompt_logprobs),
+            )  # fmt: skip
         )
 
 

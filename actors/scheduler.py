@@ -117,6 +117,7 @@ class SchedulerActor(Actor[SchedulerMessage]):
         for request_id, error in output.failed:
             for request in self.core.fail([request_id]):
                 await self._fail(request, error, "sampler_error")
+        self.core.record_prompt_logprobs(plan, output.prompt_logprobs)
         events = self.core.update_from_output(output.sampled, plan, output.speculated, output.seconds)
         if plan.accepted:  # verified guesses; before a finished request's FreeBlocks, so its full blocks are cached
             await self.cache.send(CommitTokens(plan.step_id, tuple(self.core.accepted_tokens(plan))))
@@ -146,6 +147,7 @@ class SchedulerActor(Actor[SchedulerMessage]):
                     num_prompt_tokens=request.num_prompt_tokens,
                     num_cached_tokens=request.num_cached_tokens,
                     queue_seconds=(request.first_scheduled_time or now) - request.arrival_time if first else None,
+                    prompt_logprobs=request.take_prompt_logprobs() if first else None,
                 )
             )
 

@@ -21,7 +21,7 @@ from cadenza.config import SchedulerConfig
 from cadenza.config.schema import SpeculativeConfig
 from cadenza.messages import BlockNeed, Candidate, SampledToken, StepAllocation
 from cadenza.speculative.policy import SpeculationPolicy
-from cadenza.step import ScheduledChunk, Speculation
+from cadenza.step import PromptLogprobs, ScheduledChunk, Speculation
 
 
 class QueueFullError(Exception):
@@ -48,7 +48,7 @@ class StepPlan:
             BlockNeed(r.request_id, r.num_computed_tokens + n + r.num_draft_slots + self.speculative.get(r.request_id, 0))
             for r, n in self.running
         )
-        waiting = tuple(Candidate(r.request_id, r.all_tokens(), n) for r, n in self.candidates)
+        waiting = tuple(Candidate(r.request_id, r.all_tokens(), n, r.max_cached_tokens) for r, n in self.candidates)
         return running, waiting
 
 
@@ -200,6 +200,10 @@ class SchedulerCore:
         request.num_draft_slots = num_speculative
         if sample:
             request.num_pending += 1
+        # Positions whose prompt logprobs this chunk reports: from the first without one (reported
+        # before a preemption, or by a chunk in flight before this one) to the prompt's last but one.
+        first = max(start, request.num_prompt_logprobs)
+        reports = request.wants_prompt_logprobs and first < min(start + n, request.num_prompt_tokens - 1)
         return ScheduledChunk(
             request.request_id,
             request.tokens(start, start + n),
@@ -210,6 +214,7 @@ class SchedulerCore:
             request.prompt_token_ids,
             num_output_tokens,
             num_speculative,
+            first if reports else None,
         )
 
     # --- results --------------------------------------------------------------------------------
@@ -229,6 +234,23 @@ class SchedulerCore:
             for r, start, n, _ in plan.chunks
             if self.requests.get(r.request_id) is r and self._is_current(r, plan)
         ]
+
+    def record_prompt_logprobs(self, plan: StepPlan, records: tuple[PromptLogprobs, ...]) -> None:
+        """Keep the prompt logprobs the step computed, for the request's first token to carry;
+        those of a request gone or preempted since the step was planned are dropped (it computes
+        them again)."""
+        for record in records:
+            request = self.requests.get(record.request_id)
+            if request is None or request not in self.running or not self._is_current(request, plan):
+                continue
+            # Entries run from position 1; a record starts where the last one ended.
+            if record.start != request.num_prompt_logprobs + 1:
+                raise RuntimeError(
+                    f"request {record.request_id}: prompt logprobs from position {record.start}, "
+                    f"expected {request.num_prompt_logprobs + 1}"
+                )
+            request.prompt_logprobs.extend(record.entries)
+            request.num_prompt_logprobs += len(record.entries)
 
     def accepted_tokens(self, plan: StepPlan) -> list[tuple[str, tuple[int, ...]]]:
         """The guesses each request kept (after `update_from_output`): their K/V are in its

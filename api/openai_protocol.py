@@ -113,6 +113,8 @@ class _SamplingFields(SamplingOverrides):
         """Rejections that need more than one field, or name a feature cadenza lacks."""
         if self.stream_options is not None and not self.stream:
             raise _invalid("stream_options", "stream_options is only allowed when stream is true")
+        if self.prompt_logprobs is not None and self.stream:  # as vLLM refuses it
+            raise _invalid("prompt_logprobs", "prompt_logprobs is not available when stream is true")
         self.structured()
 
     def structured(self) -> tuple[StructuredOutputs | None, str | None]:
@@ -145,9 +147,20 @@ class _SamplingFields(SamplingOverrides):
             raise _invalid(param, f"{param}: {message}", "invalid_value") from None
 
 
+# /v1/completions' max_tokens also takes 0, with echo: the prompt alone (with logprobs, the prompt
+# tokens' logprobs), nothing generated: OpenAI's legacy way to score a text. Every other API, and
+# this one without echo, generates at least one token (`MaxTokens`).
+CompletionMaxTokens = Annotated[
+    int, Field(ge=0, description="Most tokens to generate; 0 (with echo only): none, the prompt alone.")
+]
+
+
 class CompletionRequest(_SamplingFields):
     prompt: Annotated[str | list[str] | list[int] | list[list[int]], WithJsonSchema(_PROMPT_SCHEMA)]
-    echo: bool = False
+    max_tokens: CompletionMaxTokens | None = None
+    echo: bool = Field(
+        False, description="Return the prompt before the completion; with logprobs, its tokens' logprobs too (the first's null)."
+    )
     best_of: int | None = None
     suffix: str | None = None
 
@@ -159,8 +172,19 @@ class CompletionRequest(_SamplingFields):
             raise _unsupported("suffix", "suffix (insertion) is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise _unsupported("best_of", "best_of is not supported; use n")
-        if self.echo and self.logprobs is not None:
-            raise _unsupported("echo", "echo with logprobs is not supported (no prompt logprobs)")
+        if self.max_tokens == 0 and not self.echo:
+            raise _invalid("max_tokens", "max_tokens: must be an integer in [1, inf) (got 0); 0, the prompt alone, goes with echo")
+
+    @property
+    def echo_only(self) -> bool:
+        """The prompt alone: echo with max_tokens 0 (the engine generates one token, left out)."""
+        return self.echo and self.max_tokens == 0
+
+    def engine_prompt_logprobs(self) -> int | None:
+        """How many most likely tokens each prompt position needs: echo's logprobs, vLLM's
+        prompt_logprobs, the larger of them; None: neither asks."""
+        asked = [n for n in (self.logprobs if self.echo else None, self.prompt_logprobs) if n is not None]
+        return max(asked) if asked else None
 
     def prompts(self) -> list[str | list[int]]:
         """The batch: a string and a list of token ids are one prompt each."""
@@ -344,17 +368,19 @@ def to_sampling_params(
     choice: int,
     rename: dict[str, str],
     structured: StructuredOutputs | None = None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """The engine's parameters for one choice: what the request set, else the config's defaults.
 
     Choice `i` of a seeded request samples with `seed + i` (wrapping within the seed's range), so
     choices differ yet repeat. `rename` maps SamplingParams names to the request's own, for errors.
-    `structured` is the output constraint, wherever in the request it came from.
+    `structured` is the output constraint, wherever in the request it came from; `prompt_logprobs`
+    what the prompt's positions report (echo's logprobs, vLLM's prompt_logprobs).
     """
     try:
         return merge_sampling(
             defaults, req, n=1, max_tokens=max_tokens, logprobs=logprobs, seed=completion_seed(req.seed, choice),
-            structured_outputs=structured,
+            structured_outputs=structured, prompt_logprobs=prompt_logprobs,
         )  # fmt: skip
     except SamplingParamsError as exc:
         raise _invalid(exc.field(rename), exc.describe(rename), "invalid_value") from exc

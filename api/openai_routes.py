@@ -61,15 +61,17 @@ async def completions(request: Request) -> Response:
     max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
     prompts = req.prompts()
     structured, structured_param = req.structured()
+    # Echo only (max_tokens 0): the engine computes the prompt and one token, which is left out.
     jobs = [
-        (prompt, to_sampling_params(req, state.config.sampling.defaults, max_tokens=max_tokens,
-                                    logprobs=req.logprobs, choice=j, rename={}, structured=structured))
+        (prompt, to_sampling_params(req, state.config.sampling.defaults, max_tokens=max_tokens or 1,
+                                    logprobs=req.logprobs, choice=j, rename={}, structured=structured,
+                                    prompt_logprobs=req.engine_prompt_logprobs()))
         for prompt in prompts
         for j in range(req.n)
     ]  # fmt: skip
     tokenizer = state.engine.runtime.tokenizer
     echo = [_prompt_text(state, p) for p in prompts] if req.echo else None
-    shape = _CompletionShape(_TokenTexts(tokenizer), req.n, req.logprobs is not None, echo)
+    shape = _CompletionShape(_TokenTexts(tokenizer), req.n, req.logprobs, echo, req.echo_only, req.prompt_logprobs)
     shape.structured_param = structured_param
     return await _respond(request, state, shape, jobs, req)
 
@@ -94,10 +96,10 @@ async def chat_completions(request: Request) -> Response:
     prompt = ChatPrompt(req.engine_messages(), tools) if tools else req.engine_messages()
     jobs = [
         (prompt, to_sampling_params(req, defaults, max_tokens=max_tokens, logprobs=logprobs, choice=j, rename=rename,
-                                    structured=structured))
+                                    structured=structured, prompt_logprobs=req.prompt_logprobs))
         for j in range(req.n)
     ]  # fmt: skip
-    shape = _ChatShape(_TokenTexts(tokenizer), req.n, req.logprobs, parser)
+    shape = _ChatShape(_TokenTexts(tokenizer), req.n, req.logprobs, parser, req.prompt_logprobs)
     shape.structured_param = structured_param
     return await _respond(request, state, shape, jobs, req)
 
@@ -129,11 +131,14 @@ class _Choice:
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     last: GenerationOutput | None = None
+    prompt: GenerationOutput | None = None  # the output with the prompt logprobs, when asked
 
     def add(self, out: GenerationOutput) -> None:
         self.text.append(out.text)
         self.logprobs.extend(out.logprobs or ())
         self.last = out
+        if out.prompt_logprobs is not None:
+            self.prompt = out
 
 
 _PROMPT_ERRORS = ("invalid_prompt", "invalid_messages", "prompt_too_long")
@@ -188,7 +193,7 @@ async def _respond(request: Request, state: ServerState, shape: "_Shape", jobs, 
             log.info("Client disconnected", request_id=client_id, completion_id=rid)
             return Response(status_code=499)
         whole = [shape.choice(i, c) for i, c in enumerate(choices)]
-        return JSONResponse({**head, "choices": whole, "usage": _usage(choices, shape.n)})
+        return JSONResponse({**head, "choices": whole, **shape.extra(choices), "usage": _usage(choices, shape.n, shape.generates)})
 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     chunk_head = {**head, "object": shape.chunk_object}
@@ -202,21 +207,21 @@ async def _respond(request: Request, state: ServerState, shape: "_Shape", jobs, 
     async def produce(emit: Emit) -> None:
         async with run as items:
             # Wait for every choice's first output, so a rejected request gets its HTTP status.
-            buffered, started = [], set()
+            buffered, firsts = [], {}
             async for index, out in items:
                 buffered.append((index, _check_finish(out, shape.prompt_param, shape.structured_param)))
-                started.add(index)
-                if len(started) == len(jobs):
+                firsts.setdefault(index, out)
+                if len(firsts) == len(jobs):
                     break
             for index in range(len(jobs)):
-                for opening in shape.opening(index):
+                for opening in shape.opening(index, firsts[index]):
                     await emit(chunk(opening))
             for index, out in buffered:
                 await _emit_output(emit, chunk, shape, choices[index], index, out)
             async for index, out in items:
                 await _emit_output(emit, chunk, shape, choices[index], index, _check_finish(out, shape.prompt_param, shape.structured_param))
         if include_usage:
-            await emit(sse(_json({**chunk_head, "choices": [], "usage": _usage(choices, shape.n)})))
+            await emit(sse(_json({**chunk_head, "choices": [], "usage": _usage(choices, shape.n, shape.generates)})))
         await emit(sse("[DONE]"))
 
     return EventStreamResponse(produce, request_id=client_id, completion_id=rid)
@@ -228,12 +233,13 @@ async def _emit_output(emit: Emit, chunk, shape: "_Shape", choice: _Choice, inde
         await emit(chunk(body))
 
 
-def _usage(choices: list[_Choice], n: int) -> dict[str, Any]:
-    """A prompt shared by n choices counts once, as OpenAI counts it."""
+def _usage(choices: list[_Choice], n: int, generates: bool = True) -> dict[str, Any]:
+    """A prompt shared by n choices counts once, as OpenAI counts it; `generates` False (echo
+    only): no completion tokens are returned, so none are counted."""
     lasts = [c.last for c in choices if c.last is not None]
     firsts = [c.last for c in choices[::n] if c.last is not None]
     prompt = sum(o.num_prompt_tokens for o in firsts)
-    completion = sum(o.num_output_tokens for o in lasts)
+    completion = sum(o.num_output_tokens for o in lasts) if generates else 0
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -255,12 +261,18 @@ class _Shape:
     chunk_object: str
     prompt_param: str  # where a prompt the engine rejects came from
     structured_param: str | None = None  # where the output's grammar came from, for its errors
+    generates = True  # False: the answer leaves the generated tokens out (echo only)
 
     def __init__(self, tokens: "_TokenTexts", n: int, want_logprobs: bool) -> None:
         self.tokens, self.n, self.want_logprobs = tokens, n, want_logprobs
 
-    def opening(self, index: int) -> list[dict[str, Any]]:
+    def opening(self, index: int, first: GenerationOutput) -> list[dict[str, Any]]:
+        """What a streamed choice begins with, once its `first` output is in."""
         return []
+
+    def extra(self, choices: list[_Choice]) -> dict[str, Any]:
+        """Fields of a whole answer beside its choices."""
+        return {}
 
     def deltas(self, index: int, out: GenerationOutput) -> list[dict[str, Any]]:
         raise NotImplementedError
@@ -277,13 +289,20 @@ class _ChatShape(_Shape):
     id_prefix, object, chunk_object = "chatcmpl-", "chat.completion", "chat.completion.chunk"
     prompt_param = "messages"
 
-    def __init__(self, tokens, n, want_logprobs, tool_parser: ToolParser | None = None) -> None:
+    def __init__(self, tokens, n, want_logprobs, tool_parser: ToolParser | None = None, prompt_logprobs: int | None = None) -> None:
         super().__init__(tokens, n, want_logprobs)
         self.tool_parser = tool_parser
         self.tool_streams: dict[int, ToolCallStream] = {}
+        self.prompt_logprobs = prompt_logprobs
 
-    def opening(self, index):
+    def opening(self, index, first):
         return [{"index": index, "delta": {"role": "assistant"}, "logprobs": None, "finish_reason": None}]
+
+    def extra(self, choices):
+        """vLLM's prompt_logprobs, when asked: the choices share the prompt."""
+        if self.prompt_logprobs is None:
+            return {}
+        return {"prompt_logprobs": _vllm_prompt_logprobs(self.tokens, choices[0].prompt, self.prompt_logprobs)}
 
     def deltas(self, index, out):
         bodies = []
@@ -337,36 +356,69 @@ class _ChatShape(_Shape):
 
 
 class _CompletionShape(_Shape):
+    """Legacy completions. With echo the prompt comes first, and with logprobs its tokens' logprobs
+    (null for the first token, which has none) before the completion's; echo only (max_tokens 0)
+    leaves out the token the engine generated. vLLM's `prompt_logprobs`, when asked, go in each
+    choice in vLLM's shape."""
+
     id_prefix, object, chunk_object = "cmpl-", "text_completion", "text_completion"
     prompt_param = "prompt"
 
-    def __init__(self, tokens, n, want_logprobs, echo: list[str] | None) -> None:
-        super().__init__(tokens, n, want_logprobs)
-        self.echo = echo
+    def __init__(self, tokens, n, logprobs: int | None, echo: list[str] | None, echo_only: bool = False,
+                 prompt_logprobs: int | None = None) -> None:
+        super().__init__(tokens, n, logprobs is not None)
+        self.echo, self.top_n = echo, logprobs or 0
+        self.generates = not echo_only
+        self.prompt_logprobs = prompt_logprobs
         self.offsets: dict[int, int] = {}  # choice -> characters of text so far, for text_offset
 
     def _prompt_text(self, index: int) -> str:
         return self.echo[index // self.n] if self.echo else ""
 
-    def opening(self, index):
+    def opening(self, index, first):
         text = self._prompt_text(index)
+        logprobs = self._echo_logprobs(first) if text and self.want_logprobs else None
         self.offsets[index] = len(text)
-        return [{"index": index, "text": text, "logprobs": None, "finish_reason": None}] if text else []
+        return [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}] if text else []
 
     def deltas(self, index, out):
+        if not self.generates:  # echo only: the prompt went in the opening
+            return [{"index": index, "text": "", "logprobs": None, "finish_reason": "length"}] if out.finish_reason else []
         if not (out.text or out.logprobs or out.finish_reason):
             return []
         logprobs = self._logprobs(index, out.logprobs) if self.want_logprobs and out.logprobs else None
         return [{"index": index, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}]
 
     def choice(self, index, choice):
-        self.offsets[index] = len(self._prompt_text(index))
-        return {
+        prompt_text = self._prompt_text(index)
+        self.offsets[index] = len(prompt_text)
+        logprobs = None
+        if self.want_logprobs:
+            logprobs = self._logprobs(index, choice.logprobs if self.generates else [])
+            if self.echo:  # the prompt's tokens first
+                logprobs = {key: values + logprobs[key] for key, values in self._echo_logprobs(choice.prompt).items()}
+        body = {
             "index": index,
-            "text": self._prompt_text(index) + "".join(choice.text),
-            "logprobs": self._logprobs(index, choice.logprobs) if self.want_logprobs else None,
-            "finish_reason": choice.last.finish_reason if choice.last else None,
+            "text": prompt_text + ("".join(choice.text) if self.generates else ""),
+            "logprobs": logprobs,
+            "finish_reason": (choice.last.finish_reason if self.generates else "length") if choice.last else None,
         }
+        if self.prompt_logprobs is not None:
+            body["prompt_logprobs"] = _vllm_prompt_logprobs(self.tokens, choice.prompt, self.prompt_logprobs)
+        return body
+
+    def _echo_logprobs(self, out: GenerationOutput | None) -> dict[str, Any]:
+        """The prompt's tokens in the legacy shape, text offsets counted from the prompt's start."""
+        tokens, values, tops, offsets = [], [], [], []
+        offset = 0
+        for token_id, lp in _prompt_entries(out):
+            text, _ = self.tokens(token_id)
+            tokens.append(text)
+            values.append(None if lp is None else _finite(lp.logprob))
+            tops.append(None if lp is None else self._top(lp.top[: self.top_n]))
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
     def _logprobs(self, index: int, logprobs: list[TokenLogprob]) -> dict[str, Any]:
         tokens, values, tops, offsets = [], [], [], []
@@ -375,11 +427,41 @@ class _CompletionShape(_Shape):
             text, _ = self.tokens(lp.token_id)
             tokens.append(text)
             values.append(_finite(lp.logprob))
-            tops.append({self.tokens(t)[0]: _finite(v) for t, v in lp.top})
+            tops.append(self._top(lp.top))
             offsets.append(offset)
             offset += len(text)
         self.offsets[index] = offset
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+    def _top(self, top: tuple[tuple[int, float], ...]) -> dict[str, float]:
+        """The legacy shape keys the most likely tokens by their text: where two tokens read the
+        same, the more likely one's value stands (they come most likely first)."""
+        shown: dict[str, float] = {}
+        for token_id, value in top:
+            shown.setdefault(self.tokens(token_id)[0], _finite(value))
+        return shown
+
+
+def _prompt_entries(out: GenerationOutput | None) -> list[tuple[int, TokenLogprob | None]]:
+    """(token id, its logprob) for each prompt token of the output that carries them."""
+    if out is None or out.prompt_logprobs is None or out.prompt_token_ids is None:
+        raise RuntimeError("the engine returned no prompt logprobs for a request that asked for them")
+    return list(zip(out.prompt_token_ids, out.prompt_logprobs))
+
+
+def _vllm_prompt_logprobs(tokens: "_TokenTexts", out: GenerationOutput | None, top_n: int) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, null for the first, else {token id: {logprob,
+    rank, decoded_token}} for the prompt token and the `top_n` most likely."""
+    result: list[dict[str, Any] | None] = []
+    for token_id, lp in _prompt_entries(out):
+        if lp is None:
+            result.append(None)
+            continue
+        entries = {str(token_id): {"logprob": _finite(lp.logprob), "rank": lp.rank, "decoded_token": tokens(token_id)[0]}}
+        for rank, (top_id, value) in enumerate(lp.top[:top_n], start=1):
+            entries.setdefault(str(top_id), {"logprob": _finite(value), "rank": rank, "decoded_token": tokens(top_id)[0]})
+        result.append(entries)
+    return result
 
 
 def _finite(value: float) -> float:

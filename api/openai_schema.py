@@ -62,10 +62,25 @@ _ChatFinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class CompletionLogprobs(BaseModel):
+    """Per token; with echo the prompt's tokens come first, the first of them with null (it has no
+    logprob: nothing comes before it)."""
+
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = Field(description="The token's 1-based rank in the model's distribution at that position.")
+    decoded_token: str
+
+
+_PROMPT_LOGPROBS = (
+    "vLLM's prompt_logprobs, when the request asked: per prompt token, null for the first, else the "
+    "prompt token and the prompt_logprobs most likely tokens at its position, by token id."
+)
 
 
 class CompletionChoice(BaseModel):
@@ -73,6 +88,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: _FinishReason
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(None, description=_PROMPT_LOGPROBS)
 
 
 class CompletionResponse(BaseModel):
@@ -135,6 +151,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(None, description=_PROMPT_LOGPROBS)
 
 
 class ModelCard(BaseModel):

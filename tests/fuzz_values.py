@@ -88,6 +88,7 @@ SAMPLING = {
     "include_stop_str_in_output": mostly(st.booleans(), WRONG_TYPES),
     "skip_special_tokens": mostly(st.booleans(), WRONG_TYPES),
     "logprobs": mostly(st.integers(0, 20), st.sampled_from([-1, 21, 1.5]) | WRONG_TYPES),
+    "prompt_logprobs": mostly(st.integers(0, 20), st.sampled_from([-1, 21, 1.5]) | WRONG_TYPES),
     "extra": mostly(st.just({}), EXTRA | WRONG_TYPES),
 }
 
@@ -122,6 +123,7 @@ INVALID_SAMPLING = {
     "include_stop_str_in_output": ["x", [], 2],
     "skip_special_tokens": ["x", {}, -1],
     "logprobs": [-1, 21, 1.5, *NOT_NUMBERS],
+    "prompt_logprobs": [-1, 21, 1.5, *NOT_NUMBERS],
     "extra": [[], "x", 3],
 }
 # Values the request models accept but the engine's ingress refuses: token ids beyond the

@@ -47,11 +47,12 @@ REFUSED = [
     ("max_tokens", "0", "[1, inf)"),
     ("min_tokens", "-1", "[0, inf)"),
     ("logprobs", "21", "[0, 20]"),
+    ("prompt_logprobs", "-1", "[0, 20]"),
 ]
 ACCEPTED = [
     ("temperature", "0"), ("temperature", "1e6"), ("top_p", "1"), ("top_k", "-1"), ("min_p", "1"),
     ("logit_bias", '{"5": -100, "6": 100}'), ("seed", str(2**64 - 1)), ("seed", "-1"),
-    ("stop_token_ids", f"[{VOCAB - 1}]"), ("logprobs", "20"),
+    ("stop_token_ids", f"[{VOCAB - 1}]"), ("logprobs", "20"), ("prompt_logprobs", "20"),
 ]  # fmt: skip
 
 
@@ -82,6 +83,9 @@ def test_every_api_declares_each_field_with_the_same_bounds():
         if model is ChatCompletionRequest:  # chat's logprobs is a switch; its count is top_logprobs
             fields.update(logprobs="top_logprobs", max_completion_tokens="max_tokens")
             fields["logprobs"], fields["top_logprobs"] = None, "logprobs"
+        if model is CompletionRequest:  # also 0, with echo (the prompt alone): OpenAI's legacy scoring
+            fields["max_tokens"] = None
+            assert _bounds(model, "max_tokens") == [{**_bounds(SamplingParams, "max_tokens")[0], "minimum": 0}]
         for own, reference in fields.items():
             if reference is not None and own in model.model_fields:
                 assert _bounds(model, own) == _bounds(SamplingParams, reference), (model.__name__, own)
