@@ -299,10 +299,9 @@ class Session:
                         "type": "delta", "request_id": request_id, "text": out.text, "token_ids": list(out.token_ids),
                     }
                     if out.logprobs is not None:
-                        delta["logprobs"] = [
-                            {"token_id": lp.token_id, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
-                            for lp in out.logprobs
-                        ]
+                        delta["logprobs"] = [_logprob_json(lp) for lp in out.logprobs]
+                    if out.prompt_logprobs is not None:  # the first delta of a request that asked
+                        delta["prompt_logprobs"] = [None if lp is None else _logprob_json(lp) for lp in out.prompt_logprobs]
                     await self.send(delta)
         except EngineClosedError as exc:
             refused = True
@@ -443,3 +442,11 @@ async def sessions(websocket: WebSocket) -> None:
             session.log.info("Session closed", requests_aborted=len(session.running))
             tg.cancel_scope.cancel()
             open_sessions.remove(session)
+
+
+def _logprob_json(lp) -> dict[str, Any]:
+    """A `TokenLogprob` on the wire: `rank` only where it was computed (prompt tokens)."""
+    out: dict[str, Any] = {"token_id": lp.token_id, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
+    if lp.rank is not None:
+        out["rank"] = lp.rank
+    return out

@@ -118,6 +118,26 @@ async def test_generate_text_tokens_and_messages_match_greedy(server):
     await client.close()
 
 
+async def test_prompt_logprobs_come_in_the_first_delta_as_the_python_api_gives_them(server, tiny_model_dir):
+    from cadenza.llm import LLM
+    from cadenza.sampling_params import SamplingParams
+
+    prompt = list(range(5, 16))
+    client = await Client.open(server.ws_url)
+    await client.send(type="generate", request_id="p", token_ids=prompt, sampling={**GREEDY, "max_tokens": 2, "prompt_logprobs": 2})
+    seen = await client.until(lambda m: m.get("request_id") == "p" and m["type"] in ("done", "error"))
+    await client.close()
+    deltas = [m for m in seen if m["type"] == "delta"]
+    assert "prompt_logprobs" in deltas[0] and all("prompt_logprobs" not in m for m in deltas[1:])
+    wire = deltas[0]["prompt_logprobs"]
+    with LLM(tiny_model_dir("llama3"), dtype="float32") as llm:  # as the server runs it
+        (expected,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=2))
+    assert len(wire) == len(prompt) and wire[0] is None and expected.prompt_logprobs[0] is None
+    for got, want, token in zip(wire[1:], expected.prompt_logprobs[1:], prompt[1:]):
+        assert got["token_id"] == want.token_id == token and got["rank"] == want.rank and len(got["top"]) == 2
+        assert got["logprob"] == pytest.approx(want.logprob, abs=1e-4)
+
+
 async def test_eight_interleaved_requests_on_one_connection(server):
     client = await Client.open(server.ws_url)
     alone = {}
