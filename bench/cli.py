@@ -16,6 +16,8 @@ PEERS = ("hf", "llamacpp")
 HF_VARIANTS = ("generate", "compiled", "continuous")  # what --compare hf runs
 SERVE_PROTOCOLS = ("ws", "http")
 WORKLOADS = ("nano-vllm",)
+SERVE_WORKLOADS = ("random", "multi-turn")
+ROUTERS = ("prefix", "round_robin", "least_loaded")  # parallel.router's choices (parallel/router.py)
 
 
 def _add_common(parser: argparse.ArgumentParser, peers: bool = True) -> None:
@@ -110,11 +112,28 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     srv.add_argument("--api-key", help="the --url server's API key")
     srv.add_argument("--protocols", nargs="+", default=list(SERVE_PROTOCOLS), choices=SERVE_PROTOCOLS,
                      help="ws: WebSocket sessions at /v1/sessions; http: streaming /v1/completions (default: both)")
-    srv.add_argument("--request-rates", type=float, nargs="+", default=[1.0, 4.0, math.inf], metavar="RATE",
-                     help="Poisson arrival rates in requests/s, one run each; inf sends all at once (default: 1 4 inf)")
+    srv.add_argument("--request-rates", type=float, nargs="+", metavar="RATE",
+                     help="Poisson arrival rates in requests/s, one run each; inf sends all at once (default: 1 4 inf; "
+                          "multi-turn: one rate, default 2)")
     srv.add_argument("--num-requests", type=int, default=32)
     srv.add_argument("--prompt-len", type=int, nargs=2, default=(32, 256), metavar=("A", "B"), help="prompt lengths uniform in [A, B]")
-    srv.add_argument("--output-len", type=int, nargs=2, default=(32, 128), metavar=("C", "D"), help="output lengths uniform in [C, D]")
+    srv.add_argument("--output-len", type=int, nargs=2, metavar=("C", "D"),
+                     help="output lengths uniform in [C, D] (default 32 128; multi-turn: 32 32)")
+    mt = srv.add_argument_group("multi-turn", "--workload multi-turn: chats over shared system prompts against "
+                                "`cadenza serve --data-parallel-size N`, one launched server per router (WebSocket, token ids)")
+    mt.add_argument("--workload", choices=SERVE_WORKLOADS, default="random",
+                    help="random: independent random prompts (default); multi-turn: the router bench")
+    mt.add_argument("--routers", nargs="+", default=["prefix", "round_robin"], choices=ROUTERS, metavar="ROUTER",
+                    help=f"parallel.router of each arm: {', '.join(ROUTERS)}; ratios are the first over the second "
+                         "(default: prefix round_robin)")
+    mt.add_argument("--data-parallel-size", type=int, default=2, help="replicas of each arm's server (default 2)")
+    mt.add_argument("--conversations", type=int, default=16, help="default 16")
+    mt.add_argument("--system-prompts", type=int, default=4, help="shared system prompts; conversation c has c mod K (default 4)")
+    mt.add_argument("--system-len", type=int, default=256, help="tokens of each system prompt (default 256)")
+    mt.add_argument("--turns", type=int, default=4, help="turns per conversation (default 4)")
+    mt.add_argument("--user-len", type=int, nargs=2, default=(24, 40), metavar=("A", "B"),
+                    help="user message lengths uniform in [A, B] (default 24 40)")
+    mt.add_argument("--repeats", type=int, default=1, help="runs per router, order reversed every other repeat (default 1)")
     srv.add_argument("--max-duration", type=float, default=300.0,
                      help="seconds per run; requests unfinished by then are cancelled and counted (default 300)")
     srv.add_argument("--vocab-size", type=int, help="draw prompt token ids below this (default: the model's vocabulary, "
@@ -133,6 +152,10 @@ def run_bench(args: argparse.Namespace) -> int:
     try:
         if args.bench_command == "throughput":
             return _throughput(args)
+        if args.bench_command == "serve" and args.workload == "multi-turn":
+            from cadenza.bench.router_bench import serve_multi_turn
+
+            return serve_multi_turn(args)
         if args.bench_command == "serve":
             return _serve(args)
         return _latency(args)
@@ -266,6 +289,7 @@ def _serve(args: argparse.Namespace) -> int:
     from cadenza.bench.serve_process import check_loopback
 
     url = check_loopback(args.url) if args.url else None  # refused before anything starts
+    args.request_rates = args.request_rates or [1.0, 4.0, math.inf]
     if any(not rate > 0 for rate in args.request_rates):
         raise ValueError(f"--request-rates must be positive (or inf), got {args.request_rates}")
     if args.max_duration <= 0:
@@ -282,7 +306,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     knows_model = url is None or args.model is not None
     vocab = args.vocab_size or (model_vocab_size(args.model, args.config) if knows_model else 10_000)
-    workload = make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len), seed=args.seed,
+    workload = make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len or (32, 128)), seed=args.seed,
                              vocab_size=vocab, temperature=args.temperature)
     plan = ServePlan(tuple(dict.fromkeys(args.protocols)), tuple(args.request_rates), args.max_duration, args.seed,
                      vocab)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 
@@ -44,6 +44,9 @@ class RequestRecord:
     finish_reason: str | None = None
     status: str | None = None
     error: str | None = None
+    num_cached_tokens: int | None = None  # prompt tokens the server's prefix cache served (WebSocket usage)
+    keep_token_ids: bool = False  # keep the streamed ids (a multi-turn conversation appends its answer)
+    output_token_ids: list[int] = field(default_factory=list)
 
     def on_tokens(self, now: float, count: int) -> None:
         if self.first_token_at is None:
@@ -115,10 +118,13 @@ class _Connection:
                 kind = message["type"]
                 if kind == "delta":
                     record.on_tokens(now, len(message["token_ids"]))
+                    if record.keep_token_ids:
+                        record.output_token_ids.extend(message["token_ids"])
                     continue
                 if kind == "done":
-                    usage = (message.get("usage") or {}).get("completion_tokens")
-                    record.complete(now, message.get("finish_reason"), usage, streamed=True)
+                    usage = message.get("usage") or {}
+                    record.num_cached_tokens = usage.get("cached_tokens")
+                    record.complete(now, message.get("finish_reason"), usage.get("completion_tokens"), streamed=True)
                 elif kind == "error":
                     record.fail(now, f"{message.get('code')}: {message.get('message')}")
                 else:
@@ -187,15 +193,21 @@ class WebSocketClient:
         for connection in self.connections:
             tg.start_soon(connection.read)
 
-    async def warmup(self) -> None:
-        record = RequestRecord(-1, len(WARMUP_PROMPT), 4)
-        await self._send(self.connections[0], "warmup", WARMUP_PROMPT, record, temperature=0.0)
-        if record.status != "completed":
-            raise RuntimeError(f"the warm-up request over WebSocket failed: {record.error}")
+    async def warmup(self, count: int = 1) -> None:
+        """`count` distinct prompts at once: `count` data-parallel replicas each get one."""
+        records = [RequestRecord(-1, len(WARMUP_PROMPT), 4) for _ in range(count)]
+        async with anyio.create_task_group() as tg:
+            for i, record in enumerate(records):
+                connection = self.connections[i % len(self.connections)]
+                tg.start_soon(self._send, connection, f"warmup-{i}", [t + i for t in WARMUP_PROMPT], record, 0.0)
+        for record in records:
+            if record.status != "completed":
+                raise RuntimeError(f"the warm-up request over WebSocket failed: {record.error}")
 
-    async def send(self, index: int, request: BenchRequest, record: RequestRecord) -> None:
+    async def send(self, index: int, request: BenchRequest, record: RequestRecord, request_id: str | None = None) -> None:
+        """Request `index` on connection `index mod n`, as `request_id` (default `r{index}`)."""
         connection = self.connections[index % len(self.connections)]
-        await self._send(connection, f"r{index}", request.prompt_token_ids, record, self.temperature)
+        await self._send(connection, request_id or f"r{index}", request.prompt_token_ids, record, self.temperature)
 
     async def _send(self, connection: _Connection, request_id: str, prompt: list[int], record: RequestRecord,
                     temperature: float) -> None:

@@ -95,13 +95,15 @@ class LaunchedServer:
     manager: it is stopped on leaving, whatever ended the block (KeyboardInterrupt included)."""
 
     def __init__(self, *, model: str | None, dtype: str, config: str | None, num_threads: int | None, seed: int,
-                 verbose: bool = False, start_timeout: float = 600.0) -> None:
+                 verbose: bool = False, start_timeout: float = 600.0, extra_args: tuple[str, ...] = (),
+                 extra_env: dict[str, str] | None = None) -> None:
         args = [sys.executable, "-m", "cadenza", "serve", "--host", "127.0.0.1", "--port", "0", "--dtype", dtype]
         for flag, value in (("--model", model), ("--config", config), ("--num-threads", num_threads)):
             if value is not None:
                 args += [flag, str(value)]
+        args += list(extra_args)
         # The seed the offline comparison also runs with (an env var ranks above the config file).
-        env = {**os.environ, "CADENZA_MODEL__SEED": str(seed), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "CADENZA_MODEL__SEED": str(seed), "PYTHONUNBUFFERED": "1", **(extra_env or {})}
         self.args, self.env, self.verbose, self.start_timeout = args, env, verbose, start_timeout
         self.lines: deque[str] = deque(maxlen=200)  # the server's last output, for error messages
         self.url: str | None = None
@@ -220,6 +222,22 @@ def process_cpu_jiffies(pid: int) -> int | None:
         return None
 
 
+def group_cpu_jiffies(pgid: int) -> int | None:
+    """utime + stime of every process in the process group `pgid` (a launched server and the
+    replicas or ranks it started), or None where /proc cannot be read."""
+    total, found = 0, False
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid:  # after comm: state, ppid, pgrp
+                total, found = total + int(fields[11]) + int(fields[12]), True
+        except (OSError, ValueError, IndexError):
+            continue
+    return total if found else None
+
+
 def model_vocab_size(model: str | None, config_path: str | None) -> int:
     """The vocabulary of the model `cadenza serve --model M --config C` would load, read from its
     config alone (no weights), so the workload draws only token ids the server accepts."""
@@ -239,10 +257,19 @@ def model_vocab_size(model: str | None, config_path: str | None) -> int:
 
 def _snapshot(server_pid: int | None) -> CpuSnapshot | None:
     snap = take_snapshot()
-    server = process_cpu_jiffies(server_pid) if server_pid is not None else None
+    server = None
+    if server_pid is not None:  # a launched server leads its own group: its replicas' CPU is the bench's too
+        server = group_cpu_jiffies(server_pid) if _leads_group(server_pid) else process_cpu_jiffies(server_pid)
     if snap is None or server is None:
         return snap
     return dataclasses.replace(snap, own=snap.own + server)
+
+
+def _leads_group(pid: int) -> bool:
+    try:
+        return os.getpgid(pid) == pid
+    except OSError:
+        return False
 
 
 def run_quietly_here(fn: Callable[[], T], policy: QuietPolicy, server_pid: int | None = None
