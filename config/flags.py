@@ -48,6 +48,7 @@ CONFIG_FLAGS: tuple[ConfigFlag, ...] = (
     ConfigFlag("--max-num-batched-tokens", "scheduler.max_num_batched_tokens", int),
     ConfigFlag("--tensor-parallel-size", "parallel.tensor_parallel_size", int),
     ConfigFlag("--data-parallel-size", "parallel.data_parallel_size", int),
+    ConfigFlag("--router", "parallel.router"),
 )
 BY_FLAG = {f.flag: f for f in CONFIG_FLAGS}
 
