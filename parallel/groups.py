@@ -3,11 +3,13 @@
 Rendezvous is always `env://` (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE), which both our own
 launcher (`launch.py`) and `torchrun` set. The backend is one choice: `gloo` on the CPU, `nccl` on
 CUDA. Every collective runs under the group's timeout, so a dead peer fails the caller instead of
-hanging it.
+hanging it. On joining, the ranks exchange where they run (`ParallelContext.peers`), so that rank 0
+can name a rank on another machine that stops answering.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 from dataclasses import dataclass
@@ -32,6 +34,7 @@ class ParallelContext:
     world_size: int
     device: torch.device
     group: dist.ProcessGroup | None = None
+    peers: tuple[str, ...] = ()  # per rank, where it runs: "host pid N"
 
     @property
     def is_driver(self) -> bool:
@@ -62,21 +65,52 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def is_loopback(host: str) -> bool:
+    """Whether `host` is literally this machine's loopback (never resolved: a hostname that resolves
+    to 127.0.1.1 on its own machine may be another machine's way to reach it)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def use_loopback_interface(backend: str) -> None:
+    """A rendezvous on loopback means every rank runs on this machine (a remote rank could not reach
+    it): pin gloo to the loopback interface (GLOO_SOCKET_IFNAME=lo), unless one was chosen. By
+    default gloo binds the address this machine's hostname resolves to, which on some hosts and
+    containers is an address no peer can connect to."""
+    if backend != "gloo" or "GLOO_SOCKET_IFNAME" in os.environ or not is_loopback(os.environ.get("MASTER_ADDR", "")):
+        return
+    names = {name for _, name in socket.if_nameindex()} if hasattr(socket, "if_nameindex") else set()
+    for name in ("lo", "lo0"):
+        if name in names:
+            os.environ["GLOO_SOCKET_IFNAME"] = name
+            return
+
+
 def init_group(rank: int, world_size: int, device: torch.device, backend: str, timeout: float) -> ParallelContext:
-    """Join the group over env:// (the caller has set MASTER_ADDR and MASTER_PORT)."""
+    """Join the group over env:// (our launcher or torchrun has set MASTER_ADDR and MASTER_PORT)."""
     if device.type == "cuda":
         local_rank = int(os.environ.get("LOCAL_RANK", rank))
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
+    backend = backend_for(backend, device)
+    use_loopback_interface(backend)
     dist.init_process_group(
-        backend=backend_for(backend, device),
+        backend=backend,
         init_method="env://",
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout),
     )
-    log.info("Joined tensor-parallel group", rank=rank, world_size=world_size, backend=dist.get_backend())
-    return ParallelContext(rank, world_size, device)
+    peers: list[str | None] = [None] * world_size
+    dist.all_gather_object(peers, f"{socket.gethostname()} pid {os.getpid()}")
+    log.info("Joined tensor-parallel group", rank=rank, world_size=world_size, backend=dist.get_backend(),
+             master=f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}",
+             interface=os.environ.get("GLOO_SOCKET_IFNAME" if backend == "gloo" else "NCCL_SOCKET_IFNAME"))  # fmt: skip
+    return ParallelContext(rank, world_size, device, peers=tuple(str(p) for p in peers))
 
 
 # Loading a model can take far longer than any collective should: the barrier that waits for every

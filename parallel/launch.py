@@ -61,7 +61,11 @@ class TensorParallelGroup:
         for handle in self.ranks.values():
             if (reason := handle.failure()) is not None:
                 return reason
-        return self.driver.failure if self.driver is not None else None
+        if self.driver is None or self.driver.failure is None:
+            return None
+        if self.ranks:  # ranks this process started: a dead one is named by its exit status above
+            return self.driver.failure
+        return f"{external_ranks(self.ctx)}: {self.driver.failure}"
 
     def close(self) -> None:
         """Stop the ranks (STOP, then terminate, then kill: every child ends) and leave the group."""
@@ -104,6 +108,15 @@ def start_group(config: CadenzaConfig, device: torch.device) -> TensorParallelGr
         for handle in ranks.values():
             handle.kill()
         raise
+
+
+def external_ranks(ctx: ParallelContext) -> str:
+    """Under torchrun, the ranks rank 0 cannot watch as processes (maybe on other machines), named with
+    where they run: with 2 ranks the one that failed, else the ones that may have."""
+    where = [f"rank {r} ({ctx.peers[r] if r < len(ctx.peers) else 'unknown'})" for r in range(1, ctx.world_size)]
+    if len(where) == 1:
+        return f"tensor-parallel {where[0]}, started by torchrun, failed or stopped answering"
+    return f"one of the tensor-parallel ranks started by torchrun failed or stopped answering: {', '.join(where)}"
 
 
 def rank_process(config: CadenzaConfig, rank: int, world_size: int, rendezvous: Address) -> LocalProcess:

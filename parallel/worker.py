@@ -39,7 +39,9 @@ def run_worker(config: CadenzaConfig, rank: int, world_size: int) -> int:
         log.info("Tensor-parallel rank stopping", rank=rank)
         return 0
     except Exception as exc:
-        log.error("Tensor-parallel rank failed", rank=rank, error=repr(exc))
+        driver = ctx.peers[0] if ctx.peers else "unknown"
+        log.error("Tensor-parallel rank failed (rank 0, the engine, gone or out of step?)", rank=rank,
+                  rank_0=driver, error=repr(exc))  # fmt: skip
         return 1
     finally:
         destroy_group()
