@@ -40,6 +40,7 @@ from cadenza.messages import (
 from cadenza.metrics import EngineMetrics
 from cadenza.outputs import TextDelta
 from cadenza.runtime import Runtime
+from cadenza.pooling_params import PoolingParams
 from cadenza.sampling_params import SamplingParams
 from cadenza.speculative.setup import built_methods
 from cadenza.streams import GenerationOutput, RequestStream
@@ -279,6 +280,23 @@ class AsyncEngine:
             self.metrics.requests_ended += 1
             if self._streams_closed is not None:
                 self._streams_closed.set()
+
+    def pooling_params(self, dimensions: int | None = None) -> PoolingParams:
+        """The deployment's pooling (`embeddings` config section), with `dimensions` if given."""
+        section = self.runtime.config.embeddings
+        return PoolingParams(pooling=section.pooling, normalize=section.normalize, dimensions=dimensions)
+
+    async def embed(
+        self, prompt: Any, pooling: PoolingParams | None = None, *, request_id: str | None = None, priority: int = 0
+    ) -> GenerationOutput:
+        """Embed a prompt: prefill only, batched with generation by the same scheduler; the last
+        output, whose `embedding` is the vector (None when it failed: finish_reason "error").
+        `pooling`: None takes the deployment's."""
+        params = SamplingParams(max_tokens=1, pooling=pooling or self.pooling_params())
+        last = None
+        async for last in self.generate(prompt, params, request_id=request_id, priority=priority):
+            pass
+        return last
 
     async def settle(self) -> None:
         """Wait until the cache manager has handled everything sent to it before this call.

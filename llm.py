@@ -19,9 +19,10 @@ from anyio.from_thread import BlockingPortal
 from cadenza.config import CadenzaConfig, load_config
 from cadenza.engine import AsyncEngine
 from cadenza.logging_setup import configure_logging
-from cadenza.outputs import RequestOutput, TokenLogprob
+from cadenza.outputs import EmbeddingOutput, RequestOutput, TokenLogprob
 from cadenza.prompts import Prompt, PromptError, is_single_prompt, tokenize_prompt
 from cadenza.runtime import Runtime, build_runtime
+from cadenza.pooling_params import PoolingParams
 from cadenza.sampling_params import SamplingParams, completion_seed
 
 # Short keyword names accepted by LLM(...), mapped to their config paths.
@@ -101,8 +102,8 @@ class LLM:
     def __exit__(self, *exc_info) -> None:
         self.close()
 
-    def __del__(self) -> None:
-        if sys.is_finalizing() or getattr(self, "_engine_cm", None) is None:
+    def __del__(self, _is_finalizing=sys.is_finalizing) -> None:  # bound early: at exit `sys` may be None here
+        if _is_finalizing() or getattr(self, "_engine_cm", None) is None:
             return  # the loop thread is a daemon: nothing left to wait for
         # The collector may run this in any thread, even one the engine's loop is waiting on,
         # where a blocking close would deadlock: close from a thread of its own instead.
@@ -137,6 +138,28 @@ class LLM:
         if use_tqdm is None:
             use_tqdm = len(requests) > 1 and sys.stderr.isatty()
         return self._portal.call(self._run_all, requests, use_tqdm)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], pooling: PoolingParams | None = None) -> list[EmbeddingOutput]:
+        """One vector per prompt, in order (`.embedding`; None with `error` for a request that
+        failed alone). `pooling`: None takes the deployment's `embeddings` section."""
+        batch = [prompts] if is_single_prompt(prompts) else list(prompts)
+        pooling = pooling or self.engine.pooling_params()
+        prepared = [self._prepare(p) for p in batch]
+        return self._portal.call(self._embed_all, prepared, pooling)
+
+    async def _embed_all(self, prepared: list[tuple[str | None, list[int]]], pooling: PoolingParams) -> list[EmbeddingOutput]:
+        results: list[EmbeddingOutput | None] = [None] * len(prepared)
+
+        async def run_one(i: int) -> None:
+            ids = prepared[i][1]
+            out = await self.engine.embed(ids, pooling)
+            vector = list(out.embedding) if out.embedding is not None else None
+            results[i] = EmbeddingOutput(out.request_id, vector, len(ids), out.error, out.error_code)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(prepared)):
+                tg.start_soon(run_one, i)
+        return results  # type: ignore[return-value]
 
     def _prepare(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         text, ids = tokenize_prompt(prompt, self.tokenizer, self.runtime.loaded.arch.vocab_size)

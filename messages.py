@@ -13,7 +13,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from cadenza.outputs import TokenLogprob
 from cadenza.sampling_params import SamplingParams
-from cadenza.step import PromptLogprobs, ScheduledChunk, Speculation
+from cadenza.step import Pooled, PromptLogprobs, ScheduledChunk, Speculation
 
 # --- to the ingress -------------------------------------------------------------------------------
 
@@ -65,7 +65,8 @@ class SampledToken:
 class StepOutput:
     """What one step produced: a token per sampling request (a speculating request's accepted
     guesses first, then its token, in order); requests that failed alone; what speculation did;
-    the prompt logprobs its prompt chunks computed."""
+    the prompt logprobs its prompt chunks computed; the vectors of the embedding requests whose
+    last chunk it ran."""
 
     step_id: int
     sampled: tuple[SampledToken, ...]
@@ -73,6 +74,7 @@ class StepOutput:
     seconds: float = 0.0
     speculated: tuple[Speculation, ...] = ()
     prompt_logprobs: tuple[PromptLogprobs, ...] = ()
+    pooled: tuple[Pooled, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,7 +216,8 @@ class TrackRequest:
 @dataclass(frozen=True, slots=True)
 class NewTokens:
     """Tokens a request generated; `finish_reason` is set on its last message from the scheduler.
-    Its first tokens carry its `prompt_logprobs` when it asked (one per prompt token, None first)."""
+    Its first tokens carry its `prompt_logprobs` when it asked (one per prompt token, None first).
+    An embedding request's one message has no tokens, its `embedding` and finish_reason "stop"."""
 
     request_id: str
     token_ids: tuple[int, ...]
@@ -226,6 +229,7 @@ class NewTokens:
     error: str | None = None
     error_code: str | None = None
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    embedding: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ from cadenza.outputs import TokenLogprob
 from cadenza.samplers.base import SamplerOutput, SamplingBatch, SamplingError
 from cadenza.sampling_params import SamplingParams
 from cadenza.speculative.speculator import Speculator
-from cadenza.step import PENDING_TOKEN, PromptLogprobs, ScheduledChunk, Speculation
+from cadenza.step import PENDING_TOKEN, Pooled, PromptLogprobs, ScheduledChunk, Speculation
 from cadenza.step_inputs import StepInputs, StepPacker
 
 __all__ = ["PENDING_TOKEN", "ModelRunner", "ScheduledChunk", "StepResult"]
@@ -32,11 +32,14 @@ PROMPT_LOGPROB_ROWS = 512
 @dataclass(slots=True)
 class _RequestRecord:
     """What sampling reads of one request, kept here from its first sampled chunk until the
-    scheduler reports it gone: the prompt, the tokens sampled so far, its seeded generator."""
+    scheduler reports it gone: the prompt, the tokens sampled so far, its seeded generator; for an
+    embedding request with mean pooling, the running sum of its rows' hidden states so far."""
 
     prompt_token_ids: Sequence[int]
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    pooled_sum: torch.Tensor | None = None  # float32
+    pooled_rows: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +49,8 @@ class StepResult:
     `failed` lists (request_id, message) for requests a failing sampler plugin took down; they
     are not in `request_ids`. `accepted[request_id]`: a speculating request's verified guesses,
     which come before its sampled token; `speculated`: what each speculating request's guesses did;
-    `prompt_logprobs`: what the step's prompt chunks that asked for them computed.
+    `prompt_logprobs`: what the step's prompt chunks that asked for them computed; `pooled`: the
+    vectors of the embedding requests whose last chunk ran.
     """
 
     request_ids: list[str]
@@ -56,6 +60,7 @@ class StepResult:
     accepted: dict[str, list[int]] = field(default_factory=dict)
     speculated: list[Speculation] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    pooled: list[Pooled] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -145,15 +150,65 @@ class ModelRunner:
         guessed = [p + 1 + j for p, n in zip(first, counts) for j in range(n)]
         # Prompt logprobs: more rows of the same product, after the sampled ones.
         prompt_rows, prompt_spans = _prompt_rows(chunks, ends)
-        inputs, hidden = self._forward(chunks, first + guessed + prompt_rows, graphs=not prompt_rows)
-        if not sampling_rows and not prompt_rows:
+        # Embedding requests' rows (every row for mean pooling, the last chunk's last for last): the
+        # same gather, after those; their hidden states are the pooled inputs, no logits.
+        pool_rows, pool_spans = _pool_rows(chunks, ends)
+        rows = first + guessed + prompt_rows + pool_rows
+        inputs, hidden = self._forward(chunks, rows, graphs=not prompt_rows and not pool_rows)
+        if not rows:
             return StepResult([], None)
         selected = hidden.index_select(0, inputs.sample_rows)
-        prompt = self._prompt_logprobs(selected[len(first) + len(guessed) :], prompt_spans) if prompt_rows else []
+        num_sampled = len(first) + len(guessed)
+        prompt_end = num_sampled + len(prompt_rows)
+        prompt = self._prompt_logprobs(selected[num_sampled:prompt_end], prompt_spans) if prompt_rows else []
+        pooled, pool_failed = self._pool(selected[prompt_end:], pool_spans) if pool_spans else ([], [])
         if not sampling_rows:
-            return StepResult([], None, prompt_logprobs=prompt)
-        result = self._sample(chunks, selected[: len(first) + len(guessed)], return_logits, guesses, sampling_rows, counts)
-        return replace(result, prompt_logprobs=prompt) if prompt else result
+            return StepResult([], None, failed=pool_failed, prompt_logprobs=prompt, pooled=pooled)
+        result = self._sample(chunks, selected[:num_sampled], return_logits, guesses, sampling_rows, counts)
+        if prompt or pooled or pool_failed:
+            result = replace(result, prompt_logprobs=prompt, pooled=pooled, failed=[*result.failed, *pool_failed])
+        return result
+
+    def _pool(self, hidden: torch.Tensor, spans: list[tuple[ScheduledChunk, int]]) -> tuple[list[Pooled], list[tuple[str, str]]]:
+        """Each embedding chunk's part of its request's vector, from `hidden` (their rows' hidden
+        states, spans in order); the vectors of requests whose last chunk this is. A request whose
+        pooling raises fails alone."""
+        pooled, failed, row = [], [], 0
+        for chunk, n in spans:
+            rows, row = hidden[row : row + n], row + n
+            try:
+                vector = self._pool_chunk(chunk, rows)
+            except Exception as exc:
+                failed.append((chunk.request_id, f"pooling failed: {exc}"))
+                continue
+            if vector is not None:
+                pooled.append(Pooled(chunk.request_id, tuple(vector.tolist())))
+        return pooled, failed
+
+    def _pool_chunk(self, chunk: ScheduledChunk, rows: torch.Tensor) -> torch.Tensor | None:
+        params = chunk.params.pooling
+        if params.pooling == "last":
+            vector = rows[-1].float()
+        else:
+            # The running sum lives in the request's record; a chunk at position 0 starts it afresh
+            # (the request was preempted and recomputes; mean pooling never takes a cached prefix).
+            record = self._record(chunk)
+            part = rows.float().sum(dim=0)
+            if chunk.start_position == 0 or record.pooled_sum is None:
+                record.pooled_sum, record.pooled_rows = part, 0
+            else:
+                record.pooled_sum += part
+            record.pooled_rows += len(rows)
+            if not chunk.pool:
+                return None
+            vector = record.pooled_sum / record.pooled_rows
+        if params.dimensions is not None:
+            if params.dimensions > vector.numel():
+                raise ValueError(f"dimensions: {params.dimensions} exceeds the model's hidden size {vector.numel()}")
+            vector = vector[: params.dimensions]
+        if params.normalize:
+            vector = torch.nn.functional.normalize(vector, dim=0)
+        return vector
 
     def _sample(self, chunks, selected: torch.Tensor, return_logits: bool, guesses: dict[str, list[int]],
                 sampling_rows: list[int], counts: list[int]) -> StepResult:
@@ -446,6 +501,24 @@ def _prompt_rows(chunks: Sequence[ScheduledChunk], ends: list[int]) -> tuple[lis
         rows.extend(range(base + lo, base + hi))
         top = (chunk.params.prompt_logprobs or 0) if chunk.params is not None else 0
         spans.append(_PromptSpan(chunk.request_id, lo + 1, chunk.prompt_token_ids[lo + 1 : hi + 1], top))
+    return rows, spans
+
+
+def _pool_rows(chunks: Sequence[ScheduledChunk], ends: list[int]) -> tuple[list[int], list[tuple[ScheduledChunk, int]]]:
+    """The flat rows embedding chunks pool from (every row for mean pooling; the last row of the
+    last chunk for last pooling) and each such chunk with its number of rows."""
+    rows: list[int] = []
+    spans: list[tuple[ScheduledChunk, int]] = []
+    for chunk, end in zip(chunks, ends):
+        pooling = chunk.params.pooling if chunk.params is not None else None
+        if pooling is None:
+            continue
+        if pooling.pooling == "mean":
+            rows.extend(range(end - len(chunk.token_ids), end))
+            spans.append((chunk, len(chunk.token_ids)))
+        elif chunk.pool:
+            rows.append(end - 1)
+            spans.append((chunk, 1))
     return rows, spans
 
 

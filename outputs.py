@@ -48,6 +48,7 @@ class TextDelta:
     queue_seconds: float | None = None
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     prompt_token_ids: tuple[int, ...] | None = None
+    embedding: tuple[float, ...] | None = None  # an embedding request's vector, on its last delta
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,3 +86,15 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingOutput:
+    """`LLM.embed`'s result for one prompt: its vector (None when the request failed, with
+    `error` and `error_code`) and how many prompt tokens it embedded."""
+
+    request_id: str
+    embedding: list[float] | None
+    num_prompt_tokens: int
+    error: str | None = None
+    error_code: str | None = None

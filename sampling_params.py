@@ -26,6 +26,8 @@ from pydantic import (
 )
 from pydantic.fields import FieldInfo
 
+from cadenza.pooling_params import PoolingParams
+
 _GREEDY_EPSILON = 1e-5
 MAX_N = 64  # choices one request may ask for; each is an engine request of its own
 MAX_LOGPROBS = 20
@@ -258,6 +260,9 @@ class SamplingParams(BaseModel):
         None, description="Speculative decoding for this request: switch it off, cap it or pick the proposer."
     )
     extra: dict[str, Any] = Field(default_factory=dict, description="Parameters for sampler plugins, by plugin name.")
+    pooling: PoolingParams | None = Field(
+        None, description="Embed the prompt instead of generating (prefill only, nothing sampled): how to pool."
+    )
 
     @model_validator(mode="after")
     def _min_within_max(self) -> "SamplingParams":
@@ -313,12 +318,13 @@ def _optional(info: FieldInfo) -> tuple[Any, Any]:
 
 
 # SamplingParams' per-token fields, each optional: a client sets what it wants and the rest comes
-# from defaults. (`n`, how many outputs, is a request's shape; each protocol decides on it.)
+# from defaults. (`n`, how many outputs, and `pooling`, embedding instead of generating, are a
+# request's shape; each protocol decides on them.)
 SamplingOverrides: type[BaseModel] = create_model(
     "SamplingOverrides",
     __config__=ConfigDict(extra="forbid"),
-    __doc__="SamplingParams' fields but n, each optional: None means 'not set here'.",
-    **{name: _optional(info) for name, info in SamplingParams.model_fields.items() if name != "n"},
+    __doc__="SamplingParams' fields but n and pooling, each optional: None means 'not set here'.",
+    **{name: _optional(info) for name, info in SamplingParams.model_fields.items() if name not in ("n", "pooling")},
 )
 
 

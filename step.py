@@ -42,6 +42,11 @@ class ScheduledChunk:
     chunk's positions from this one on that has a next prompt token reports that token's
     log-probability from its own logits (`PromptLogprobs`); positions before it reported theirs
     before a preemption. None: the chunk reports none.
+
+    An embedding request's chunks (`params.pooling` set) never sample: their rows' hidden states
+    feed its pooled vector (every row for `mean`, the last row of the last chunk for `last`), and
+    `pool` is set on the chunk that ends its prompt, when the runner reports the vector
+    (`Pooled`). A chunk at position 0 starts the request's pooling afresh (after a preemption).
     """
 
     request_id: str
@@ -54,6 +59,7 @@ class ScheduledChunk:
     num_output_tokens: int | None = None
     num_speculative: int = 0
     prompt_logprobs_from: int | None = None
+    pool: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,3 +81,12 @@ class PromptLogprobs:
     request_id: str
     start: int
     entries: tuple[TokenLogprob, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Pooled:
+    """An embedding request's vector, pooled from its prompt's last hidden states (as its
+    `PoolingParams` say: pooled, truncated, normalized), reported by the step of its last chunk."""
+
+    request_id: str
+    embedding: tuple[float, ...]

@@ -38,6 +38,7 @@ class GenerationOutput:
     error_code: str | None = None
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     prompt_token_ids: tuple[int, ...] | None = None
+    embedding: tuple[float, ...] | None = None  # an embedding request's vector, on its last output
 
     @property
     def finished(self) -> bool:
@@ -97,8 +98,9 @@ class RequestStream:
     def _merge(self, deltas: list[TextDelta]) -> GenerationOutput:
         tokens: list[int] = []
         logprobs: list[TokenLogprob] | None = None
-        finish = error = code = prompt_logprobs = prompt_ids = None
+        finish = error = code = prompt_logprobs = prompt_ids = embedding = None
         for d in deltas:
+            embedding = d.embedding if d.embedding is not None else embedding
             tokens.extend(d.token_ids)
             if d.prompt_logprobs is not None:  # one delta carries them
                 prompt_logprobs, prompt_ids = d.prompt_logprobs, d.prompt_token_ids
@@ -135,4 +137,5 @@ class RequestStream:
             code,
             prompt_logprobs,
             prompt_ids,
+            embedding,
         )

@@ -189,6 +189,7 @@ class DetokenizerActor(Actor[DetokenizerMessage]):
                 queue_seconds=message.queue_seconds,
                 prompt_logprobs=message.prompt_logprobs,
                 prompt_token_ids=prompt_ids,
+                embedding=message.embedding,
             )
         )
 

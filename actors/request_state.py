@@ -54,10 +54,18 @@ class Request:
         return self.params.prompt_logprobs is not None and self.num_prompt_logprobs < self.num_prompt_tokens - 1
 
     @property
+    def is_pooling(self) -> bool:
+        """An embedding request: prefill only, its last chunk pools instead of sampling."""
+        return self.params.pooling is not None
+
+    @property
     def max_cached_tokens(self) -> int | None:
         """The most leading tokens the prefix cache may supply (None: any): a request owed prompt
-        logprobs computes every position that has not had its logprob (vLLM's rule), though the
-        blocks it computes are cached for others like any."""
+        logprobs computes every position that has not had its logprob (vLLM's rule), and mean
+        pooling needs every prompt row's hidden state, though the blocks either computes are
+        cached for others like any."""
+        if self.is_pooling and self.params.pooling.pooling == "mean":
+            return 0
         return self.num_prompt_logprobs if self.wants_prompt_logprobs else None
 
     def take_prompt_logprobs(self) -> tuple[TokenLogprob | None, ...] | None:

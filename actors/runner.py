@@ -66,7 +66,7 @@ class RunnerActor(Actor[RunnerMessage]):
         await self.scheduler.send(
             StepOutput(
                 message.step_id, sampled_tokens(result, message), tuple(result.failed), seconds, tuple(result.speculated),
-                tuple(result.prompt_logprobs),
+                tuple(result.prompt_logprobs), tuple(result.pooled),
             )  # fmt: skip
         )
 

@@ -122,6 +122,8 @@ class SchedulerActor(Actor[SchedulerMessage]):
         if plan.accepted:  # verified guesses; before a finished request's FreeBlocks, so its full blocks are cached
             await self.cache.send(CommitTokens(plan.step_id, tuple(self.core.accepted_tokens(plan))))
         now = self.clock()
+        for request, embedding in self.core.finish_pooled(plan, output.pooled):
+            await self._finish_pooled(request, embedding, now)
         for event in events:
             request, token = event.request, event.token
             first = len(request.output_token_ids) == 1
@@ -150,6 +152,25 @@ class SchedulerActor(Actor[SchedulerMessage]):
                     prompt_logprobs=request.take_prompt_logprobs() if first else None,
                 )
             )
+
+    async def _finish_pooled(self, request: Request, embedding: tuple[float, ...], now: float) -> None:
+        """An embedding request's last chunk ran: its blocks go back (its computed blocks stay in
+        the prefix cache, evictable, like a finished generation's: the same prompt's keys and
+        values), then its vector goes to the detokenizer, which finishes it."""
+        await self._release(request)
+        self.metrics.requests_finished += 1
+        self.log.info("Request finished", request_id=request.request_id, finish_reason="stop", embedded_tokens=request.num_prompt_tokens)
+        await self.detokenizer.send(
+            NewTokens(
+                request.request_id,
+                (),
+                finish_reason="stop",
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_cached_tokens=request.num_cached_tokens,
+                queue_seconds=(request.first_scheduled_time or now) - request.arrival_time,
+                embedding=embedding,
+            )
+        )
 
     async def _step(self) -> bool:
         """Plan a step, allocate it, send it to the runner; False when there is nothing to run now."""

@@ -21,7 +21,7 @@ from cadenza.config import SchedulerConfig
 from cadenza.config.schema import SpeculativeConfig
 from cadenza.messages import BlockNeed, Candidate, SampledToken, StepAllocation
 from cadenza.speculative.policy import SpeculationPolicy
-from cadenza.step import PromptLogprobs, ScheduledChunk, Speculation
+from cadenza.step import Pooled, PromptLogprobs, ScheduledChunk, Speculation
 
 
 class QueueFullError(Exception):
@@ -195,6 +195,9 @@ class SchedulerCore:
         num_output_tokens = request.num_planned_tokens - request.num_prompt_tokens
         request.num_computed_tokens = start + n
         sample = request.num_computed_tokens == request.num_planned_tokens
+        # An embedding request's last chunk pools rather than samples: nothing is pending, and the
+        # request waits (planning no tokens) until the step reports its vector (`finish_pooled`).
+        pool, sample = sample and request.is_pooling, sample and not request.is_pooling
         plan.epochs[request.request_id] = request.epoch
         num_speculative = plan.speculative.get(request.request_id, 0) if sample else 0
         request.num_draft_slots = num_speculative
@@ -215,6 +218,7 @@ class SchedulerCore:
             num_output_tokens,
             num_speculative,
             first if reports else None,
+            pool,
         )
 
     # --- results --------------------------------------------------------------------------------
@@ -306,6 +310,19 @@ class SchedulerCore:
                 del self.requests[request.request_id]
             events.append(TokenEvent(request, token, reason))
         return events
+
+    def finish_pooled(self, plan: StepPlan, pooled: tuple[Pooled, ...]) -> list[tuple[Request, tuple[float, ...]]]:
+        """The embedding requests whose vectors the step pooled: each ends here, once (a request
+        gone or preempted since the step was planned is skipped: it computes its vector again)."""
+        done = []
+        for entry in pooled:
+            request = self.requests.get(entry.request_id)
+            if request is None or request not in self.running or not self._is_current(request, plan):
+                continue
+            self.running.remove(request)
+            del self.requests[request.request_id]
+            done.append((request, entry.embedding))
+        return done
 
     def fail(self, request_ids) -> list[Request]:
         return [r for r in (self.abort(i) for i in request_ids) if r is not None]

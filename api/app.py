@@ -120,9 +120,10 @@ def create_app(runtime: Runtime, *, shutdown_grace: float = 10.0) -> FastAPI:
             ],
         }
 
-    from cadenza.api import openai_routes, playground, realtime, responses, tokenizer_routes, websocket
+    from cadenza.api import embeddings_routes, openai_routes, playground, realtime, responses, tokenizer_routes, websocket
 
     app.include_router(openai_routes.router)
+    app.include_router(embeddings_routes.router)
     app.include_router(tokenizer_routes.router)
     app.include_router(websocket.router)
     app.include_router(responses.router)

@@ -384,3 +384,39 @@ def to_sampling_params(
         )  # fmt: skip
     except SamplingParamsError as exc:
         raise _invalid(exc.field(rename), exc.describe(rename), "invalid_value") from exc
+
+
+# --- /v1/embeddings -------------------------------------------------------------------------------
+
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on one request's inputs
+
+
+class EmbeddingRequest(_Strict):
+    """OpenAI's embeddings request. Pooling and normalization are the deployment's (`embeddings`
+    config section); `dimensions` truncates each vector (then renormalized when the deployment
+    normalizes)."""
+
+    model: str
+    input: Annotated[str | list[str] | list[int] | list[list[int]], WithJsonSchema(
+        {**_PROMPT_SCHEMA, "description": "Text, token ids, or a batch of either (at most 2048); each is embedded on its own."}
+    )]  # fmt: skip
+    encoding_format: Literal["float", "base64"] = Field(
+        "float", description="float: a list of numbers; base64: the float32 little-endian bytes, base64-encoded."
+    )
+    dimensions: int | None = Field(None, ge=1, description="Keep the first this many values of each vector; at most the model's hidden size.")
+    user: str | None = Field(None, description="An end-user id; accepted and ignored.")
+
+    def inputs(self) -> list[str | list[int]]:
+        """The batch: a string and a list of token ids are one input each."""
+        if isinstance(self.input, str) or (self.input and isinstance(self.input[0], int)):
+            return [self.input]
+        return list(self.input)
+
+    def check(self, hidden_size: int) -> None:
+        inputs = self.inputs()
+        if not self.input or any(not p for p in inputs):
+            raise _invalid("input", "input: must not be empty, nor hold an empty string or list", "invalid_prompt")
+        if len(inputs) > MAX_EMBEDDING_INPUTS:
+            raise _invalid("input", f"input: at most {MAX_EMBEDDING_INPUTS} inputs a request (got {len(inputs)})")
+        if self.dimensions is not None and self.dimensions > hidden_size:
+            raise _invalid("dimensions", f"dimensions: must be an integer in [1, {hidden_size}], the model's hidden size (got {self.dimensions})")

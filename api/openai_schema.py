@@ -8,10 +8,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 from pydantic.json_schema import GenerateJsonSchema, models_json_schema
 
-from cadenza.api.openai_protocol import ChatCompletionRequest, CompletionRequest
+from cadenza.api.openai_protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 
 _REF = "#/components/schemas/{model}"
-REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest)
+REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, EmbeddingRequest)
 
 
 def openapi_request_body(model: type[BaseModel]) -> dict[str, Any]:
@@ -165,3 +165,21 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"]
     data: list[ModelCard]
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"]
+    index: int = Field(description="The input's position in the request.")
+    embedding: list[float] | str = Field(description="The vector: numbers, or base64 of float32 little-endian bytes.")
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage

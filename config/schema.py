@@ -381,6 +381,17 @@ class SpeculativeConfig(_Section):
     )
 
 
+class EmbeddingsConfig(_Section):
+    """Embeddings (`/v1/embeddings`, `LLM.embed`): how the served decoder's last hidden states
+    (after its final norm) become one vector per input."""
+
+    pooling: Literal["last", "mean"] = Field(
+        "last", description="last: the last input token's hidden state; mean: the mean over every input token's "
+        "(those inputs are then computed whole, never taken from the prefix cache).",
+    )
+    normalize: bool = Field(True, description="Scale each vector to unit L2 norm (after truncation to `dimensions`).")
+
+
 class LoggingConfig(_Section):
     """Log verbosity and rendering."""
 
@@ -423,6 +434,9 @@ class CadenzaConfig(_Section):
         default_factory=SpeculativeConfig, description="Speculative decoding (several tokens a step)."
     )
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logging.")
+    embeddings: EmbeddingsConfig = Field(
+        default_factory=EmbeddingsConfig, description="Embeddings: pooling of the last hidden states."
+    )
     plugins: list[str] = Field(
         default_factory=list, description="Module names to load as plugins."
     )
@@ -432,7 +446,7 @@ class CadenzaConfig(_Section):
         "pinned_prefix: {pinned_blocks: 4}); checked at start-up against the plugin's options model.",
     )
 
-    @field_validator("model", "cache", "scheduler", "sampling", "server", "sessions", "parallel", "speculative", "logging", mode="before")
+    @field_validator("model", "cache", "scheduler", "sampling", "server", "sessions", "parallel", "speculative", "logging", "embeddings", mode="before")
     @classmethod
     def _empty_section(cls, value: object) -> object:
         # A YAML section whose keys are all commented out reads as null: treat it as empty.
