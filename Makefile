@@ -4,6 +4,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The CPU kernels build into the virtualenv, not the shared ~/.cache: a fresh clone (CI's) never
+# waits on a lock another checkout's killed build left behind. A user's own runs keep torch's default.
+export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
 .PHONY: install test serve clean browser
 

@@ -66,6 +66,8 @@ def serve_and_ask(python: Path, cwd: Path, timeout: float = 600.0) -> None:
     # Away from the source tree, with nothing of it on the path: only the installed wheel runs.
     env = {k: v for k, v in os.environ.items() if not k.startswith("CADENZA_") and k != "PYTHONPATH"}
     env["PYTHONUNBUFFERED"] = "1"
+    # Its own kernel build cache: nothing left in the shared one (a lock of a killed build) can stall it.
+    env["TORCH_EXTENSIONS_DIR"] = str(cwd.parent / "torch_extensions")
     port = free_port()
     log_path = cwd / "server.log"  # the server's logs (stderr); stdout carries the answer alone
     with open(log_path, "w") as log_file:
