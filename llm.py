@@ -18,6 +18,7 @@ from anyio.from_thread import BlockingPortal
 
 from cadenza.config import CadenzaConfig, load_config
 from cadenza.engine import AsyncEngine
+from cadenza.models.loading import release_free_memory
 from cadenza.logging_setup import configure_logging
 from cadenza.outputs import EmbeddingOutput, RequestOutput, TokenLogprob
 from cadenza.prompts import Prompt, PromptError, is_single_prompt, tokenize_prompt
@@ -82,6 +83,7 @@ class LLM:
         self._portal, self._thread = _start_event_loop_thread()
         self._engine_cm = self._portal.wrap_async_context_manager(AsyncEngine.serve(self.runtime))
         self.engine: AsyncEngine = self._engine_cm.__enter__()
+        release_free_memory()  # what building the sampling pipeline and starting the engine freed
 
     def close(self) -> None:
         """Stop the engine, then its event loop thread, then what the runtime started beside this

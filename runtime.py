@@ -17,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 
 from cadenza.config import CadenzaConfig
 from cadenza.config.errors import ConfigError, key_path
-from cadenza.kv_cache import allocate_kv_caches, choose_num_blocks
+from cadenza.kv_cache import allocate_kv_caches, available_memory, size_cache
 from cadenza.model_runner import ModelRunner
 from cadenza.models.loading import LoadedModel, load_model
 from cadenza.plugins.eviction import EvictionPolicy
@@ -156,7 +156,13 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 
 def resolve_kv_dtype(name: str, compute_dtype: torch.dtype) -> torch.dtype:
-    """`cache.dtype` as a torch dtype; torch.int8 is the quantized cache (see `kv_cache.py`)."""
+    """`cache.dtype` as a torch dtype; torch.int8 is the quantized cache (see `kv_cache.py`).
+
+    auto: the dtype attention computes in, so bfloat16 wherever that is bfloat16. Where attention
+    computes in float32 on the CPU (a GGUF's quantized linears, on every CPU; bf16 weights without
+    native bf16) the cache stays float32: the torch_sdpa backend hands only float32 and int8 caches
+    to the CPU kernels, and a bfloat16 cache decodes 1.3-1.7x slower there (gathered for SDPA;
+    default model, AVX-512 and AVX2 alike), though the kernels read one as fast as float32."""
     if name == "auto":
         return compute_dtype
     return torch.int8 if name == "int8" else _DTYPES[name]
@@ -233,7 +239,7 @@ def build_model_shard(config: CadenzaConfig, plugins: Plugins, ctx=None) -> Mode
     # By default the cache holds keys and values in the dtype attention computes in (float32 where
     # bf16 weights run on a CPU without native bf16): no per-layer conversion of the whole context.
     kv_dtype = resolve_kv_dtype(config.cache.dtype, loaded.compute_dtype)
-    num_blocks = choose_num_blocks(
+    sized = size_cache(
         cache_arch,
         block_size,
         kv_dtype,
@@ -241,7 +247,11 @@ def build_model_shard(config: CadenzaConfig, plugins: Plugins, ctx=None) -> Mode
         memory_budget=config.cache.memory_budget_bytes,
         max_num_seqs=config.scheduler.max_num_seqs,
         max_model_len=loaded.max_model_len,
+        available=available_memory(device),
     )
+    num_blocks = sized.num_blocks
+    log.info("KV cache sized", kv_bytes=sized.nbytes, kv_mib=round(sized.nbytes / 2**20, 1), kv_blocks=num_blocks,
+             kv_tokens=num_blocks * block_size, kv_dtype=str(kv_dtype).removeprefix("torch."), why=sized.reason)
     kv_caches = allocate_kv_caches(arch, num_blocks, block_size, kv_dtype, device)
     backend = plugins.build(
         backend_cls,

@@ -127,8 +127,12 @@ class CacheConfig(_Section):
         16, ge=1, le=256, description="Tokens per KV cache block; a power of two from 1 to 256."
     )
     num_blocks: int | None = Field(
-        None, gt=0, description="Number of KV cache blocks. Set this or memory_budget, not both; "
-        "with neither the engine picks a default.",
+        None, gt=0, description="Number of KV cache blocks. Set this or memory_budget, not both. "
+        "With neither, the cache holds scheduler.max_num_seqs sequences of 256 tokens (of "
+        "max_model_len where shorter) and at least one of max_model_len, within a quarter of the "
+        "memory available at start-up (MemAvailable; free GPU memory on CUDA); the start-up log "
+        "line 'KV cache sized' gives the bytes, blocks and tokens taken, and why. A CPU cache "
+        "becomes resident only as its blocks are first written.",
     )
     memory_budget: str | int | None = Field(
         None, description="Memory for the KV cache: bytes, or a size such as '512MiB', '2GiB', "
@@ -136,7 +140,9 @@ class CacheConfig(_Section):
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16", "int8"] = Field(
         "auto", description="What keys and values are stored as. 'auto': the dtype attention computes "
-        "in; float16 or bfloat16 halve float32's bytes (attention still computes in its own dtype); "
+        "in (bfloat16 where that is bfloat16; float32 on CPUs where it is float32, as with a GGUF's "
+        "quantized weights, since only float32 and int8 caches run on the CPU decode kernels there); "
+        "float16 or bfloat16 halve float32's bytes (attention still computes in its own dtype); "
         "'int8': quantized per token and kv head (a float16 scale each), about half the bytes of "
         "bfloat16 and a quarter of float32, so the same memory_budget holds 2-4x the tokens.",
     )

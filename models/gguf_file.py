@@ -110,6 +110,17 @@ class GGUFFile:
             data = raw.reshape(*numpy_shape[:-1], numpy_shape[-1] * type_bytes // block)
         return GGUFTensor(name, qtype, np.array(dims, dtype=np.uint64), data)
 
+    def release(self, tensor: GGUFTensor) -> None:
+        """Drop the map's pages from the start of the file to the end of `tensor` from this
+        process's resident memory (madvise DONTNEED): a loader that has copied the tensors out
+        calls it as it goes, so the file's pages (94 MiB for the default model) never all count
+        at once. Always safe: a later read of a dropped page faults it back in from the page cache."""
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        if advice is None:  # not Linux: the pages go when the map does
+            return
+        end = tensor.data.ctypes.data + tensor.data.nbytes - np.frombuffer(self._buf, np.uint8, count=1).ctypes.data
+        self._map.madvise(advice, 0, min(end, len(self._map)))
+
     def _scalar(self, fmt: str):
         (value,) = struct.unpack_from(fmt, self._buf, self._pos)
         self._pos += struct.calcsize(fmt)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 from typing import Iterator
 
@@ -152,11 +153,20 @@ def plan_native_weights(reader: GGUFFile, why_not: str | None) -> frozenset[str]
     return kept
 
 
+def native_nbytes(reader: GGUFFile, native: frozenset[str]) -> int:
+    """Bytes a `WeightArena` needs for the raw blocks of the tensors named in `native`."""
+    from cadenza.models.weight_arena import aligned
+
+    return sum(aligned(t.n_bytes) for t in reader.tensors if _hf_name(t.name) in native)
+
+
 def iter_gguf_weights(
     reader: GGUFFile, cfg: ModelArchConfig, dtype: torch.dtype, source: str, native: frozenset[str] = frozenset()
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     """Every tensor under its HF name: de-quantized to `dtype`, or for the names in `native`
-    (see `plan_native_weights`) as raw blocks, copied out of the file's memory map."""
+    (see `plan_native_weights`) as raw blocks, read-only views of the file's memory map that the
+    model copies where they belong (q/k rows re-ordered: copies). Once the consumer is done with
+    a tensor, the map's pages up to it are dropped from resident memory (`GGUFFile.release`)."""
     permute = read_field(reader, "general.architecture") in _PERMUTED_ARCHS
     for tensor in reader.tensors:
         hf_name = _hf_name(tensor.name)
@@ -164,6 +174,7 @@ def iter_gguf_weights(
             raise UnsupportedModelError(f"{source}: unexpected tensor {tensor.name!r}")
         if hf_name in native:
             yield hf_name, _raw_blocks(tensor, hf_name, cfg, permute)
+            reader.release(tensor)
             continue
         weight = torch.from_numpy(_dequantize(tensor, source))
         if permute and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
@@ -171,11 +182,14 @@ def iter_gguf_weights(
         elif permute and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             weight = _unpermute(weight, cfg.num_kv_heads)
         yield hf_name, weight.to(dtype)
+        reader.release(tensor)
 
 
 def _raw_blocks(tensor, hf_name: str, cfg: ModelArchConfig, permute: bool) -> QuantizedTensor:
     rows, in_features = int(tensor.shape[1]), int(tensor.shape[0])  # GGUF lists dimensions fastest-first
-    blocks = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(rows, -1))
+    with warnings.catch_warnings():  # a view of the read-only map: nothing writes to it
+        warnings.simplefilter("ignore", UserWarning)
+        blocks = torch.from_numpy(tensor.data.reshape(rows, -1))
     # Rows are independent: undoing llama.cpp's q/k row interleaving moves whole rows of blocks.
     if permute and hf_name.endswith("q_proj.weight"):
         blocks = _unpermute(blocks, cfg.num_heads).contiguous()

@@ -263,9 +263,11 @@ class LlamaForCausalLM(nn.Module):
         if self.cfg.tie_word_embeddings and isinstance(self.embed_tokens, QuantizedEmbedding):
             self.lm_head = QuantizedLinear(self.cfg.hidden_size, self.cfg.vocab_size, bias=False)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]], source: str) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]], source: str, arena=None) -> None:
         """Copy named HF-layout tensors in; every parameter must be filled exactly once. Raw GGUF
-        blocks go to the modules `use_quantized_weights` made for them."""
+        blocks go to the modules `use_quantized_weights` made for them; with `arena` (a
+        `WeightArena` sized for them), each module copies its blocks into it as soon as all its
+        rows are in, so the tensors it was given (views of a file) are let go as the load goes."""
         cfg = self.cfg
         params = dict(self.named_parameters())
         quantized = {
@@ -279,6 +281,13 @@ class LlamaForCausalLM(nn.Module):
             is_fused = any(f[0] in name for f in fused.values())
             expected[name] = (shape0 or quantized[name].out_features) if is_fused else 1
         filled: dict[str, int] = {}
+
+        def finish(name: str) -> None:
+            try:
+                quantized[name].finish_loading(arena)
+            except ValueError as exc:
+                raise ModelLoadError(f"{source}: {name}: {exc}") from exc
+
         with torch.no_grad():
             for hf_name, tensor in weights:
                 if hf_name.endswith(_IGNORED_SUFFIXES):
@@ -305,13 +314,10 @@ class LlamaForCausalLM(nn.Module):
                     target.copy_(tensor)
                     size = target.shape[0]
                 filled[name] = filled.get(name, 0) + (size if rows != slice(None) else 1)
+                if name in quantized and filled[name] == expected[name]:
+                    finish(name)  # all its rows are in (every module gets here, or `missing` says why)
         missing = [n for n, count in expected.items() if filled.get(n, 0) != count]
         if missing:
             raise ModelLoadError(f"{source}: missing tensors for {', '.join(sorted(missing)[:8])}")
-        for name, module in quantized.items():
-            try:
-                module.finish_loading()
-            except ValueError as exc:
-                raise ModelLoadError(f"{source}: {name}: {exc}") from exc
         if cfg.tie_word_embeddings and isinstance(self.embed_tokens, QuantizedEmbedding):
             self.lm_head = QuantizedLinear.tied_to(self.embed_tokens)

@@ -55,13 +55,39 @@ def ggml_type(qtype: int) -> int:
     return qtype & ~PACKED_FLAG
 
 
-def pack_for_kernels(kernels, blocks: torch.Tensor, qtype: int) -> tuple[torch.Tensor, int]:
+# Bytes of blocks packed at a time in place: each 16 rows pack into the same 16 rows, so a weight
+# packs a slice at a time, and no more than this is ever a second copy (the default model's Q8_0
+# embedding whole would be 30 MB).
+PACK_IN_PLACE_BYTES = 1 << 20
+
+
+def pack_for_kernels(kernels, blocks: torch.Tensor, qtype: int, in_place: bool = False) -> tuple[torch.Tensor, int]:
     """(blocks, type id) re-laid for the packed kernels where this build, the type and the rows
-    allow it; as given otherwise."""
+    allow it; as given otherwise. `in_place`: the packed bytes overwrite `blocks` (a weight
+    arena's), a slice of rows at a time."""
     packable = kernels is not None and qtype in PACKABLE_TYPES and blocks.shape[0] % PACK_ROWS == 0
     if not packable or not kernels.packed_kernels_built():
         return blocks, qtype
-    return kernels.quant_pack(blocks, qtype), qtype | PACKED_FLAG
+    if not in_place:
+        return kernels.quant_pack(blocks, qtype), qtype | PACKED_FLAG
+    step = max(1, PACK_IN_PLACE_BYTES // (PACK_ROWS * blocks.shape[1])) * PACK_ROWS
+    for row in range(0, blocks.shape[0], step):
+        rows = blocks[row : row + step]
+        rows.copy_(kernels.quant_pack(rows, qtype))
+    return blocks, qtype | PACKED_FLAG
+
+
+def _joined(pieces: list[torch.Tensor], arena) -> torch.Tensor:
+    """Row blocks one after another: in `arena` (a `WeightArena`) when given, else a new tensor
+    (or the one piece itself)."""
+    if arena is None:
+        return pieces[0].contiguous() if len(pieces) == 1 else torch.cat(pieces)
+    out = arena.take(sum(p.shape[0] for p in pieces), pieces[0].shape[1])
+    row = 0
+    for piece in pieces:
+        out[row : row + piece.shape[0]].copy_(piece)
+        row += piece.shape[0]
+    return out
 
 
 # Rows from which a product de-quantizes its weight for a GEMM (see above); at most this many
@@ -117,6 +143,8 @@ class QuantizedLinear(nn.Module):
         self.gemm_dtype = torch.float32
         # A tied head's embedding, in a tuple so that it is not registered as a submodule.
         self.tied: tuple[QuantizedEmbedding, ...] = ()
+        # Whether the blocks are this model's own, in a weight arena (packed there in place).
+        self.in_arena = False
 
     @classmethod
     def tied_to(cls, embedding: "QuantizedEmbedding") -> "QuantizedLinear":
@@ -124,14 +152,17 @@ class QuantizedLinear(nn.Module):
         head = cls(embedding.embedding_dim, embedding.num_embeddings, bias=False)
         head._set_parts([(0, embedding.qtype, embedding.blocks)])
         head.tied = (embedding,)
+        head.in_arena = embedding.in_arena
         return head
 
     def load_rows(self, first_row: int, tensor: QuantizedTensor) -> None:
         """Rows [first_row, first_row + tensor rows) of the weight; `finish_loading` assembles them."""
         self._pending.append((first_row, tensor))
 
-    def finish_loading(self) -> None:
-        """Join the loaded row ranges: they must cover every output row exactly once."""
+    def finish_loading(self, arena=None) -> None:
+        """Join the loaded row ranges: they must cover every output row exactly once. With
+        `arena` (a `WeightArena`), the joined blocks are copied into it, and the loaded tensors
+        (views of the file, say) are no longer referenced."""
         pending = sorted(self._pending, key=lambda p: p[0])
         self._pending = []
         merged: list[tuple[int, int, list[torch.Tensor]]] = []
@@ -146,7 +177,8 @@ class QuantizedLinear(nn.Module):
             row += tensor.blocks.shape[0]
         if row != self.out_features:
             raise ValueError(f"quantized rows cover {row} of {self.out_features} outputs")
-        self._set_parts([(first, qtype, b[0] if len(b) == 1 else torch.cat(b)) for first, qtype, b in merged])
+        self._set_parts([(first, qtype, _joined(b, arena)) for first, qtype, b in merged])
+        self.in_arena = arena is not None
 
     def _set_parts(self, parts: list[tuple[int, int, torch.Tensor]]) -> None:
         self.parts = []
@@ -163,6 +195,7 @@ class QuantizedLinear(nn.Module):
     def rebind_blocks(self, moved: dict[int, torch.Tensor]) -> None:
         """Use the copies in `moved` (by the data_ptr of the blocks they copy) from now on."""
         self._set_parts([(first, qtype, moved[self._blocks(i).data_ptr()]) for i, (first, qtype) in enumerate(self.parts)])
+        self.in_arena = True
 
     def use_cpu_kernels(self, kernels) -> None:
         self.kernels = kernels
@@ -171,10 +204,11 @@ class QuantizedLinear(nn.Module):
         if self.tied:  # the embedding's blocks, packed once for both
             self.tied[0].use_cpu_kernels(kernels)
             self._set_parts([(0, self.tied[0].qtype, self.tied[0].blocks)])
+            self.in_arena = self.tied[0].in_arena
         else:
             parts = []
             for i, (first, qtype) in enumerate(self.parts):
-                blocks, qtype = pack_for_kernels(kernels, self._blocks(i), qtype)
+                blocks, qtype = pack_for_kernels(kernels, self._blocks(i), qtype, in_place=self.in_arena)
                 parts.append((first, qtype, blocks))
             self._set_parts(parts)
         if all(qtype & PACKED_FLAG for _, qtype in self.parts):
@@ -247,26 +281,29 @@ class QuantizedEmbedding(nn.Module):
         self.qtype = -1
         self.register_buffer("blocks", None, persistent=False)
         self.kernels = None
+        self.in_arena = False  # as QuantizedLinear's
 
     def load_rows(self, first_row: int, tensor: QuantizedTensor) -> None:
         if first_row != 0 or tensor.shape != (self.num_embeddings, self.embedding_dim):
             raise ValueError(f"quantized embedding of shape {tensor.shape}, expected {(self.num_embeddings, self.embedding_dim)}")
         self.blocks, self.qtype = tensor.blocks.contiguous(), tensor.qtype
 
-    def finish_loading(self) -> None:
+    def finish_loading(self, arena=None) -> None:
         if self.blocks is None:
             raise ValueError("quantized embedding never loaded")
+        if arena is not None and not self.in_arena:
+            self.blocks, self.in_arena = _joined([self.blocks], arena), True
 
     def use_cpu_kernels(self, kernels) -> None:
         self.kernels = kernels
         if not self.qtype & PACKED_FLAG:
-            self.blocks, self.qtype = pack_for_kernels(kernels, self.blocks, self.qtype)
+            self.blocks, self.qtype = pack_for_kernels(kernels, self.blocks, self.qtype, in_place=self.in_arena)
 
     def block_tensors(self) -> list[torch.Tensor]:
         return [self.blocks]
 
     def rebind_blocks(self, moved: dict[int, torch.Tensor]) -> None:
-        self.blocks = moved[self.blocks.data_ptr()]
+        self.blocks, self.in_arena = moved[self.blocks.data_ptr()], True
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.kernels is None:
@@ -280,12 +317,12 @@ class QuantizedEmbedding(nn.Module):
 
 
 def move_into_huge_pages(model: nn.Module) -> int:
-    """Every quantized module's blocks into one huge-page buffer (models/weight_arena.py), after
-    packing; returns the bytes moved. Run before anything keeps references to the old tensors
-    (the fused layer kernels)."""
+    """The blocks of every quantized module not yet in a weight arena (loaded straight into one,
+    see `models/weight_arena.py`) into one huge-page buffer, after packing; returns the bytes
+    moved. Run before anything keeps references to the old tensors (the fused layer kernels)."""
     from cadenza.models.weight_arena import move_into_arena
 
-    modules = [m for m in model.modules() if isinstance(m, (QuantizedLinear, QuantizedEmbedding))]
+    modules = [m for m in model.modules() if isinstance(m, (QuantizedLinear, QuantizedEmbedding)) and not m.in_arena]
     tensors = [t for m in modules for t in m.block_tensors()]
     if not tensors:
         return 0
