@@ -1,4 +1,4 @@
-"""The CPU kernels of `cpu_kernels.cpp`: compiled on first use, cached, and optional.
+"""cadenza's CPU kernels (kernels/*.cpp): compiled on first use, cached, and optional.
 
 `configure(mode)` says whether a model uses them (the build happens once per process): "auto"
 builds them where the CPU has AVX2 and FMA and a C++ compiler is at hand, and falls back to
@@ -6,12 +6,16 @@ PyTorch's ops (with a warning naming why) otherwise; "on" raises `KernelUnavaila
 of falling back; "off" never builds them. It returns the compiled module, or None where the PyTorch
 path runs; each model keeps the module it was given.
 
-The build (about 30 s) goes to PyTorch's extension cache (`TORCH_EXTENSIONS_DIR`, by default
-~/.cache/torch_extensions) and is reused until the source changes; concurrent processes wait on
-PyTorch's build lock instead of building twice. It targets AVX2 and FMA, plus AVX-512 VNNI where
-the CPU has it (the packed quantized kernels, kernels/quant_packed.h), as `models/cpu_features.py`
-reads the CPU: `CADENZA_CPU=avx2` builds the AVX2-only variant on such a CPU (tests use it to check
-that path). Each variant is its own extension, so both stay cached.
+The build compiles its units side by side: the binding (`cpu_kernels.cpp`, the one unit that
+includes torch, and only the headers it needs) and the kernels (plain C++ over pointers, see
+kernels.h), about 13 s on two cores, where one unit under <torch/extension.h> took 30-34 s (about
+20 of them in torch's headers). It goes to PyTorch's extension cache (`TORCH_EXTENSIONS_DIR`, by default
+~/.cache/torch_extensions) and is reused until a source or header changes; concurrent processes
+wait on PyTorch's build lock instead of building twice. It targets AVX2 and FMA, plus AVX-512 VNNI
+where the CPU has it (the packed quantized kernels, quant_packed.cpp, a unit only that build
+compiles), as `models/cpu_features.py` reads the CPU: `CADENZA_CPU=avx2` builds the AVX2-only
+variant on such a CPU (tests use it to check that path). Each variant is its own extension, so
+both stay cached.
 """
 
 from __future__ import annotations
@@ -32,8 +36,15 @@ from cadenza.models.errors import ModelLoadError
 
 log = structlog.get_logger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")  # the binding: the one unit that includes torch
 HEADERS = sorted(SOURCE.parent.glob("*.h"))
+# Each build's units, compiled side by side (ninja): the binding first, as the longest to compile,
+# then the kernels, the longest first. The AVX-512 VNNI products only in the build that runs them.
+_KERNEL_UNITS = ("quant.cpp", "paged_attention.cpp", "linear.cpp", "small_ops.cpp", "decode_layer.cpp")
+UNITS = {
+    "avx2": (SOURCE.name, *_KERNEL_UNITS),
+    "avx512vnni": (SOURCE.name, "quant_packed.cpp", *_KERNEL_UNITS),
+}
 MODES = ("auto", "on", "off")
 ISAS = ("avx2", "avx512vnni")
 
@@ -101,14 +112,27 @@ def _compile() -> ModuleType:
     bin_dir = str(Path(sys.executable).parent)
     if (Path(bin_dir) / "ninja").exists() and shutil.which("ninja") != str(Path(bin_dir) / "ninja"):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    # PyTorch rebuilds when a listed source changes; the headers the source includes are not
-    # listed, so their digest goes into the flags, which PyTorch also compares.
-    headers = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
+    # ninja rebuilds a unit when its source or a header it includes is newer than its object; the
+    # digest of every source and header goes into the flags too, so that files older than the
+    # cached build (an installed wheel keeps its files' times) still rebuild it.
     target = isa()
-    return load(
-        name="cadenza_cpu_kernels" if target == "avx2" else f"cadenza_cpu_kernels_{target}",
-        sources=[str(SOURCE)],
-        extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", *ISA_FLAGS[target], "-fopenmp", f"-DCADENZA_HEADERS_DIGEST={headers}"],
-        extra_ldflags=["-fopenmp"],
-        verbose=False,
-    )
+    sources = [SOURCE.parent / unit for unit in UNITS[target]]
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in [*sorted(SOURCE.parent.glob("*.cpp")), *HEADERS]))
+    # One compile a core (unless MAX_JOBS says otherwise): ninja's default, two more, time-shares
+    # the binding, the longest unit, with the kernels' units and ends later.
+    jobs_unset = "MAX_JOBS" not in os.environ
+    if jobs_unset:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        os.environ["MAX_JOBS"] = str(cores or 1)
+    try:
+        return load(
+            name="cadenza_cpu_kernels" if target == "avx2" else f"cadenza_cpu_kernels_{target}",
+            sources=[str(f) for f in sources],
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", *ISA_FLAGS[target], "-fopenmp",
+                          f"-DCADENZA_SOURCES_DIGEST={digest.hexdigest()[:16]}"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    finally:
+        if jobs_unset:
+            os.environ.pop("MAX_JOBS", None)

@@ -1,4 +1,4 @@
-// cadenza's CPU kernels for x86-64 with AVX2 and FMA: the hot ops of a decode step.
+// cadenza's CPU kernels for x86-64 with AVX2 and FMA, bound to Python: the hot ops of a decode step.
 //
 // PyTorch's bfloat16 matrix-vector product on CPUs without native bf16 reads weights at about
 // half the memory bandwidth, and a decode step spends more time dispatching small ops than
@@ -6,24 +6,477 @@
 // and fuse the small ops (norm, rotary, paged attention, SiLU) into one call each.
 //
 // Every kernel takes and returns float32 activations; results match the PyTorch reference ops up
-// to float32 rounding (accumulation order differs). Threads: ATen's intra-op pool (at::parallel_for),
-// built with the same OpenMP runtime PyTorch ships, so no second thread team appears.
+// to float32 rounding (accumulation order differs). Threads: ATen's intra-op pool (at::parallel_for,
+// lent to the kernels below), built with the same OpenMP runtime PyTorch ships, so no second
+// thread team appears.
 //
-// The kernels live in the headers beside this file (one translation unit, built once):
-// simd.h (AVX2 helpers), linear.h, small_ops.h, paged_attention.h, decode_layer.h, quant.h (GGUF blocks),
-// quant_common.h and quant_packed.h (GGUF blocks re-laid for AVX-512 VNNI, built where the CPU has it).
+// This is the one unit that includes torch, and only the headers it uses (<torch/extension.h>
+// alone took 20 s to compile): each function checks its tensors (dtype, shape, strides, the
+// messages Python sees) and hands their pointers to the kernels, plain C++ in the units beside it
+// (kernels.h): linear.cpp, small_ops.cpp, paged_attention.cpp, decode_layer.cpp, quant.cpp (GGUF
+// blocks) and quant_packed.cpp (GGUF blocks re-laid for AVX-512 VNNI, built where the CPU has it).
 
-#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <optional>
+#include <tuple>
+#include <vector>
 
 #include "decode_layer.h"
+#include "kernels.h"
 #include "linear.h"
 #include "paged_attention.h"
 #include "quant.h"
 #include "small_ops.h"
 
-using namespace cadenza;
+namespace cadenza {
+
+void parallel_for_range(int64_t begin, int64_t end, int64_t grain, RangeBody run, const void* body) {
+  at::parallel_for(begin, end, grain, [run, body](int64_t b0, int64_t b1) { run(body, b0, b1); });
+}
+
+int64_t num_threads() { return at::get_num_threads(); }
+
+}  // namespace cadenza
+
+namespace {
+
+using at::Tensor;
+using OptionalTensor = std::optional<Tensor>;
+
+// ---- tensors to the kernels' shapes (after the checks below)
+
+cadenza::In in_rows(const Tensor& t) { return {t.data_ptr<float>(), t.size(0), t.size(1), t.stride(0)}; }
+cadenza::Out out_rows(const Tensor& t) { return {t.data_ptr<float>(), t.size(0), t.size(1), t.stride(0)}; }
+cadenza::Heads heads(const Tensor& t) { return {t.data_ptr<float>(), t.size(0), t.size(1), t.size(2), t.stride(0)}; }
+const float* bias_of(const OptionalTensor& bias) { return bias.has_value() ? bias->data_ptr<float>() : nullptr; }
+cadenza::Weight weight(const Tensor& w, int64_t qtype, const OptionalTensor& bias) {
+  return {w.data_ptr(), w.size(0), w.size(1), qtype, bias_of(bias)};
+}
+
+// ---- checks
+
+void check_f32_rows(const Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");
+  TORCH_CHECK(t.stride(-1) == 1, name, " must be contiguous in its last dimension");
+}
+
+void check_bias(const OptionalTensor& bias, int64_t out_features) {
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == out_features,
+                "bias must be a contiguous float32 [out_features] tensor");
+  }
+}
+
+void check_linear(const Tensor& x, const Tensor& w, const OptionalTensor& bias) {
+  check_f32_rows(x, "x");
+  TORCH_CHECK(x.dim() == 2, "x must be [rows, in_features]");
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.dim() == 2,
+              "weight must be a contiguous bfloat16 [out_features, in_features] tensor");
+  TORCH_CHECK(w.size(1) == x.size(1), "x has ", x.size(1), " features, the weight expects ", w.size(1));
+  check_bias(bias, w.size(0));
+}
+
+void check_blocks(const Tensor& w) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(),
+              "quantized weight must be a contiguous uint8 CPU tensor [out_features, bytes_per_row]");
+}
+
+void check_rotary_tables(const Tensor& cos_table, const Tensor& sin_table, int64_t head_dim) {
+  TORCH_CHECK(cos_table.is_contiguous() && sin_table.is_contiguous() && cos_table.scalar_type() == at::kFloat &&
+                  sin_table.scalar_type() == at::kFloat && cos_table.size(1) == head_dim,
+              "cos/sin tables must be contiguous float32 [positions, head_dim]");
+}
+
+void check_positions(const Tensor& positions, int64_t tokens) {
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == tokens,
+              "positions must be contiguous int64 [tokens]");
+}
+
+// A float cache: kv_cache [2, num_blocks, block_size, KVH, D] in float32, bfloat16 or float16.
+cadenza::KvCache float_cache(const Tensor& kv_cache) {
+  const auto t = kv_cache.scalar_type();
+  TORCH_CHECK((t == at::kFloat || t == at::kBFloat16 || t == at::kHalf) && kv_cache.is_contiguous() &&
+                  kv_cache.dim() == 5,
+              "kv_cache must be a contiguous float32, bfloat16 or float16 [2, blocks, block_size, kv_heads, head_dim] tensor");
+  const auto type = t == at::kBFloat16 ? cadenza::KvType::kBFloat16
+                    : t == at::kHalf   ? cadenza::KvType::kFloat16
+                                       : cadenza::KvType::kFloat32;
+  return {kv_cache.data_ptr(), nullptr, type, kv_cache.size(1), kv_cache.size(2), kv_cache.size(3), kv_cache.size(4)};
+}
+
+// The int8 cache: kv_data [2, num_blocks, block_size, KVH, D] int8 and kv_scales
+// [2, num_blocks, block_size, KVH] float16.
+cadenza::KvCache int8_cache(const Tensor& data, const Tensor& scales) {
+  TORCH_CHECK(data.scalar_type() == at::kChar && data.is_contiguous() && data.dim() == 5,
+              "kv_data must be a contiguous int8 [2, blocks, block_size, kv_heads, head_dim] tensor");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.sizes() == data.sizes().slice(0, 4),
+              "kv_scales must be a contiguous float16 [2, blocks, block_size, kv_heads] tensor");
+  return {data.data_ptr(), static_cast<uint16_t*>(scales.data_ptr()), cadenza::KvType::kInt8,
+          data.size(1), data.size(2), data.size(3), data.size(4)};
+}
+
+// Queries [B, H, Dq] against a cache of KVH heads of D, read through block_tables and seq_lens.
+void check_decode_shapes(int64_t B, int64_t H, int64_t Dq, const Tensor& block_tables, const Tensor& seq_lens,
+                         const cadenza::KvCache& cache) {
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 && block_tables.stride(1) == 1,
+              "block_tables must be int64 [seqs, max_blocks], contiguous in its last dimension");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous(), "seq_lens must be contiguous int64");
+  TORCH_CHECK(cache.head_dim == Dq && H % cache.kv_heads == 0, "q and kv_cache disagree on heads or head_dim");
+  TORCH_CHECK(block_tables.size(0) == B && seq_lens.numel() == B, "block_tables and seq_lens need one row per sequence");
+}
+
+void check_decode_args(const Tensor& q, const Tensor& block_tables, const Tensor& seq_lens,
+                       const cadenza::KvCache& cache) {
+  check_f32_rows(q, "q");
+  TORCH_CHECK(q.dim() == 3 && q.stride(1) == q.size(2), "q must be [seqs, heads, head_dim] with packed heads");
+  check_decode_shapes(q.size(0), q.size(1), q.size(2), block_tables, seq_lens, cache);
+}
+
+cadenza::BlockTables tables_of(const Tensor& block_tables, const Tensor& seq_lens) {
+  return {block_tables.data_ptr<int64_t>(), block_tables.size(0), block_tables.size(1), block_tables.stride(0),
+          seq_lens.data_ptr<int64_t>()};
+}
+
+void check_kv_heads(bool fits) {
+  TORCH_CHECK(fits, "k and v must be [tokens, kv_heads, head_dim] with packed heads, matching the cache");
+}
+
+void check_slot_mapping(const Tensor& slot_mapping, int64_t tokens) {
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == tokens,
+              "slot_mapping must be contiguous int64 [tokens]");
+}
+
+// k, v [T, KVH, D] with packed heads, matching the cache, and a slot per token.
+void check_kv_write(const Tensor& k, const Tensor& v, const cadenza::KvCache& cache, const Tensor& slot_mapping) {
+  check_f32_rows(k, "k");
+  check_f32_rows(v, "v");
+  const int64_t T = k.size(0), KVH = cache.kv_heads, D = cache.head_dim;
+  check_kv_heads(k.dim() == 3 && v.sizes() == k.sizes() && k.size(1) == KVH && k.size(2) == D && k.stride(1) == D &&
+                 v.stride(1) == D);
+  check_slot_mapping(slot_mapping, T);
+}
+
+// ---- the functions Python calls
+
+// x [M, K] float32 @ w [N, K] bfloat16 ^T (+ bias) -> [M, N] float32.
+Tensor linear_bf16(const Tensor& x, const Tensor& w, const OptionalTensor& bias) {
+  check_linear(x, w, bias);
+  auto out = at::empty({x.size(0), w.size(0)}, x.options());
+  cadenza::linear_bf16(in_rows(x), static_cast<const uint16_t*>(w.data_ptr()), w.size(0), bias_of(bias), out_rows(out),
+                       false);
+  return out;
+}
+
+// residual [M, N] += x @ w^T (+ bias), in place; returns residual.
+Tensor linear_bf16_add_(Tensor residual, const Tensor& x, const Tensor& w, const OptionalTensor& bias) {
+  check_linear(x, w, bias);
+  check_f32_rows(residual, "residual");
+  TORCH_CHECK(residual.dim() == 2 && residual.size(0) == x.size(0) && residual.size(1) == w.size(0),
+              "residual must be [rows, out_features]");
+  cadenza::linear_bf16(in_rows(x), static_cast<const uint16_t*>(w.data_ptr()), w.size(0), bias_of(bias),
+                       out_rows(residual), true);
+  return residual;
+}
+
+int64_t quant_in_features(const Tensor& w, int64_t qtype) {
+  check_blocks(w);
+  return cadenza::quant_in_features(w.size(0), w.size(1), qtype);
+}
+
+// out [M, N] (+)= x [M, K] @ W^T (+ bias) for raw GGUF blocks W: the checks.
+void check_quant_matmul(const Tensor& out, const Tensor& x, const Tensor& w, int64_t qtype,
+                        const OptionalTensor& bias) {
+  check_f32_rows(x, "x");
+  check_f32_rows(out, "out");
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2, "x and out must be 2-D");
+  const int64_t K = quant_in_features(w, qtype), M = x.size(0), N = w.size(0);
+  TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " features, the weight expects ", K);
+  TORCH_CHECK(out.size(0) == M && out.size(1) == N, "out must be [rows, out_features]");
+  check_bias(bias, N);
+}
+
+// out [M, N] (+)= x [M, K] @ W^T (+ bias); out may be a column slice of a wider tensor.
+void quant_matmul_(Tensor out, const Tensor& x, const Tensor& w, int64_t qtype, const OptionalTensor& bias,
+                   bool accumulate) {
+  check_quant_matmul(out, x, w, qtype, bias);
+  cadenza::quant_matmul(in_rows(x), weight(w, qtype, bias), out_rows(out), accumulate);
+}
+
+// x [M, K] float32 @ W^T (+ bias) -> [M, N] float32.
+Tensor quant_linear(const Tensor& x, const Tensor& w, int64_t qtype, const OptionalTensor& bias) {
+  auto out = at::empty({x.size(0), w.size(0)}, x.options());
+  quant_matmul_(out, x, w, qtype, bias, false);
+  return out;
+}
+
+// residual [M, N] += x @ W^T (+ bias), in place; returns residual.
+Tensor quant_linear_add_(Tensor residual, const Tensor& x, const Tensor& w, int64_t qtype, const OptionalTensor& bias) {
+  quant_matmul_(residual, x, w, qtype, bias, true);
+  return residual;
+}
+
+// Rows `ids` [T] of W, de-quantized: float32 [T, in_features] (an embedding lookup).
+Tensor quant_rows(const Tensor& w, int64_t qtype, const Tensor& ids) {
+  const int64_t K = quant_in_features(w, qtype);
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "ids must be a 1-D int64 tensor");
+  const Tensor idc = ids.contiguous();
+  auto out = at::empty({idc.numel(), K}, at::dtype(at::kFloat));
+  cadenza::quant_rows(weight(w, qtype, std::nullopt), idc.data_ptr<int64_t>(), idc.numel(), out.data_ptr<float>());
+  return out;
+}
+
+// The whole weight de-quantized into out, float32 or bfloat16 [N, in_features]; returns out.
+Tensor quant_dequantize_(Tensor out, const Tensor& w, int64_t qtype) {
+  const int64_t K = quant_in_features(w, qtype), N = w.size(0);
+  const bool bf16 = out.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((bf16 || out.scalar_type() == at::kFloat) && out.is_contiguous() && out.dim() == 2 && out.size(0) == N &&
+                  out.size(1) == K,
+              "out must be a contiguous float32 or bfloat16 [out_features, in_features] tensor");
+  cadenza::quant_dequantize(weight(w, qtype, std::nullopt), out.data_ptr(), bf16);
+  return out;
+}
+
+Tensor quant_dequantize(const Tensor& w, int64_t qtype) {
+  return quant_dequantize_(at::empty({w.size(0), quant_in_features(w, qtype)}, at::dtype(at::kFloat)), w, qtype);
+}
+
+// The weight w [N, row_bytes] of GGML type qtype, packed (same shape; N a multiple of 16).
+Tensor quant_pack(const Tensor& w, int64_t qtype) {
+  check_blocks(w);
+  auto out = at::empty_like(w);
+  cadenza::quant_pack(static_cast<const uint8_t*>(w.data_ptr()), w.size(0), w.size(1), qtype,
+                      static_cast<uint8_t*>(out.data_ptr()));
+  return out;
+}
+
+// RMSNorm over the last dimension: x * rsqrt(mean(x^2) + eps) * weight, rows in parallel.
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
+  check_f32_rows(x, "x");
+  TORCH_CHECK(x.is_contiguous(), "x must be contiguous");
+  check_f32_rows(weight, "weight");
+  const int64_t K = x.size(-1), rows = x.numel() / K;
+  TORCH_CHECK(weight.numel() == K, "weight has ", weight.numel(), " elements, x rows have ", K);
+  auto out = at::empty_like(x);
+  cadenza::rms_norm({x.data_ptr<float>(), rows, K, K}, weight.data_ptr<float>(), eps,
+                    {out.data_ptr<float>(), rows, K, K});
+  return out;
+}
+
+// In-place rotary embedding in the half-split (NeoX) layout on x [T, heads, D] (head stride D),
+// with cos/sin looked up from [max_positions, D] tables at `positions` [T].
+void rotary_(Tensor x, const Tensor& positions, const Tensor& cos_table, const Tensor& sin_table) {
+  check_f32_rows(x, "x");
+  TORCH_CHECK(x.dim() == 3 && x.stride(1) == x.size(2), "x must be [tokens, heads, head_dim] with packed heads");
+  check_rotary_tables(cos_table, sin_table, x.size(2));
+  check_positions(positions, x.size(0));
+  cadenza::rotary(x.data_ptr<float>(), x.size(0), x.size(1), x.size(2), x.stride(0), positions.data_ptr<int64_t>(),
+                  {cos_table.data_ptr<float>(), sin_table.data_ptr<float>(), cos_table.size(0)});
+}
+
+// SiLU(gate) * up for gate_up [M, 2I] -> [M, I].
+Tensor silu_mul(const Tensor& gate_up) {
+  check_f32_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be [rows, 2 * intermediate]");
+  auto out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  cadenza::silu_mul(in_rows(gate_up), out_rows(out));
+  return out;
+}
+
+// q [B, H, D]; kv_cache [2, num_blocks, block_size, KVH, D]; block_tables [B, max_blocks]; seq_lens
+// [B] (keys in the cache, the new token's included). Returns [B, H, D].
+Tensor paged_decode_attention(const Tensor& q, const Tensor& kv_cache, const Tensor& block_tables, const Tensor& seq_lens,
+                              double scale, int64_t window) {
+  const cadenza::KvCache cache = float_cache(kv_cache);
+  check_decode_args(q, block_tables, seq_lens, cache);
+  auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  cadenza::paged_decode_attention(heads(q), cache, tables_of(block_tables, seq_lens), scale, window,
+                                  out.data_ptr<float>());
+  return out;
+}
+
+Tensor paged_decode_attention_int8(const Tensor& q, const Tensor& kv_data, const Tensor& kv_scales,
+                                   const Tensor& block_tables, const Tensor& seq_lens, double scale, int64_t window) {
+  const cadenza::KvCache cache = int8_cache(kv_data, kv_scales);
+  check_decode_args(q, block_tables, seq_lens, cache);
+  auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  cadenza::paged_decode_attention(heads(q), cache, tables_of(block_tables, seq_lens), scale, window,
+                                  out.data_ptr<float>());
+  return out;
+}
+
+// Store the step's keys and values k, v [T, KVH, D] (packed heads, any row stride: views of the
+// fused projection) at their cache slots.
+void write_kv_(Tensor kv_cache, const Tensor& k, const Tensor& v, const Tensor& slot_mapping) {
+  const cadenza::KvCache cache = float_cache(kv_cache);
+  check_kv_write(k, v, cache, slot_mapping);
+  cadenza::write_kv(cache, heads(k), heads(v), slot_mapping.data_ptr<int64_t>());
+}
+
+void write_kv_int8_(Tensor kv_data, Tensor kv_scales, const Tensor& k, const Tensor& v, const Tensor& slot_mapping) {
+  const cadenza::KvCache cache = int8_cache(kv_data, kv_scales);
+  check_kv_write(k, v, cache, slot_mapping);
+  cadenza::write_kv(cache, heads(k), heads(v), slot_mapping.data_ptr<int64_t>());
+}
+
+// One projection of a layer: a bf16 weight [out, in] (qtype -1), or raw GGUF blocks.
+struct Projection {
+  Tensor w;
+  OptionalTensor bias;
+  int64_t qtype;
+
+  int64_t out_features() const { return w.size(0); }
+  int64_t in_features() const { return qtype < 0 ? w.size(1) : quant_in_features(w, qtype); }
+
+  void check(int64_t in_features) const {
+    const auto probe = at::empty({1, in_features}, at::dtype(at::kFloat));
+    if (qtype < 0) check_linear(probe, w, bias);
+    else check_quant_matmul(at::empty({1, w.size(0)}, probe.options()), probe, w, qtype, bias);
+  }
+
+  cadenza::Weight plain() const { return weight(w, qtype, bias); }
+};
+
+// A decoder layer's tensors, held by reference (nothing is copied) and checked once; the kernel
+// (decode_layer.h) reads them through their pointers, taken on each call as PyTorch's ops would.
+class DecoderLayerKernel {
+ public:
+  // Weights are the model's own tensors (bf16 [out, in] projections or raw GGUF blocks, see
+  // `Projection`; float32 norms and biases). The *_type arguments are each projection's GGML
+  // type, -1 for bf16.
+  DecoderLayerKernel(Tensor input_norm, Tensor qkv_weight, OptionalTensor qkv_bias, Tensor o_weight,
+                     OptionalTensor o_bias, Tensor post_norm, Tensor gate_up_weight, OptionalTensor gate_up_bias,
+                     Tensor down_weight, OptionalTensor down_bias, Tensor cos_table, Tensor sin_table,
+                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, int64_t qkv_type,
+                     int64_t o_type, int64_t gate_up_type, int64_t down_type)
+      : input_norm_(std::move(input_norm)), post_norm_(std::move(post_norm)), cos_table_(std::move(cos_table)),
+        sin_table_(std::move(sin_table)), qkv_{std::move(qkv_weight), std::move(qkv_bias), qkv_type},
+        o_{std::move(o_weight), std::move(o_bias), o_type},
+        gate_up_{std::move(gate_up_weight), std::move(gate_up_bias), gate_up_type},
+        down_{std::move(down_weight), std::move(down_bias), down_type}, num_heads_(num_heads),
+        num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps) {
+    const int64_t hidden = input_norm_.numel(), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+    TORCH_CHECK(qkv_.w.dim() == 2 && qkv_.out_features() == q_size + 2 * kv_size && qkv_.in_features() == hidden,
+                "qkv weight must be [q_size + 2 * kv_size, hidden]");
+    TORCH_CHECK(o_.w.dim() == 2 && o_.out_features() == hidden && o_.in_features() == q_size,
+                "o_proj weight must be [hidden, q_size]");
+    TORCH_CHECK(gate_up_.w.dim() == 2 && gate_up_.in_features() == hidden && gate_up_.out_features() % 2 == 0,
+                "gate_up weight must be [2 * intermediate, hidden]");
+    TORCH_CHECK(down_.w.dim() == 2 && down_.out_features() == hidden &&
+                    2 * down_.in_features() == gate_up_.out_features(),
+                "down_proj weight must be [hidden, intermediate]");
+    TORCH_CHECK(post_norm_.numel() == hidden, "the two norms must have one weight per hidden feature");
+    // Every product is checked once here rather than on each call.
+    qkv_.check(hidden);
+    gate_up_.check(hidden);
+    o_.check(q_size);
+    down_.check(down_.in_features());
+    // The norms and tables are checked on each call (`check_attention_input`, `check_post_norm`).
+  }
+
+  // The layer as the kernel reads it: the call's checks say which parts it may read.
+  cadenza::DecoderLayer layer() const {
+    const auto floats = [](const Tensor& t) { return static_cast<const float*>(t.data_ptr()); };
+    return {floats(input_norm_),
+            floats(post_norm_),
+            qkv_.plain(),
+            o_.plain(),
+            gate_up_.plain(),
+            down_.plain(),
+            {floats(cos_table_), floats(sin_table_), cos_table_.dim() > 0 ? cos_table_.size(0) : 0},
+            input_norm_.numel(),
+            num_heads_,
+            num_kv_heads_,
+            head_dim_,
+            eps_};
+  }
+
+  // (q [T, H, D], k [T, KVH, D], v [T, KVH, D]): views of one fresh fused projection of h [T, hidden].
+  std::tuple<Tensor, Tensor, Tensor> attention_input(const Tensor& h, const Tensor& positions) const {
+    check_attention_input(h, positions);
+    const cadenza::DecoderLayer plain = layer();
+    const int64_t T = h.size(0), H = num_heads_, KVH = num_kv_heads_, D = head_dim_;
+    const Tensor qkv = at::empty({T, plain.qkv_features()}, h.options());
+    cadenza::layer_attention_input(plain, h.data_ptr<float>(), T, positions.data_ptr<int64_t>(), qkv.data_ptr<float>());
+    const Tensor qk = qkv.narrow(1, 0, (H + KVH) * D).view({T, H + KVH, D});
+    const Tensor v = qkv.narrow(1, (H + KVH) * D, KVH * D).view({T, KVH, D});
+    return {qk.narrow(1, 0, H), qk.narrow(1, H, KVH), v};
+  }
+
+  // h += o_proj(attn); h += down(SiLU(gate) * up) of post_norm(h): the residual stream, in place.
+  void finish_(Tensor h, const Tensor& attn) const {
+    check_hidden(h);
+    const Tensor attn_rows = attn.reshape({h.size(0), num_heads_ * head_dim_});
+    check_f32_rows(attn_rows, "attn");
+    check_post_norm();
+    cadenza::layer_finish(layer(), h.data_ptr<float>(), h.size(0), in_rows(attn_rows));
+  }
+
+  void check_attention_input(const Tensor& h, const Tensor& positions) const {
+    check_hidden(h);
+    check_f32_rows(input_norm_, "weight");
+    check_rotary_tables(cos_table_, sin_table_, head_dim_);
+    check_positions(positions, h.size(0));
+  }
+
+  // The cache a step writes and reads fits this layer's heads (the checks of write_kv_ and
+  // paged_decode_attention for the q, k and v of its projection).
+  void check_cache(const cadenza::KvCache& cache, const Tensor& slot_mapping, const Tensor& row_tables,
+                   const Tensor& row_lens, int64_t tokens) const {
+    check_kv_heads(num_kv_heads_ == cache.kv_heads && head_dim_ == cache.head_dim);
+    check_slot_mapping(slot_mapping, tokens);
+    check_decode_shapes(tokens, num_heads_, head_dim_, row_tables, row_lens, cache);
+  }
+
+  void check_post_norm() const { check_f32_rows(post_norm_, "weight"); }
+
+ private:
+  void check_hidden(const Tensor& h) const {
+    check_f32_rows(h, "h");
+    TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && h.size(1) == input_norm_.numel(),
+                "h must be a contiguous float32 [tokens, hidden] tensor");
+  }
+
+  Tensor input_norm_, post_norm_, cos_table_, sin_table_;
+  Projection qkv_, o_, gate_up_, down_;
+  int64_t num_heads_, num_kv_heads_, head_dim_;
+  double eps_;
+};
+
+// A step of few rows through every layer in one call (decode_layer.h). kv_scales: empty for
+// float caches, else the int8 caches' float16 scales. Every layer's tensors are checked first.
+void decode_stack_(const std::vector<const DecoderLayerKernel*>& layers, Tensor h, const Tensor& positions,
+                   const std::vector<Tensor>& kv_caches, const std::vector<Tensor>& kv_scales,
+                   const Tensor& slot_mapping, const Tensor& row_tables, const Tensor& row_lens, double scale,
+                   int64_t window) {
+  TORCH_CHECK(layers.size() == kv_caches.size(), "one KV cache per layer");
+  const bool int8 = !kv_scales.empty();
+  TORCH_CHECK(!int8 || kv_scales.size() == kv_caches.size(), "one scale tensor per int8 KV cache");
+  std::vector<cadenza::DecoderLayer> plain;
+  std::vector<cadenza::KvCache> caches;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    TORCH_CHECK(layers[i] != nullptr, "layer ", i, " has no kernel");
+    layers[i]->check_attention_input(h, positions);
+    layers[i]->check_post_norm();
+    caches.push_back(int8 ? int8_cache(kv_caches[i], kv_scales[i]) : float_cache(kv_caches[i]));
+    layers[i]->check_cache(caches.back(), slot_mapping, row_tables, row_lens, h.size(0));
+    plain.push_back(layers[i]->layer());
+  }
+  std::vector<const cadenza::DecoderLayer*> order;
+  for (const cadenza::DecoderLayer& layer : plain) order.push_back(&layer);
+  cadenza::decode_stack(order.data(), caches.data(), static_cast<int64_t>(order.size()), h.data_ptr<float>(), h.size(0),
+                        positions.data_ptr<int64_t>(), slot_mapping.data_ptr<int64_t>(),
+                        tables_of(row_tables, row_lens), scale, window);
+}
+
+}  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
   // The kernels touch no Python object: let the event loop's thread run while they compute.
   using release = py::call_guard<py::gil_scoped_release>;
   m.def("linear_bf16", &linear_bf16, "x float32 @ w bfloat16^T (+ bias) -> float32", release());
@@ -36,7 +489,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_dequantize_", &quant_dequantize_, "raw GGUF blocks, de-quantized into a float32 or bfloat16 [out, in] tensor", release());
   m.def("quant_in_features", &quant_in_features, "in_features of raw GGUF blocks [out, bytes] of a GGML type");
   m.def("quant_pack", &quant_pack, "GGUF blocks re-laid 16 rows at a time for the AVX-512 VNNI kernels", release());
-  m.def("packed_kernels_built", &packed_kernels_built, "whether this build has the packed (AVX-512 VNNI) kernels");
+  m.def("packed_kernels_built", &cadenza::packed_kernels_built, "whether this build has the packed (AVX-512 VNNI) kernels");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, float32", release());
   m.def("rotary_", &rotary_, "in-place NeoX rotary embedding from cos/sin tables", release());
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up for a fused [rows, 2 * I] gate_up", release());
@@ -47,10 +500,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one-token-per-sequence attention over a paged int8 KV cache with float16 scales", release());
   m.def("write_kv_int8_", &write_kv_int8_, "quantize keys and values into their int8 cache slots", release());
   py::class_<DecoderLayerKernel>(m, "DecoderLayerKernel")
-      .def(py::init<torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, torch::Tensor,
-                    c10::optional<torch::Tensor>, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>,
-                    torch::Tensor, c10::optional<torch::Tensor>, torch::Tensor, torch::Tensor, int64_t, int64_t,
-                    int64_t, double, int64_t, int64_t, int64_t, int64_t>())
+      .def(py::init<Tensor, Tensor, OptionalTensor, Tensor, OptionalTensor, Tensor, Tensor, OptionalTensor, Tensor,
+                    OptionalTensor, Tensor, Tensor, int64_t, int64_t, int64_t, double, int64_t, int64_t, int64_t,
+                    int64_t>())
       .def("attention_input", &DecoderLayerKernel::attention_input,
            "(q, k, v) of h: input norm, fused projection, rotary", release())
       .def("finish_", &DecoderLayerKernel::finish_, "h += attention output and MLP, in place", release());

@@ -3,13 +3,11 @@
 // de-quantized stores, bfloat16 rounding, and the int8 quantization of the activations.
 #pragma once
 
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
+#include "kernels.h"
 #include "simd.h"
 
 namespace cadenza {
@@ -70,8 +68,8 @@ inline void quantize_row_q8(const float* x, int64_t K, int8_t* q, float* d, floa
   }
 }
 
-inline void quantize_activations(const torch::Tensor& x, QuantizedActivations& a) {
-  const int64_t M = x.size(0), K = x.size(1), xs = x.stride(0);
+inline void quantize_activations(In x, QuantizedActivations& a) {
+  const int64_t M = x.rows, K = x.cols, xs = x.stride;
   a.K = K;
   a.blocks = K / 32;
   if (static_cast<int64_t>(a.q.size()) < M * K) a.q.resize(M * K);
@@ -80,14 +78,14 @@ inline void quantize_activations(const torch::Tensor& x, QuantizedActivations& a
     a.s.resize(M * a.blocks);
     a.qsum.resize(M * a.blocks);
   }
-  const float* xp = x.data_ptr<float>();
+  const float* xp = x.data;
   auto rows = [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       quantize_row_q8(xp + m * xs, K, a.q.data() + m * K, a.d.data() + m * a.blocks, a.s.data() + m * a.blocks,
                       a.qsum.data() + m * a.blocks);
   };
   if (M * K < 65536) rows(0, M);
-  else at::parallel_for(0, M, 16, rows);
+  else parallel_for(0, M, 16, rows);
 }
 
 // 8 floats to bfloat16, rounded to nearest even as PyTorch's conversion does (weights: no NaN).

@@ -18,16 +18,17 @@
 // A packed weight has the same shape and bytes as the file's ([out, bytes per row], out a multiple
 // of 16); its type id is the GGML id plus kPackedFlag. Each output row's sum is computed the same
 // way whatever the number of activation rows (batch invariant, bit for bit).
+//
+// Here: the layout, which every build reads (quant.cpp packs weights and re-assembles a row's
+// block from it for de-quantizing). The AVX-512 VNNI products over it are quant_packed.cpp, a unit
+// only the avx512vnni build compiles (kernels/cpu.py).
 #pragma once
-
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
 
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 
-#include "linear.h"
+#include "kernels.h"
 #include "quant_common.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -38,14 +39,6 @@ namespace cadenza {
 
 constexpr int64_t kPackedFlag = 256;  // type id of a packed weight: GGML id + kPackedFlag
 constexpr int64_t kPackRows = 16;
-
-inline bool packed_kernels_built() {
-#ifdef CADENZA_PACKED_KERNELS
-  return true;
-#else
-  return false;
-#endif
-}
 
 // The packed layouts. kValues: where the values start in the file's block; kOffset: subtracted
 // from every stored value (x = d * (stored - offset) + m).
@@ -85,8 +78,7 @@ inline auto with_packed_type(int64_t qtype, F&& f) {
     case kQ4_K: return f(PackQ4_K{});
     default: break;
   }
-  TORCH_CHECK(false, "GGML type ", qtype, " has no packed layout (Q4_0, Q4_1, Q8_0 and Q4_K do)");
-  return f(PackQ8_0{});  // not reached
+  fail("GGML type ", qtype, " has no packed layout (Q4_0, Q4_1, Q8_0 and Q4_K do)");
 }
 
 inline bool is_packed(int64_t qtype) { return (qtype & kPackedFlag) != 0; }
@@ -123,213 +115,9 @@ inline void packed_raw_block(const uint8_t* gb, int64_t r, uint8_t* raw) {
   if constexpr (std::is_same_v<P, PackQ8_0>) flip_sign_bits(raw + P::kValues, P::kBytes - P::kValues);
 }
 
-// The weight w [N, row_bytes] of GGML type qtype, packed (same shape; N a multiple of 16).
-inline torch::Tensor quant_pack(const torch::Tensor& w, int64_t qtype) {
-  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.dim() == 2 && w.is_contiguous() && w.device().is_cpu(),
-              "quantized weight must be a contiguous uint8 CPU tensor [out_features, bytes_per_row]");
-  TORCH_CHECK(w.size(0) % kPackRows == 0, "packing needs a multiple of ", kPackRows, " rows, not ", w.size(0));
-  auto out = torch::empty_like(w);
-  const int64_t row_bytes = w.size(1), groups = w.size(0) / kPackRows;
-  const uint8_t* src = w.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  with_packed_type(qtype, [&](auto pack) {
-    using P = decltype(pack);
-    TORCH_CHECK(row_bytes % P::kBytes == 0, "bytes per row (", row_bytes, ") is not a whole number of blocks");
-    const int64_t nblocks = row_bytes / P::kBytes, group_bytes = kPackRows * P::kBytes;
-    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-      for (int64_t g = g0; g < g1; ++g)
-        for (int64_t b = 0; b < nblocks; ++b) {
-          uint8_t* gb = dst + g * kPackRows * row_bytes + b * group_bytes;
-          for (int64_t r = 0; r < kPackRows; ++r) {
-            const uint8_t* raw = src + (g * kPackRows + r) * row_bytes + b * P::kBytes;
-            for_each_field<P>([&](int64_t at, int64_t packed, int64_t bytes) { std::memcpy(gb + packed + r * bytes, raw + at, bytes); });
-          }
-          if constexpr (std::is_same_v<P, PackQ8_0>)
-            flip_sign_bits(gb + packed_header_bytes<P>(), group_bytes - packed_header_bytes<P>());
-        }
-    });
-  });
-  return out;
-}
-
 #ifdef CADENZA_PACKED_KERNELS
-
-// The 8 vectors of one group-block's values, each 16 rows x 4 consecutive values.
-template <class P>
-inline void packed_values(const uint8_t* chunks, __m512i* q) {
-  if constexpr (P::kNibbles) {
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    for (int c = 0; c < 4; ++c) {
-      const __m512i v = _mm512_loadu_si512(chunks + 64 * c);
-      q[2 * c] = _mm512_and_si512(v, low);
-      q[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-    }
-  } else {
-    for (int c = 0; c < 8; ++c) q[c] = _mm512_loadu_si512(chunks + 64 * c);
-  }
-}
-
-// Which 4 activation values (a group of the 32) vector v of `packed_values` multiplies.
-template <class P>
-constexpr int packed_x_group(int v) {
-  return P::kNibbles ? (v % 2 ? v / 2 + 4 : v / 2) : v;
-}
-
-inline __m512i broadcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
-
-// out rows [0, M) (of stride os), columns [n, n + 16) (+)= acc (+ bias).
-template <int M>
-inline void store_group(const __m512* acc, const float* bias, float* out, int64_t os, bool accumulate, int64_t n) {
-  for (int m = 0; m < M; ++m) {
-    __m512 v = acc[m];
-    if (bias != nullptr) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + n));
-    float* o = out + m * os + n;
-    _mm512_storeu_ps(o, accumulate ? _mm512_add_ps(_mm512_loadu_ps(o), v) : v);
-  }
-}
-
-// Bytes of weights fetched ahead of the block being read. Groups lie one after another, so this
-// runs on into the next group. The hardware prefetcher alone leaves a batch-1 step waiting on
-// memory (3.5-3.9 ms a step with it against 4.5-4.9 without, SmolLM2 Q4_1), and a step with more
-// rows, whose compute then hides the fetches, pays 0.45 ms a row instead of 0.65-0.8.
-constexpr int64_t kPrefetchAheadBytes = 5120;
-
-inline void prefetch_ahead(const uint8_t* block, int64_t bytes) {
-  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchAheadBytes + o), _MM_HINT_T0);
-}
-
-// Output rows [n, n + 16) of M activation rows from m0: one packed group `wg`.
-template <class P, int M>
-inline void packed_dot_group(const uint8_t* wg, int64_t nblocks, const QuantizedActivations& a, int64_t m0,
-                             const float* bias, float* out, int64_t os, bool accumulate, int64_t n) {
-  __m512 acc[M];
-  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nblocks; ++b) {
-    const uint8_t* gb = wg + b * kPackRows * P::kBytes;
-    prefetch_ahead(gb, kPackRows * P::kBytes);
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb)));
-    __m512 mins = _mm512_setzero_ps();
-    if constexpr (P::kHasMin) mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 32)));
-    __m512i q[8];
-    packed_values<P>(gb + packed_header_bytes<P>(), q);
-    for (int m = 0; m < M; ++m) {
-      const int64_t blk = (m0 + m) * a.blocks + b;
-      const int8_t* x = a.q.data() + (m0 + m) * a.K + 32 * b;
-      // Two chains of 4, so consecutive vpdpbusd do not wait on each other.
-      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-      for (int v = 0; v < 8; v += 2) {
-        s0 = _mm512_dpbusd_epi32(s0, q[v], broadcast4(x + 4 * packed_x_group<P>(v)));
-        s1 = _mm512_dpbusd_epi32(s1, q[v + 1], broadcast4(x + 4 * packed_x_group<P>(v + 1)));
-      }
-      __m512i s = _mm512_add_epi32(s0, s1);
-      if constexpr (P::kOffset != 0) s = _mm512_sub_epi32(s, _mm512_set1_epi32(static_cast<int32_t>(P::kOffset) * a.qsum[blk]));
-      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(a.d[blk])), acc[m]);
-      if constexpr (P::kHasMin) acc[m] = _mm512_fmadd_ps(mins, _mm512_set1_ps(a.s[blk]), acc[m]);
-    }
-  }
-  store_group<M>(acc, bias, out, os, accumulate, n);
-}
-
-// Q4_K's 16 rows' scale (d * sc) and negated min (-(dmin * m)) of each sub-block, from the 12
-// scale bytes (byte i of every row at sb + 16 i), as q4k_scale_min in quant.h unpacks them.
-inline void q4k_scales16(const uint8_t* sb, __m512 d, __m512 dmin, __m512* scale, __m512* minv) {
-  __m512i b[12];
-  for (int i = 0; i < 12; ++i) b[i] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 16 * i)));
-  const __m512i m6 = _mm512_set1_epi32(63), m4 = _mm512_set1_epi32(15);
-  const __m512i sign = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
-  for (int j = 0; j < 8; ++j) {
-    __m512i sc, m;
-    if (j < 4) {
-      sc = _mm512_and_si512(b[j], m6);
-      m = _mm512_and_si512(b[j + 4], m6);
-    } else {
-      sc = _mm512_or_si512(_mm512_and_si512(b[j + 4], m4), _mm512_slli_epi32(_mm512_srli_epi32(b[j - 4], 6), 4));
-      m = _mm512_or_si512(_mm512_srli_epi32(b[j + 4], 4), _mm512_slli_epi32(_mm512_srli_epi32(b[j], 6), 4));
-    }
-    scale[j] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
-    minv[j] = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m))), sign));
-  }
-}
-
-// Output rows [n, n + 16) of M activation rows from m0 for a packed Q4_K group `wg`.
-template <int M>
-inline void packed_dot_group_q4k(const uint8_t* wg, int64_t nblocks, const QuantizedActivations& a, int64_t m0,
-                                 const float* bias, float* out, int64_t os, bool accumulate, int64_t n) {
-  __m512 acc[M];
-  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  for (int64_t b = 0; b < nblocks; ++b) {
-    const uint8_t* gb = wg + b * kPackRows * PackQ4_K::kBytes;
-    prefetch_ahead(gb, kPackRows * PackQ4_K::kBytes);
-    __m512 scale[8], minv[8];
-    q4k_scales16(gb + 64, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb))),
-                 _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 32))), scale, minv);
-    for (int c = 0; c < 4; ++c) {  // sub-blocks 2c (low nibbles) and 2c + 1 (high)
-      __m512i lo[8], hi[8];
-      for (int k = 0; k < 8; ++k) {
-        const __m512i v = _mm512_loadu_si512(gb + 256 + 512 * c + 64 * k);
-        lo[k] = _mm512_and_si512(v, low);
-        hi[k] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-      }
-      for (int m = 0; m < M; ++m) {
-        const int64_t blk = (m0 + m) * a.blocks + 8 * b + 2 * c;
-        const int8_t* x = a.q.data() + (m0 + m) * a.K + 256 * b + 64 * c;
-        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-        __m512i t0 = _mm512_setzero_si512(), t1 = _mm512_setzero_si512();
-        for (int k = 0; k < 8; k += 2) {
-          s0 = _mm512_dpbusd_epi32(s0, lo[k], broadcast4(x + 4 * k));
-          s1 = _mm512_dpbusd_epi32(s1, lo[k + 1], broadcast4(x + 4 * k + 4));
-          t0 = _mm512_dpbusd_epi32(t0, hi[k], broadcast4(x + 32 + 4 * k));
-          t1 = _mm512_dpbusd_epi32(t1, hi[k + 1], broadcast4(x + 32 + 4 * k + 4));
-        }
-        const __m512i sl = _mm512_add_epi32(s0, s1), sh = _mm512_add_epi32(t0, t1);
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sl), _mm512_mul_ps(scale[2 * c], _mm512_set1_ps(a.d[blk])), acc[m]);
-        acc[m] = _mm512_fmadd_ps(minv[2 * c], _mm512_set1_ps(a.s[blk]), acc[m]);
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sh), _mm512_mul_ps(scale[2 * c + 1], _mm512_set1_ps(a.d[blk + 1])), acc[m]);
-        acc[m] = _mm512_fmadd_ps(minv[2 * c + 1], _mm512_set1_ps(a.s[blk + 1]), acc[m]);
-      }
-    }
-  }
-  store_group<M>(acc, bias, out, os, accumulate, n);
-}
-
-// One group through the kernel of its layout.
-template <class P, int M>
-inline void dot_group(const uint8_t* wg, int64_t nblocks, const QuantizedActivations& a, int64_t m0, const float* bias,
-                      float* out, int64_t os, bool accumulate, int64_t n) {
-  if constexpr (std::is_same_v<P, PackQ4_K>) packed_dot_group_q4k<M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
-  else packed_dot_group<P, M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
-}
-
-constexpr int64_t kPackPassRows = 8;
-
-// out [M, N] (+)= a @ W^T (+ bias) for a packed weight wp [N, row_bytes].
-template <class P>
-inline void packed_matmul(const QuantizedActivations& a, int64_t M, const uint8_t* wp, int64_t N, int64_t row_bytes,
-                          const float* bias, float* out, int64_t os, bool accumulate) {
-  const int64_t nblocks = row_bytes / P::kBytes;
-  // Up to 8 activation rows a pass (8 accumulators and the group's 8 value vectors fit the 32
-  // registers): a speculative step's 5-9 rows unpack each group once or twice, not two or three times.
-  for_each_tile(N, M, kPackRows, [&](int64_t n0, int64_t, int64_t m, int64_t rows) {
-    const uint8_t* wg = wp + n0 * row_bytes;
-    float* om = out + m * os;
-    switch (rows) {
-      case 1: dot_group<P, 1>(wg, nblocks, a, m, bias, om, os, accumulate, n0); break;
-      case 2: dot_group<P, 2>(wg, nblocks, a, m, bias, om, os, accumulate, n0); break;
-      case 3: dot_group<P, 3>(wg, nblocks, a, m, bias, om, os, accumulate, n0); break;
-      case 4: dot_group<P, 4>(wg, nblocks, a, m, bias, om, os, accumulate, n0); break;
-      case 5: dot_group<P, 5>(wg, nblocks, a, m, bias, om, os, accumulate, n0); break;
-      case 6: dot_group<P, 6>(wg, nblocks, a, m, bias, om, os, accumulate, n0); break;
-      case 7: dot_group<P, 7>(wg, nblocks, a, m, bias, om, os, accumulate, n0); break;
-      default: dot_group<P, 8>(wg, nblocks, a, m, bias, om, os, accumulate, n0); break;
-    }
-  }, kPackPassRows);
-}
-
-#endif  // CADENZA_PACKED_KERNELS
+// out [M, N] (+)= a @ W^T (+ w.bias) for a packed weight w (quant_packed.cpp).
+void packed_matmul(const QuantizedActivations& a, int64_t M, const Weight& w, Out out, bool accumulate);
+#endif
 
 }  // namespace cadenza

@@ -1,0 +1,87 @@
+// The decoder layer and the whole decode step of decode_layer.h, over the other units' kernels.
+#include "decode_layer.h"
+
+#include <cstdlib>
+#include <memory>
+#include <new>
+
+#include "linear.h"
+#include "quant.h"
+
+namespace cadenza {
+namespace {
+
+// A thread's scratch rows, kept from call to call (a step's few rows of one activation: at most a
+// few MB), 64-byte aligned as PyTorch's allocations are.
+class Scratch {
+ public:
+  float* get(int64_t count) {
+    if (count > size_) {
+      const size_t bytes = (static_cast<size_t>(count) * sizeof(float) + 63) / 64 * 64;
+      storage_.reset(static_cast<float*>(std::aligned_alloc(64, bytes)));
+      if (!storage_) throw std::bad_alloc();
+      size_ = count;
+    }
+    return storage_.get();
+  }
+
+ private:
+  struct Free {
+    void operator()(float* p) const { std::free(p); }
+  };
+  std::unique_ptr<float, Free> storage_;
+  int64_t size_ = 0;
+};
+
+// out (+)= x @ W^T (+ bias) through the kernel of W's kind.
+void project(const Weight& w, In x, Out out, bool accumulate) {
+  if (w.qtype < 0) linear_bf16(x, static_cast<const uint16_t*>(w.data), w.rows, w.bias, out, accumulate);
+  else quant_matmul(x, w, out, accumulate);
+}
+
+// A contiguous [rows, cols] matrix at p, to read or to write.
+In in_rows(const float* p, int64_t rows, int64_t cols) { return In{p, rows, cols, cols}; }
+Out out_rows(float* p, int64_t rows, int64_t cols) { return Out{p, rows, cols, cols}; }
+
+}  // namespace
+
+void layer_attention_input(const DecoderLayer& layer, const float* h, int64_t T, const int64_t* positions, float* qkv) {
+  thread_local Scratch normed;
+  const int64_t hidden = layer.hidden, width = layer.qkv_features();
+  float* x = normed.get(T * hidden);
+  rms_norm(in_rows(h, T, hidden), layer.input_norm, layer.eps, out_rows(x, T, hidden));
+  project(layer.qkv, in_rows(x, T, hidden), out_rows(qkv, T, width), false);
+  // q and k side by side: one pass
+  rotary(qkv, T, layer.num_heads + layer.num_kv_heads, layer.head_dim, width, positions, layer.rotary);
+}
+
+void layer_finish(const DecoderLayer& layer, float* h, int64_t T, In attn) {
+  thread_local Scratch normed, gate_up, hidden;
+  const int64_t H = layer.hidden, I2 = layer.gate_up.rows;
+  project(layer.o, attn, out_rows(h, T, H), true);
+  float* x = normed.get(T * H);
+  rms_norm(in_rows(h, T, H), layer.post_norm, layer.eps, out_rows(x, T, H));
+  float* gu = gate_up.get(T * I2);
+  project(layer.gate_up, in_rows(x, T, H), out_rows(gu, T, I2), false);
+  float* act = hidden.get(T * I2 / 2);
+  silu_mul(in_rows(gu, T, I2), out_rows(act, T, I2 / 2));
+  project(layer.down, in_rows(act, T, I2 / 2), out_rows(h, T, H), true);
+}
+
+void decode_stack(const DecoderLayer* const* layers, const KvCache* caches, int64_t num_layers, float* h, int64_t T,
+                  const int64_t* positions, const int64_t* slots, const BlockTables& tables, double scale,
+                  int64_t window) {
+  thread_local Scratch qkv_rows, attn_rows;
+  for (int64_t i = 0; i < num_layers; ++i) {
+    const DecoderLayer& layer = *layers[i];
+    const int64_t H = layer.num_heads, KVH = layer.num_kv_heads, D = layer.head_dim, width = layer.qkv_features();
+    float* qkv = qkv_rows.get(T * width);
+    layer_attention_input(layer, h, T, positions, qkv);
+    write_kv(caches[i], Heads{qkv + H * D, T, KVH, D, width}, Heads{qkv + (H + KVH) * D, T, KVH, D, width}, slots);
+    float* attn = attn_rows.get(T * H * D);
+    paged_decode_attention(Heads{qkv, T, H, D, width}, caches[i], tables, scale, window, attn);
+    layer_finish(layer, h, T, in_rows(attn, T, H * D));
+  }
+}
+
+}  // namespace cadenza

@@ -1,0 +1,414 @@
+// The linears over GGUF blocks of quant.h: the block types, their integer dot products and
+// de-quantization. Packed weights' products are quant_packed.cpp's (AVX-512 VNNI builds only).
+#include "quant.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "linear.h"
+#include "quant_common.h"
+#include "quant_packed.h"
+#include "simd.h"
+
+namespace cadenza {
+namespace {
+
+// 16 bytes of packed nibbles -> 32 bytes: low nibbles first (values 0..15), then the high ones.
+inline __m256i nibbles32(const uint8_t* p) {
+  const __m128i t = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i v = _mm256_set_m128i(_mm_srli_epi16(t, 4), t);
+  return _mm256_and_si256(v, _mm256_set1_epi8(0x0F));
+}
+
+// Eight int32 partial sums of u (unsigned bytes) * x (signed bytes).
+inline __m256i dot_u8_i8(__m256i u, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+}
+
+// One 32-value sub-block of a weight row: values, and how its integer dot product is scaled:
+// dot = scale * dx * isum + minv * (dx * sum of the activation's int8 values).
+struct SubBlock {
+  __m256i q;
+  float scale, minv;
+  void store(float* y) const { store_affine32(q, scale, minv, y); }  // de-quantized (Q8_0: minv 0)
+};
+
+// Q6_K's sub-blocks carry two int8 scales (one per 16 values), applied inside the integer sum.
+struct SubBlock6 {
+  __m256i q, scales;
+  float scale, minv;
+  float half_scales[2];  // d * the int8 scale of each 16 values
+  void store(float* y) const {
+    alignas(32) float tmp[32];
+    store_affine32(q, 1.0f, -32.0f, tmp);
+    for (int i = 0; i < 32; ++i) y[i] = tmp[i] * half_scales[i / 16];
+  }
+};
+
+struct BlockQ8_0 {  // d (f16), 32 x int8: x = d * q
+  static constexpr int64_t kElems = 32, kBytes = 34, kSubs = 1;
+  static constexpr int64_t kType = kQ8_0;
+  static constexpr bool kHasMin = false;
+  using Sub = SubBlock;
+  static void decode(const uint8_t* b, Sub* s) {
+    s[0].q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2));
+    s[0].scale = half_at(b);
+    s[0].minv = 0.0f;
+  }
+  static __m256i dot(const Sub& s, __m256i x) {  // signed x signed: move the signs onto x
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(s.q, s.q), _mm256_sign_epi8(x, s.q)),
+                             _mm256_set1_epi16(1));
+  }
+  static void dequant(const uint8_t* b, float* y) {
+    const float d = half_at(b);
+    for (int i = 0; i < 32; ++i) y[i] = d * static_cast<float>(static_cast<int8_t>(b[2 + i]));
+  }
+};
+
+struct BlockQ4_0 {  // d (f16), 16 bytes of nibbles: x = d * (q - 8)
+  static constexpr int64_t kElems = 32, kBytes = 18, kSubs = 1;
+  static constexpr int64_t kType = kQ4_0;
+  static constexpr bool kHasMin = true;
+  using Sub = SubBlock;
+  static void decode(const uint8_t* b, Sub* s) {
+    s[0].q = nibbles32(b + 2);
+    s[0].scale = half_at(b);
+    s[0].minv = -8.0f * s[0].scale;
+  }
+  static __m256i dot(const Sub& s, __m256i x) { return dot_u8_i8(s.q, x); }
+  static void dequant(const uint8_t* b, float* y) {
+    const float d = half_at(b);
+    for (int i = 0; i < 16; ++i) {
+      y[i] = d * static_cast<float>((b[2 + i] & 0x0F) - 8);
+      y[i + 16] = d * static_cast<float>((b[2 + i] >> 4) - 8);
+    }
+  }
+};
+
+struct BlockQ4_1 {  // d, m (f16), 16 bytes of nibbles: x = d * q + m
+  static constexpr int64_t kElems = 32, kBytes = 20, kSubs = 1;
+  static constexpr int64_t kType = kQ4_1;
+  static constexpr bool kHasMin = true;
+  using Sub = SubBlock;
+  static void decode(const uint8_t* b, Sub* s) {
+    s[0].q = nibbles32(b + 4);
+    s[0].scale = half_at(b);
+    s[0].minv = half_at(b + 2);
+  }
+  static __m256i dot(const Sub& s, __m256i x) { return dot_u8_i8(s.q, x); }
+  static void dequant(const uint8_t* b, float* y) {
+    const float d = half_at(b), m = half_at(b + 2);
+    for (int i = 0; i < 16; ++i) {
+      y[i] = d * static_cast<float>(b[4 + i] & 0x0F) + m;
+      y[i + 16] = d * static_cast<float>(b[4 + i] >> 4) + m;
+    }
+  }
+};
+
+// Q4_K's 6-bit scale and min of sub-block j (of 8), packed into 12 bytes.
+inline void q4k_scale_min(const uint8_t* q, int j, int& sc, int& m) {
+  if (j < 4) {
+    sc = q[j] & 63;
+    m = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
+    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+struct BlockQ4_K {  // d, dmin (f16), 12 bytes of scales/mins, 128 bytes of nibbles; 8 sub-blocks
+  static constexpr int64_t kElems = 256, kBytes = 144, kSubs = 8;
+  static constexpr int64_t kType = kQ4_K;
+  static constexpr bool kHasMin = true;
+  using Sub = SubBlock;
+  static void decode(const uint8_t* b, Sub* s) {
+    const float d = half_at(b), dmin = half_at(b + 2);
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int c = 0; c < 4; ++c) {  // 32 bytes: low nibbles are sub-block 2c, high ones 2c + 1
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c));
+      s[2 * c].q = _mm256_and_si256(v, low);
+      s[2 * c + 1].q = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    }
+    for (int j = 0; j < 8; ++j) {
+      int sc, m;
+      q4k_scale_min(b + 4, j, sc, m);
+      s[j].scale = d * static_cast<float>(sc);
+      s[j].minv = -dmin * static_cast<float>(m);
+    }
+  }
+  static __m256i dot(const Sub& s, __m256i x) { return dot_u8_i8(s.q, x); }
+  static void dequant(const uint8_t* b, float* y) {
+    const float d = half_at(b), dmin = half_at(b + 2);
+    for (int c = 0; c < 4; ++c) {
+      int sc0, m0, sc1, m1;
+      q4k_scale_min(b + 4, 2 * c, sc0, m0);
+      q4k_scale_min(b + 4, 2 * c + 1, sc1, m1);
+      const uint8_t* q = b + 16 + 32 * c;
+      for (int l = 0; l < 32; ++l) {
+        y[64 * c + l] = d * sc0 * static_cast<float>(q[l] & 0x0F) - dmin * m0;
+        y[64 * c + 32 + l] = d * sc1 * static_cast<float>(q[l] >> 4) - dmin * m1;
+      }
+    }
+  }
+};
+
+struct BlockQ6_K {  // 128 bytes low 4 bits, 64 bytes high 2 bits, 16 int8 scales, d (f16): x = d * sc * (q - 32)
+  static constexpr int64_t kElems = 256, kBytes = 210, kSubs = 8;
+  static constexpr int64_t kType = kQ6_K;
+  static constexpr bool kHasMin = false;
+  using Sub = SubBlock6;
+  static void decode(const uint8_t* b, Sub* s) {
+    const float d = half_at(b + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
+    for (int h = 0; h < 2; ++h) {  // each half: 64 bytes of ql and 32 of qh make 4 sub-blocks
+      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h));
+      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32));
+      const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+      auto high = [&](int shift) { return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, shift), m2), 4); };
+      s[4 * h + 0].q = _mm256_or_si256(_mm256_and_si256(l0, m4), high(0));
+      s[4 * h + 1].q = _mm256_or_si256(_mm256_and_si256(l1, m4), high(2));
+      s[4 * h + 2].q = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), high(4));
+      s[4 * h + 3].q = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), high(6));
+    }
+    for (int j = 0; j < 8; ++j) {
+      s[j].scales = _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j]));
+      s[j].scale = d;
+      s[j].minv = 0.0f;
+      s[j].half_scales[0] = d * sc[2 * j];
+      s[j].half_scales[1] = d * sc[2 * j + 1];
+    }
+  }
+  static __m256i dot(const Sub& s, __m256i x) {  // sum sc * (q - 32) * x, q - 32 as q*x - 32*x in int16
+    const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(s.q, x), _mm256_maddubs_epi16(_mm256_set1_epi8(32), x));
+    return _mm256_madd_epi16(p, s.scales);
+  }
+  static void dequant(const uint8_t* b, float* y) {
+    const float d = half_at(b + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* ql = b + 64 * h;
+      const uint8_t* qh = b + 128 + 32 * h;
+      float* yh = y + 128 * h;
+      for (int l = 0; l < 32; ++l) {
+        const int q[4] = {(ql[l] & 0x0F) | (((qh[l] >> 0) & 3) << 4), (ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4),
+                          (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4), (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)};
+        for (int j = 0; j < 4; ++j) {
+          const int e = 32 * j + l;
+          yh[e] = d * sc[(128 * h + e) / 16] * static_cast<float>(q[j] - 32);
+        }
+      }
+    }
+  }
+};
+
+// Calls f(Block{}) for the block type of GGML type id `qtype`.
+template <class F>
+inline auto with_block_type(int64_t qtype, F&& f) {
+  switch (qtype) {
+    case kQ8_0: return f(BlockQ8_0{});
+    case kQ4_0: return f(BlockQ4_0{});
+    case kQ4_1: return f(BlockQ4_1{});
+    case kQ4_K: return f(BlockQ4_K{});
+    case kQ6_K: return f(BlockQ6_K{});
+    default: break;
+  }
+  fail("no kernel for GGML quantization type ", qtype, " (supported: Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)");
+}
+
+// R weight rows at a time share each activation load; M activation rows share each decoded block.
+template <class T, int M, int R>
+inline void qdot_rows(const uint8_t* w, int64_t row_bytes, const QuantizedActivations& a, int64_t m0,
+                      const float* bias, float* out, int64_t os, bool accumulate, int64_t n) {
+  __m256 acc[R][M];
+  float macc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) {
+      acc[r][m] = _mm256_setzero_ps();
+      macc[r][m] = 0.0f;
+    }
+  const int64_t nblocks = row_bytes / T::kBytes, K = a.K;
+  const uint8_t* wr = w + n * row_bytes;
+  // The next R rows follow these in memory: fetch them while these compute (as linear.h does).
+  const char* next = reinterpret_cast<const char*>(wr + R * row_bytes);
+  for (int64_t b = 0; b < nblocks; ++b) {
+    for (int64_t o = 0; o < R * T::kBytes; o += 64) _mm_prefetch(next + b * R * T::kBytes + o, _MM_HINT_T0);
+    typename T::Sub sub[R][T::kSubs];
+    for (int r = 0; r < R; ++r) T::decode(wr + r * row_bytes + b * T::kBytes, sub[r]);
+    for (int j = 0; j < T::kSubs; ++j) {
+      const int64_t blk = b * T::kSubs + j;
+      for (int m = 0; m < M; ++m) {
+        const int64_t row = m0 + m;
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + row * K + 32 * blk));
+        const float dx = a.d[row * a.blocks + blk];
+        for (int r = 0; r < R; ++r) {
+          const __m256 p = _mm256_cvtepi32_ps(T::dot(sub[r][j], x));
+          acc[r][m] = _mm256_fmadd_ps(p, _mm256_set1_ps(sub[r][j].scale * dx), acc[r][m]);
+          // An explicit fma: contracted or not, vectorized or not, a row's sum must not depend on
+          // how many rows share the call (batch invariance: greedy tokens alone = in a batch).
+          if constexpr (T::kHasMin) macc[r][m] = std::fma(sub[r][j].minv, a.s[row * a.blocks + blk], macc[r][m]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) {
+      float v = hsum(acc[r][m]) + macc[r][m];
+      if (bias != nullptr) v += bias[n + r];
+      float* o = out + m * os + n + r;
+      *o = accumulate ? *o + v : v;
+    }
+}
+
+template <class T, int M>
+inline void qdot_range(const uint8_t* w, int64_t row_bytes, const QuantizedActivations& a, int64_t m0,
+                       const float* bias, float* out, int64_t os, bool accumulate, int64_t n0, int64_t n1) {
+  constexpr int R = M == 1 ? 4 : 2;
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) qdot_rows<T, M, R>(w, row_bytes, a, m0, bias, out, os, accumulate, n);
+  for (; n < n1; ++n) qdot_rows<T, M, 1>(w, row_bytes, a, m0, bias, out, os, accumulate, n);
+}
+
+// Output rows per tile: a tile's blocks (16 rows: at most ~16 KiB for these models) stay in cache
+// while every group of 4 activation rows passes over them.
+constexpr int64_t kQuantTileRows = 16;
+
+template <class T>
+inline void quant_matmul_impl(const QuantizedActivations& a, int64_t M, const Weight& w, const float* bias,
+                              float* out, int64_t os, bool accumulate) {
+  const int64_t N = w.rows, row_bytes = w.cols;
+  const uint8_t* wp = static_cast<const uint8_t*>(w.data);
+  for_each_tile(N, M, kQuantTileRows, [&](int64_t n0, int64_t n1, int64_t m, int64_t rows) {
+    float* om = out + m * os;
+    switch (rows) {
+      case 1: qdot_range<T, 1>(wp, row_bytes, a, m, bias, om, os, accumulate, n0, n1); break;
+      case 2: qdot_range<T, 2>(wp, row_bytes, a, m, bias, om, os, accumulate, n0, n1); break;
+      case 3: qdot_range<T, 3>(wp, row_bytes, a, m, bias, om, os, accumulate, n0, n1); break;
+      default: qdot_range<T, 4>(wp, row_bytes, a, m, bias, om, os, accumulate, n0, n1); break;
+    }
+  });
+}
+
+// Block b of row n of w [N, row_bytes] as the file stores it: in place, or (packed) re-assembled
+// into `raw`.
+template <class B>
+inline const uint8_t* file_block(const uint8_t* w, int64_t row_bytes, bool packed, int64_t n, int64_t b, uint8_t* raw) {
+  if (!packed) return w + n * row_bytes + b * B::kBytes;
+  with_packed_type(B::kType, [&](auto pack) {
+    using P = decltype(pack);
+    packed_raw_block<P>(w + (n / kPackRows) * kPackRows * row_bytes + b * kPackRows * P::kBytes, n % kPackRows, raw);
+  });
+  return raw;
+}
+
+}  // namespace
+
+int64_t quant_in_features(int64_t rows, int64_t row_bytes, int64_t qtype) {
+  if (is_packed(qtype)) {
+    CADENZA_CHECK(packed_kernels_built(), "packed weights (type ", qtype, ") need the AVX-512 VNNI build of the kernels");
+    CADENZA_CHECK(rows % kPackRows == 0, "a packed weight has a multiple of ", kPackRows, " rows, not ", rows);
+    with_packed_type(unpacked_type(qtype), [](auto) { return 0; });  // a type with a packed layout
+  }
+  return with_block_type(unpacked_type(qtype), [&](auto block) {
+    using T = decltype(block);
+    CADENZA_CHECK(row_bytes % T::kBytes == 0, "bytes per row (", row_bytes, ") is not a whole number of ", T::kBytes,
+                  "-byte blocks");
+    return row_bytes / T::kBytes * T::kElems;
+  });
+}
+
+void quant_matmul(In x, const Weight& w, Out out, bool accumulate) {
+  const int64_t M = x.rows, N = w.rows;
+  if (M == 0 || N == 0) return;
+  thread_local QuantizedActivations act;
+  quantize_activations(x, act);
+#ifdef CADENZA_PACKED_KERNELS
+  if (is_packed(w.qtype)) {
+    packed_matmul(act, M, w, out, accumulate);
+    return;
+  }
+#endif
+  with_block_type(w.qtype, [&](auto block) {
+    quant_matmul_impl<decltype(block)>(act, M, w, w.bias, out.data, out.stride, accumulate);
+  });
+}
+
+void quant_rows(const Weight& w, const int64_t* ids, int64_t T, float* out) {
+  const int64_t K = quant_in_features(w.rows, w.cols, w.qtype), N = w.rows, row_bytes = w.cols;
+  for (int64_t t = 0; t < T; ++t) CADENZA_CHECK(ids[t] >= 0 && ids[t] < N, "row id ", ids[t], " out of range [0, ", N, ")");
+  const uint8_t* wp = static_cast<const uint8_t*>(w.data);
+  const bool packed = is_packed(w.qtype);
+  with_block_type(unpacked_type(w.qtype), [&](auto block) {
+    using B = decltype(block);
+    parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+      uint8_t raw[B::kBytes];
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t b = 0; b < row_bytes / B::kBytes; ++b)
+          B::dequant(file_block<B>(wp, row_bytes, packed, ids[t], b, raw), out + t * K + b * B::kElems);
+    });
+  });
+}
+
+void quant_dequantize(const Weight& w, void* out, bool bf16) {
+  const int64_t K = quant_in_features(w.rows, w.cols, w.qtype), N = w.rows, row_bytes = w.cols;
+  const uint8_t* wp = static_cast<const uint8_t*>(w.data);
+  float* op = bf16 ? nullptr : static_cast<float*>(out);
+  uint16_t* hp = bf16 ? static_cast<uint16_t*>(out) : nullptr;
+  const bool packed = is_packed(w.qtype);
+  with_block_type(unpacked_type(w.qtype), [&](auto block) {
+    using B = decltype(block);
+    parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      typename B::Sub sub[B::kSubs];
+      alignas(32) float tmp[32];
+      uint8_t raw[B::kBytes];
+      for (int64_t n = n0; n < n1; ++n)
+        for (int64_t b = 0; b < row_bytes / B::kBytes; ++b) {
+          B::decode(file_block<B>(wp, row_bytes, packed, n, b, raw), sub);
+          for (int j = 0; j < B::kSubs; ++j) {
+            const int64_t at = n * K + (b * B::kSubs + j) * 32;
+            if (!bf16) {
+              sub[j].store(op + at);
+              continue;
+            }
+            sub[j].store(tmp);
+            for (int i = 0; i < 4; ++i)
+              _mm_storeu_si128(reinterpret_cast<__m128i*>(hp + at + 8 * i), to_bf16x8(_mm256_load_ps(tmp + 8 * i)));
+          }
+        }
+    });
+  });
+}
+
+void quant_pack(const uint8_t* src, int64_t rows, int64_t row_bytes, int64_t qtype, uint8_t* dst) {
+  CADENZA_CHECK(rows % kPackRows == 0, "packing needs a multiple of ", kPackRows, " rows, not ", rows);
+  const int64_t groups = rows / kPackRows;
+  with_packed_type(qtype, [&](auto pack) {
+    using P = decltype(pack);
+    CADENZA_CHECK(row_bytes % P::kBytes == 0, "bytes per row (", row_bytes, ") is not a whole number of blocks");
+    const int64_t nblocks = row_bytes / P::kBytes, group_bytes = kPackRows * P::kBytes;
+    parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g)
+        for (int64_t b = 0; b < nblocks; ++b) {
+          uint8_t* gb = dst + g * kPackRows * row_bytes + b * group_bytes;
+          for (int64_t r = 0; r < kPackRows; ++r) {
+            const uint8_t* raw = src + (g * kPackRows + r) * row_bytes + b * P::kBytes;
+            for_each_field<P>([&](int64_t at, int64_t packed, int64_t bytes) { std::memcpy(gb + packed + r * bytes, raw + at, bytes); });
+          }
+          if constexpr (std::is_same_v<P, PackQ8_0>)
+            flip_sign_bits(gb + packed_header_bytes<P>(), group_bytes - packed_header_bytes<P>());
+        }
+    });
+  });
+}
+
+bool packed_kernels_built() {
+#ifdef CADENZA_PACKED_KERNELS
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace cadenza

@@ -1,0 +1,77 @@
+// The small ops of small_ops.h, rows in parallel.
+#include "small_ops.h"
+
+#include <cmath>
+
+#include "simd.h"
+
+namespace cadenza {
+
+void rms_norm(In x, const float* weight, double eps, Out out) {
+  const int64_t K = x.cols;
+  parallel_for(0, x.rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = x.row(r);
+      float* orow = out.row(r);
+      const float inv = 1.0f / std::sqrt(dot(xr, xr, K) / static_cast<float>(K) + static_cast<float>(eps));
+      const __m256 iv = _mm256_set1_ps(inv);
+      int64_t k = 0;
+      for (; k + 8 <= K; k += 8)
+        _mm256_storeu_ps(orow + k, _mm256_mul_ps(_mm256_loadu_ps(weight + k), _mm256_mul_ps(_mm256_loadu_ps(xr + k), iv)));
+      for (; k < K; ++k) orow[k] = weight[k] * (xr[k] * inv);
+    }
+  });
+}
+
+void rotary(float* x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t token_stride, const int64_t* positions,
+            const RotaryTables& tables) {
+  const int64_t T = tokens, H = heads, D = head_dim, half = D / 2, ts = token_stride;
+  const int64_t* pos = positions;
+  for (int64_t t = 0; t < T; ++t)
+    CADENZA_CHECK(pos[t] >= 0 && pos[t] < tables.positions, "position ", pos[t], " out of range");
+  parallel_for(0, T * H, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / H, h = i % H;
+      float* v = x + t * ts + h * D;
+      const float* c = tables.cos + pos[t] * D;
+      const float* s = tables.sin + pos[t] * D;
+      int64_t j = 0;
+      for (; j + 8 <= half; j += 8) {
+        const __m256 a = _mm256_loadu_ps(v + j), b = _mm256_loadu_ps(v + half + j);
+        // x*cos + rotate_half(x)*sin, rotate_half(x) = cat(-x2, x1): two products, then a sum,
+        // the reference's rounding.
+        const __m256 lo = _mm256_sub_ps(_mm256_mul_ps(a, _mm256_loadu_ps(c + j)), _mm256_mul_ps(b, _mm256_loadu_ps(s + j)));
+        const __m256 hi = _mm256_add_ps(_mm256_mul_ps(b, _mm256_loadu_ps(c + half + j)),
+                                        _mm256_mul_ps(a, _mm256_loadu_ps(s + half + j)));
+        _mm256_storeu_ps(v + j, lo);
+        _mm256_storeu_ps(v + half + j, hi);
+      }
+      for (; j < half; ++j) {
+        const float a = v[j], b = v[half + j];
+        v[j] = a * c[j] - b * s[j];
+        v[half + j] = b * c[half + j] + a * s[half + j];
+      }
+    }
+  });
+}
+
+void silu_mul(In gate_up, Out out) {
+  const int64_t I = gate_up.cols / 2;
+  parallel_for(0, gate_up.rows, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* g = gate_up.row(m);
+      const float* u = g + I;
+      float* o = out.row(m);
+      int64_t i = 0;
+      const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+      for (; i + 8 <= I; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, gv))));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
+      }
+      for (; i < I; ++i) o[i] = g[i] / (1.0f + exp1(-g[i])) * u[i];
+    }
+  });
+}
+
+}  // namespace cadenza
