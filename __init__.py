@@ -1,9 +1,13 @@
 """cadenza: an asyncio actor-based LLM inference engine."""
 
+from cadenza.compute_thread import apply_openmp_defaults
 from cadenza.models.cpu_features import apply_cpu_kind_to_torch
 from cadenza.sampling_params import SamplingParams
 
-apply_cpu_kind_to_torch()  # before torch loads: CADENZA_CPU's kind holds for PyTorch's kernels too
+# Before torch loads, which reads both once: CADENZA_CPU's kind holds for PyTorch's kernels too,
+# and OpenMP's threads spin briefly before they sleep (docs/cpu-threads.md).
+apply_cpu_kind_to_torch()
+apply_openmp_defaults()
 
 __all__ = ["LLM", "SamplingParams", "__version__"]
 __version__ = "0.1.0"

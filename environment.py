@@ -36,6 +36,21 @@ PARALLEL_CONFIG = EnvVar("CADENZA_PARALLEL_CONFIG", "Internal: the deployment co
 REPLICA_CONFIG = EnvVar("CADENZA_REPLICA_CONFIG", "Internal: the deployment config, as JSON, that a data-parallel replica starts with.", "")
 REPLICA_INDEX = EnvVar("CADENZA_REPLICA_INDEX", "Internal: a data-parallel replica's index.", "0")
 REPLICA_HOST = EnvVar("CADENZA_REPLICA_HOST", "Internal: the address a data-parallel replica listens on.", "127.0.0.1")
+# OpenMP's own: read once by libgomp when torch loads. `import cadenza` sets GOMP_SPINCOUNT where
+# neither is set (compute_thread.apply_openmp_defaults; docs/cpu-threads.md).
+OMP_WAIT_POLICY = EnvVar(
+    "OMP_WAIT_POLICY",
+    "OpenMP's wait policy for torch's and the kernels' threads: PASSIVE sleeps at once (slower alone), "
+    "ACTIVE spins. When set, cadenza leaves GOMP_SPINCOUNT to libgomp.",
+    "PASSIVE",
+)
+GOMP_SPINCOUNT = EnvVar(
+    "GOMP_SPINCOUNT",
+    "How many times an idle OpenMP thread spins (about 20 ns each) before it sleeps. cadenza sets 10000 "
+    "unless this or OMP_WAIT_POLICY is set; libgomp's own default is 300000.",
+    "10000",
+)
 
-ALL: tuple[EnvVar, ...] = (CONFIG, PLUGINS, CPU, CPU_ISA, LLAMACPP_HOME, PARALLEL_CONFIG, REPLICA_CONFIG, REPLICA_INDEX, REPLICA_HOST)
+ALL: tuple[EnvVar, ...] = (CONFIG, PLUGINS, CPU, CPU_ISA, LLAMACPP_HOME, PARALLEL_CONFIG, REPLICA_CONFIG, REPLICA_INDEX, REPLICA_HOST,
+                           OMP_WAIT_POLICY, GOMP_SPINCOUNT)
 NAMES = frozenset(v.name for v in ALL)

@@ -76,7 +76,10 @@ class ModelConfig(_Section):
         "model's own context length.",
     )
     num_threads: int | None = Field(
-        None, gt=0, description="torch intra-op threads. null leaves torch's default."
+        None, gt=0, description="Threads of torch's CPU ops and cadenza's CPU kernels (one OpenMP "
+        "team). null: torch's default, one per core this process may run on (taskset and "
+        "OMP_NUM_THREADS narrow it), shared out among tensor-parallel ranks. Set it to keep cadenza "
+        "to fewer cores than the machine has, beside other busy processes: see docs/cpu-threads.md.",
     )
     seed: int = Field(0, ge=0, description="Seed for torch's global random generator.")
     cpu_kernels: Literal["auto", "on", "off"] = Field(
