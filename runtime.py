@@ -155,27 +155,36 @@ def resolve_dtype(name: str) -> torch.dtype:
     return torch.bfloat16 if name == "auto" else _DTYPES[name]
 
 
-def resolve_kv_dtype(name: str, compute_dtype: torch.dtype) -> torch.dtype:
+def resolve_kv_dtype(name: str, compute_dtype: torch.dtype, int8_activations: bool = False) -> torch.dtype:
     """`cache.dtype` as a torch dtype; torch.int8 is the quantized cache (see `kv_cache.py`).
 
-    auto: the dtype attention computes in, so bfloat16 wherever that is bfloat16. Where attention
-    computes in float32 on the CPU (a GGUF's quantized linears, on every CPU; bf16 weights without
-    native bf16) the cache stays float32: the torch_sdpa backend hands only float32 and int8 caches
-    to the CPU kernels, and a bfloat16 cache decodes 1.3-1.7x slower there (gathered for SDPA;
-    default model, AVX-512 and AVX2 alike), though the kernels read one as fast as float32."""
+    auto: bfloat16 wherever attention computes in bfloat16, and also where the linears round their
+    activations to int8 (block-quantized weights, `int8_activations`: a GGUF's, or
+    `quantization: int8`), whose error bfloat16 keys and values stay far below (~2^-9 of a value
+    against int8's ~2^-8 of a block's largest); the CPU decode kernels read 16-bit rows widened to
+    float32 at float32's speed. Half float32's bytes, as llama.cpp's default f16 cache. Otherwise
+    the dtype attention computes in: float32 attention over float weights stays exact to the
+    reference (transformers in float32)."""
     if name == "auto":
+        if compute_dtype == torch.float32 and int8_activations:
+            return torch.bfloat16
         return compute_dtype
     return torch.int8 if name == "int8" else _DTYPES[name]
 
 
+# The caches the CPU decode kernels read in place (besides int8): float32 and 16-bit rows.
+KERNEL_FLOAT_CACHES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _attention_kernels(config: CadenzaConfig, loaded: LoadedModel, kv_dtype: torch.dtype, device: torch.device):
-    """The CPU kernels for the attention backend, or None: the model's, for a float32 cache and
-    activations; for an int8 cache, whatever the activations (its decode reads it in float32)."""
+    """The CPU kernels for the attention backend, or None: the model's, for float32 activations
+    over a float32 or 16-bit cache; for an int8 cache, whatever the activations (its decode reads
+    it in float32)."""
     if kv_dtype == torch.int8 and device.type == "cpu":
         from cadenza.kernels import cpu
 
         return loaded.model.kernels or cpu.configure(config.model.cpu_kernels)
-    return loaded.model.kernels if loaded.compute_dtype == kv_dtype == torch.float32 else None
+    return loaded.model.kernels if loaded.compute_dtype == torch.float32 and kv_dtype in KERNEL_FLOAT_CACHES else None
 
 
 def build_runtime(config: CadenzaConfig, extra_plugins=()) -> Runtime:
@@ -236,9 +245,8 @@ def build_model_shard(config: CadenzaConfig, plugins: Plugins, ctx=None) -> Mode
         # Every rank sizes its cache alike, so all agree on the block count without a message.
         cache_arch = replace(arch, num_kv_heads=max_local_kv_heads(loaded.arch, ctx.world_size))
     block_size = config.cache.block_size
-    # By default the cache holds keys and values in the dtype attention computes in (float32 where
-    # bf16 weights run on a CPU without native bf16): no per-layer conversion of the whole context.
-    kv_dtype = resolve_kv_dtype(config.cache.dtype, loaded.compute_dtype)
+    # By default 16-bit wherever that costs nothing the model does not already round away (see resolve_kv_dtype).
+    kv_dtype = resolve_kv_dtype(config.cache.dtype, loaded.compute_dtype, loaded.quantized_weights > 0)
     sized = size_cache(
         cache_arch,
         block_size,

@@ -3,8 +3,9 @@
 A step that mixes decodes with prefill chunks is attended in two groups, so the decodes' single
 query rows are not padded to the longest chunk (a [B, max_q, max_k] attention for B sequences
 would cost the whole batch what one chunk costs). Decode groups on the CPU, where cadenza's CPU
-kernels run, skip the gather: the paged decode kernel reads keys and values in place (a float32
-cache for float32 activations; an int8 cache for any).
+kernels run, skip the gather: the paged decode kernel reads keys and values in place (a float32,
+bfloat16 or float16 cache for float32 activations, 16-bit rows widened on load; an int8 cache for
+any).
 """
 
 from __future__ import annotations
@@ -47,6 +48,10 @@ class _Group:
     @property
     def is_decode(self) -> bool:
         return self.max_q == 1
+
+
+# The float caches the kernels read and write in place for float32 activations.
+_KERNEL_FLOAT_CACHES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _packed_f32(x: torch.Tensor) -> bool:
@@ -126,14 +131,14 @@ class TorchSDPABackend(AttentionBackend):
 
     def run_decode_stack(self, layers, h, positions, kv_caches, meta) -> bool:
         """The kernels' whole-step path (`forward`'s kernel calls, in C++ one layer after another),
-        on float32 or int8 caches. Each query row attends as a decode would: row j of a chunk
+        on float, bfloat16, float16 or int8 caches. Each query row attends as a decode would: row j of a chunk
         starting at context c sees keys [0, c + j + 1) through its sequence's block table, so a
         speculative step's or a short prefill's rows are computed exactly as decodes are."""
         if self._kernels is None or meta.max_query_len > STACK_MAX_QUERY_LEN:
             return False
         if all(isinstance(c, Int8KVCache) for c in kv_caches):
             caches, scales = [c.data for c in kv_caches], [c.scales for c in kv_caches]
-        elif all(isinstance(c, torch.Tensor) and c.dtype == torch.float32 for c in kv_caches):
+        elif all(isinstance(c, torch.Tensor) and c.dtype in _KERNEL_FLOAT_CACHES for c in kv_caches):
             caches, scales = kv_caches, []
         else:
             return False
@@ -159,7 +164,7 @@ class TorchSDPABackend(AttentionBackend):
         kernel_write = self._kernels is not None and _packed_f32(k) and _packed_f32(v)
         if kernel_write and int8:
             self._kernels.write_kv_int8_(kv_cache.data, kv_cache.scales, k, v, meta.slot_mapping)
-        elif kernel_write and kv_cache.dtype == torch.float32:
+        elif kernel_write and kv_cache.dtype in _KERNEL_FLOAT_CACHES:
             self._kernels.write_kv_(kv_cache, k, v, meta.slot_mapping)
         else:
             write_kv(k, v, kv_cache, meta.slot_mapping)
@@ -177,7 +182,7 @@ class TorchSDPABackend(AttentionBackend):
                 return self._kernels.paged_decode_attention_int8(
                     q.float(), kv_cache.data, kv_cache.scales, group.block_tables, group.seq_lens, self.scale, window
                 ).to(q.dtype)
-            if q.dtype == kv_cache.dtype == torch.float32:
+            if q.dtype == torch.float32 and kv_cache.dtype in _KERNEL_FLOAT_CACHES:
                 return self._kernels.paged_decode_attention(
                     q, kv_cache, group.block_tables, group.seq_lens, self.scale, window
                 )

@@ -142,10 +142,11 @@ class CacheConfig(_Section):
         "'1.5GB'. Set this or num_blocks, not both.",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16", "int8"] = Field(
-        "auto", description="What keys and values are stored as. 'auto': the dtype attention computes "
-        "in (bfloat16 where that is bfloat16; float32 on CPUs where it is float32, as with a GGUF's "
-        "quantized weights, since only float32 and int8 caches run on the CPU decode kernels there); "
-        "float16 or bfloat16 halve float32's bytes (attention still computes in its own dtype); "
+        "auto", description="What keys and values are stored as. 'auto': bfloat16 where attention "
+        "computes in bfloat16, and also where block-quantized weights (a GGUF's, quantization: int8) "
+        "round the activations to int8 (the CPU kernels read 16-bit rows at float32's speed); else "
+        "the dtype attention computes in. 'float32' keeps full precision; float16 or bfloat16 halve "
+        "float32's bytes (attention still computes in its own dtype); "
         "'int8': quantized per token and kv head (a float16 scale each), about half the bytes of "
         "bfloat16 and a quarter of float32, so the same memory_budget holds 2-4x the tokens.",
     )

@@ -38,6 +38,7 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     compute_dtype: torch.dtype  # activations and KV cache: float32 when the weights are dual precision
+    quantized_weights: int = 0  # linears on block-quantized weights, whose activations round to int8
 
 
 def load_model(
@@ -139,7 +140,7 @@ def load_model(
         seconds=round(time.perf_counter() - started, 2),
     )
     release_free_memory()
-    return LoadedModel(model, arch, tokenizer, source, limit, dtype, device, model.compute_dtype or dtype)
+    return LoadedModel(model, arch, tokenizer, source, limit, dtype, device, model.compute_dtype or dtype, len(native))
 
 
 def load_tokenizer(path: str | Path | None, max_model_len: int | None = None, load_format: str = "auto"
