@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from cadenza.api.errors import APIError, error_responses, install_error_handlers
 from cadenza.api.openai_schema import ModelList, openapi_schemas
 from cadenza.api.prometheus import ServerMetrics
+from cadenza.api.request_rules import API_DESCRIPTION, ServedLimits
 from cadenza.api.session_core import ContextPlugins, SessionCore
 from cadenza.api.state import ServerState, check_api_key, served_model_name, server_state
 from cadenza.engine import AsyncEngine
@@ -60,11 +61,24 @@ def create_app(runtime: Runtime, *, shutdown_grace: float = 10.0) -> FastAPI:
     install_error_handlers(app)
 
     def openapi() -> dict[str, Any]:
-        """FastAPI's document, plus the request models that the OpenAI routes parse themselves."""
+        """FastAPI's document, plus the request models that the OpenAI routes parse themselves,
+        with the served model's bounds (its vocabulary, hidden size and plugins)."""
         if app.openapi_schema is None:
             document = FastAPI.openapi(app)
-            schemas = openapi_schemas(served_model_name(config))
+            arch = runtime.loaded.arch
+            extra_params = getattr(runtime, "extra_params", None)
+            names = tuple(extra_params.names) if extra_params is not None else None
+            limits = ServedLimits(arch.vocab_size, arch.hidden_size, names)
+            schemas = openapi_schemas(served_model_name(config), limits)
             document.setdefault("components", {}).setdefault("schemas", {}).update(schemas)
+            document["info"]["description"] = API_DESCRIPTION
+            # FastAPI documents a 422 for routes with path parameters; this server answers its
+            # validation errors with 400 (and a path segment is any string).
+            for operations in document["paths"].values():
+                for operation in operations.values():
+                    operation["responses"].pop("422", None)
+            for unused in ("HTTPValidationError", "ValidationError"):
+                document["components"]["schemas"].pop(unused, None)
         return app.openapi_schema
 
     app.openapi = openapi

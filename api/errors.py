@@ -9,6 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from cadenza.sampling_params import describe_error
 
@@ -115,7 +116,30 @@ def install_error_handlers(app) -> None:
         return JSONResponse(error.body(), status_code=error.status)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        error = APIError(exc.status_code, code, str(exc.detail))
-        return JSONResponse(error.body(), status_code=exc.status_code)
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            allowed = allowed_methods(request)
+            headers["Allow"] = ", ".join(allowed)
+            message = f"{request.method} is not allowed on {request.url.path}; allowed: {', '.join(allowed)}"
+        else:
+            message = str(exc.detail)
+        error = APIError(exc.status_code, code, message)
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=headers)
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """Every HTTP method some route serves at the request's path (RFC 9110's `Allow`), found by
+    asking the routes whether they match the path with each method. Starlette's own 405 names
+    only the first route that matched the path, and a path may have several (GET and DELETE of a
+    stored response are two routes)."""
+    found = []
+    for method in _METHODS:
+        scope = {**request.scope, "method": method}
+        if any(route.matches(scope)[0] == Match.FULL for route in request.app.routes):
+            found.append(method)
+    return found
+
+
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")

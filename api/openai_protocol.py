@@ -20,6 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, WithJsonSchema, f
 from cadenza.api.errors import APIError
 from cadenza.config.schema import SamplingDefaults
 from cadenza.sampling_params import (
+    MAX_CHOICES,
+    MAX_GRAMMAR_CHARS,
     Logprobs,
     MaxTokens,
     N,
@@ -59,7 +61,11 @@ _TEXT_PART = {
     "required": ["type", "text"],
     "additionalProperties": False,
 }
-_CONTENT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}, {"type": "null"}]}
+_CONTENT_SCHEMA = {
+    "anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}, {"type": "null"}],
+    "description": "Text, or text parts. Required, and not null, but in an assistant message (which may leave it out, "
+    "with tool_calls or without).",
+}
 _NO_FUNCTIONS = "Only an empty value: the deprecated function calling is not supported; use tools."
 FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$", description="a-z, A-Z, 0-9, _ and -; at most 64.")]
 
@@ -94,7 +100,7 @@ class _SamplingFields(SamplingOverrides):
     model: str
     n: N = 1
     stream: bool = False
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptions | None = Field(None, description="Only with stream: true, as OpenAI and vLLM require.")
     # Accepted and ignored: they change nothing about how a local server generates.
     user: str | None = None
     metadata: dict[str, Any] | None = None
@@ -104,10 +110,10 @@ class _SamplingFields(SamplingOverrides):
     prompt_cache_key: str | None = None
     # Structured outputs: OpenAI's response_format, or vLLM's guided_* (older) or structured_outputs.
     response_format: ResponseFormat | None = None
-    guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = None
-    guided_choice: list[str] | None = None
-    guided_grammar: str | None = None
+    guided_json: dict[str, Any] | str | None = Field(None, description="A JSON schema, or its JSON text.")
+    guided_regex: str | None = Field(None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
+    guided_choice: list[Annotated[str, Field(min_length=1)]] | None = Field(None, min_length=1, max_length=MAX_CHOICES)
+    guided_grammar: str | None = Field(None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
 
     def check(self) -> None:
         """Rejections that need more than one field, or name a feature cadenza lacks."""
@@ -215,7 +221,7 @@ class ChatMessage(_Strict):
     name: str | None = None
     # What an assistant turn round-tripped from a response may carry, and a tool result's call id.
     refusal: str | None = None
-    tool_calls: list[ToolCallParam] | None = None
+    tool_calls: list[ToolCallParam] | None = Field(None, description="An assistant message's calls (no other role carries any).")
     tool_call_id: str | None = Field(None, min_length=1, max_length=256)
     function_call: Annotated[
         dict[str, Any] | None,
@@ -304,9 +310,11 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False  # type: ignore[assignment]  # chat's logprobs is a switch; top_logprobs the count
-    top_logprobs: Logprobs | None = None
+    top_logprobs: Logprobs | None = Field(None, description="Most likely tokens per position; only with logprobs: true.")
     tools: list[Tool] | None = Field(None, max_length=128)
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="none, auto (the default with tools), required, or a named function; the last two only with tools."
+    )
     parallel_tool_calls: bool | None = None
     # Declared so that asking for them is a clear 400 rather than an unknown field.
     functions: list[dict[str, Any]] | None = None
@@ -383,7 +391,18 @@ def to_sampling_params(
             structured_outputs=structured, prompt_logprobs=prompt_logprobs,
         )  # fmt: skip
     except SamplingParamsError as exc:
-        raise _invalid(exc.field(rename), exc.describe(rename), "invalid_value") from exc
+        raise _invalid(exc.field(rename) or across_fields_param(exc, req), exc.describe(rename), "invalid_value") from exc
+
+
+def across_fields_param(exc: SamplingParamsError, fields: BaseModel) -> str | None:
+    """The field to name for a refusal across fields (min_tokens above max_tokens; an output
+    constraint with min_tokens or ignore_eos): the one of them `fields` (the request's sampling
+    fields) set."""
+    if getattr(fields, "min_tokens", None):
+        return "min_tokens"
+    if getattr(fields, "ignore_eos", None):
+        return "ignore_eos"
+    return None
 
 
 # --- /v1/embeddings -------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from cadenza.api.openai_protocol import ChatCompletionRequest, CompletionRequest
 from cadenza.api.openai_schema import ChatCompletionResponse, CompletionResponse, openapi_request_body
 from cadenza.api.state import ServerState, server_state
 from cadenza.api.tool_parsers import ToolCallStream, ToolParser, parser_for_template
+from cadenza.api.tool_schemas import check_tool_schemas
 from cadenza.outputs import TokenLogprob
 from cadenza.prompts import ChatPrompt
 from cadenza.sampling_params import SamplingParams, StructuredOutputs
@@ -90,16 +91,20 @@ async def chat_completions(request: Request) -> Response:
     tools = req.active_tools()
     parser = parser_for_template(tokenizer.chat_template) if tools else None
     structured, structured_param = req.structured()
+    if req.tools:  # every tool's schema compiles, whatever tool_choice says
+        await check_tool_schemas([t.function.parameters for t in req.tools])
     forced = req.forced_tools()
+    forced_names = None
     if forced is not None and parser is not None:  # "required" or a named function: the grammar makes the call
         structured, structured_param = StructuredOutputs(grammar=parser.grammar(*forced)), "tools"
+        forced_names = [t["function"]["name"] for t in forced[0]]
     prompt = ChatPrompt(req.engine_messages(), tools) if tools else req.engine_messages()
     jobs = [
         (prompt, to_sampling_params(req, defaults, max_tokens=max_tokens, logprobs=logprobs, choice=j, rename=rename,
                                     structured=structured, prompt_logprobs=req.prompt_logprobs))
         for j in range(req.n)
     ]  # fmt: skip
-    shape = _ChatShape(_TokenTexts(tokenizer), req.n, req.logprobs, parser, req.prompt_logprobs)
+    shape = _ChatShape(_TokenTexts(tokenizer), req.n, req.logprobs, parser, req.prompt_logprobs, forced_names)
     shape.structured_param = structured_param
     return await _respond(request, state, shape, jobs, req)
 
@@ -284,16 +289,22 @@ class _Shape:
 class _ChatShape(_Shape):
     """Chat answers; with a tool parser (the request offered tools), tool calls in the model's
     format become `tool_calls`, streamed as each call completes: a delta with the call's index,
-    id and function name, then one with its arguments, as OpenAI's SDK accumulates them."""
+    id and function name, then one with its arguments, as OpenAI's SDK accumulates them.
+
+    A forced call (`forced`: the functions tool_choice allows) is all the output is: the answer is
+    `tool_calls` and null content, also when max_tokens cuts it short (`finish_reason` "length"):
+    the last call then has its arguments as far as they got, as OpenAI cuts them."""
 
     id_prefix, object, chunk_object = "chatcmpl-", "chat.completion", "chat.completion.chunk"
     prompt_param = "messages"
 
-    def __init__(self, tokens, n, want_logprobs, tool_parser: ToolParser | None = None, prompt_logprobs: int | None = None) -> None:
+    def __init__(self, tokens, n, want_logprobs, tool_parser: ToolParser | None = None, prompt_logprobs: int | None = None,
+                 forced: list[str] | None = None) -> None:  # fmt: skip
         super().__init__(tokens, n, want_logprobs)
         self.tool_parser = tool_parser
         self.tool_streams: dict[int, ToolCallStream] = {}
         self.prompt_logprobs = prompt_logprobs
+        self.forced = forced if tool_parser is not None else None
 
     def opening(self, index, first):
         return [{"index": index, "delta": {"role": "assistant"}, "logprobs": None, "finish_reason": None}]
@@ -310,10 +321,15 @@ class _ChatShape(_Shape):
         if self.tool_parser is not None:
             stream = self.tool_streams.setdefault(index, ToolCallStream(self.tool_parser))
             first = stream.num_calls
-            text, calls = stream.feed(out.text, final=out.finish_reason is not None)
-        if text or out.logprobs:
+            if self.forced is None:
+                text, calls = stream.feed(out.text, final=out.finish_reason is not None)
+            else:
+                text, calls = self._forced_calls(stream, out)
+        if text or (out.logprobs and self.forced is None):
             logprobs = self._logprobs(out.logprobs) if self.want_logprobs and out.logprobs else None
             bodies.append({"index": index, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None})
+        elif out.logprobs and self.want_logprobs:  # a forced call's tokens: no content to carry them
+            bodies.append({"index": index, "delta": {}, "logprobs": self._logprobs(out.logprobs), "finish_reason": None})
         for k, call in enumerate(calls):
             head = {"index": first + k, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
             arguments = {"index": first + k, "function": {"arguments": call.arguments}}
@@ -326,12 +342,24 @@ class _ChatShape(_Shape):
             bodies.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason})
         return bodies
 
+    def _forced_calls(self, stream: ToolCallStream, out: GenerationOutput) -> tuple[str, list]:
+        """A forced call's streamed output: calls as they complete (what the grammar writes
+        between them is no content), and at the end whatever call was cut short."""
+        if out.finish_reason is None:
+            return "", stream.feed(out.text, final=False)[1]
+        calls = self.tool_parser.parse_forced(stream.pending + out.text, self.forced)
+        stream.pending, stream.num_calls = "", stream.num_calls + len(calls)
+        return "", calls
+
     def choice(self, index, choice):
         content: str | None = "".join(choice.text)
         reason = choice.last.finish_reason if choice.last else None
         message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
         if self.tool_parser is not None:
-            content, calls = self.tool_parser.parse(content)
+            if self.forced is None:
+                content, calls = self.tool_parser.parse(content)
+            else:
+                content, calls = None, self.tool_parser.parse_forced(content, self.forced)
             message["content"] = content
             if calls:
                 message["tool_calls"] = [c.to_openai() for c in calls]

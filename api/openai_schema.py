@@ -9,6 +9,7 @@ from pydantic import BaseModel, Field
 from pydantic.json_schema import GenerateJsonSchema, models_json_schema
 
 from cadenza.api.openai_protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from cadenza.api.request_rules import ServedLimits, document_rules
 
 _REF = "#/components/schemas/{model}"
 REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, EmbeddingRequest)
@@ -31,18 +32,22 @@ class _OpenAPIJsonSchema(GenerateJsonSchema):
         return json_schema
 
 
-def openapi_schemas(model_name: str) -> dict[str, dict[str, Any]]:
+def openapi_schemas(model_name: str, limits: ServedLimits) -> dict[str, dict[str, Any]]:
     """The request models and every model they use, as OpenAPI components (what `$ref`s point to);
-    `model` is the one model this server serves (any other is a 404)."""
-    from cadenza.api.tokenizer_routes import REQUEST_MODELS as TOKENIZER_MODELS  # imports this module
+    `model` is the one model this server serves (any other is a 404). The rules beyond the
+    fields' types, and the served model's bounds, are written in (`request_rules.py`)."""
+    from cadenza.api.responses_protocol import ResponseCreateRequest  # imports this module
+    from cadenza.api.tokenizer_routes import REQUEST_MODELS as TOKENIZER_MODELS
 
-    pairs = [(m, "validation") for m in (*REQUEST_MODELS, *TOKENIZER_MODELS)]
+    optional_model = (*TOKENIZER_MODELS, ResponseCreateRequest)
+    pairs = [(m, "validation") for m in (*REQUEST_MODELS, *optional_model)]
     _, document = models_json_schema(pairs, ref_template=_REF, schema_generator=_OpenAPIJsonSchema)
     schemas = document["$defs"]
     for model in REQUEST_MODELS:
         schemas[model.__name__]["properties"]["model"]["enum"] = [model_name]
-    for model in TOKENIZER_MODELS:  # optional there: the served name or null
+    for model in optional_model:  # the served name or null
         schemas[model.__name__]["properties"]["model"]["anyOf"] = [{"enum": [model_name]}, {"type": "null"}]
+    document_rules(schemas, limits)
     return schemas
 
 

@@ -20,12 +20,12 @@ def page() -> str:
     return (resources.files("cadenza") / "static" / "index.html").read_text(encoding="utf-8")
 
 
-@router.get("/", include_in_schema=False)
+@router.get("/", response_class=HTMLResponse, responses={200: {"description": "The playground page."}})
 async def playground() -> HTMLResponse:
     # no-store: a page from an older server must not talk to a newer one's protocol.
     return HTMLResponse(page(), headers={"cache-control": "no-store"})
 
 
-@router.get("/favicon.ico", include_in_schema=False)
+@router.get("/favicon.ico", status_code=204, response_class=Response, responses={204: {"description": "No icon."}})
 async def favicon() -> Response:
     return Response(status_code=204)

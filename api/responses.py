@@ -25,10 +25,16 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from cadenza.api.conversation import Conversation
-from cadenza.api.errors import APIError, engine_error
+from cadenza.api.errors import ENGINE_CODE_STATUS, APIError, engine_error, error_responses
 from cadenza.api.http_streaming import EventStreamResponse, parse_body, until_disconnected
+from cadenza.api.openai_protocol import across_fields_param
+from cadenza.api.openai_schema import openapi_request_body
 from cadenza.api.responses_protocol import (
+    CancelledResponse,
+    DeletedResponse,
     ResponseCreateBody,
+    ResponseCreateRequest,
+    ResponseObject,
     engine_overrides,
     message_item,
     response_object,
@@ -39,7 +45,7 @@ from cadenza.api.session_core import ContextSettings, SessionCore, TurnError
 from cadenza.api.state import ServerState, server_state
 from cadenza.api.ws_connection import admit, parse_frame, write_outbox
 from cadenza.engine import EngineClosedError
-from cadenza.sampling_params import SamplingParamsError, describe_error, merge_sampling
+from cadenza.sampling_params import SamplingParams, SamplingParamsError, describe_error, merge_sampling
 
 log = structlog.get_logger("cadenza.api.responses")
 router = APIRouter()
@@ -76,10 +82,10 @@ class ResponseStore:
         while len(self.stored) > self.capacity:
             self.stored.popitem(last=False)
 
-    def get(self, response_id: str) -> tuple[dict[str, Any], Conversation]:
+    def get(self, response_id: str, param: str = "previous_response_id") -> tuple[dict[str, Any], Conversation]:
         found = self.stored.get(response_id)
         if found is None:
-            raise APIError(404, "response_not_found", f"no stored response {response_id!r} (never stored, deleted, or dropped: sessions.stored_responses)", "previous_response_id")
+            raise APIError(404, "response_not_found", f"no stored response {response_id!r} (never stored, deleted, or dropped: sessions.stored_responses)", param)
         self.stored.move_to_end(response_id)
         return found
 
@@ -95,7 +101,7 @@ def _core(connection) -> SessionCore:
     return connection.app.state.session_core
 
 
-async def response_events(core: SessionCore, store: ResponseStore, body: ResponseCreateBody, response_id: str) -> AsyncIterator[dict[str, Any]]:
+async def response_events(core: SessionCore, store: ResponseStore, body: ResponseCreateRequest, response_id: str) -> AsyncIterator[dict[str, Any]]:
     """The events of one response, `response.created` first and a final `response.completed`,
     `response.incomplete` (also for a cancelled one: status "cancelled") or `response.failed`.
     Raises `APIError` before the first event when the request cannot start."""
@@ -107,7 +113,7 @@ async def response_events(core: SessionCore, store: ResponseStore, body: Respons
     try:
         params = merge_sampling(state.config.sampling.defaults, body.sampling, **engine_overrides(body))
     except SamplingParamsError as exc:
-        raise APIError(400, "invalid_request", exc.describe({"max_tokens": "max_output_tokens"}), exc.field()) from None
+        raise APIError(400, "invalid_request", exc.describe({"max_tokens": "max_output_tokens"}), _sampling_param(exc, body)) from None
     conversation = store.get(body.previous_response_id)[1].fork() if body.previous_response_id else Conversation()
     conversation.system_prompt = body.instructions  # OpenAI: instructions are not carried over
     earlier, new_turn = body.turns()
@@ -175,7 +181,36 @@ async def response_events(core: SessionCore, store: ResponseStore, body: Respons
         live.ended.set()
 
 
-def _settings(core: SessionCore, body: ResponseCreateBody) -> ContextSettings:
+def _sampling_param(exc: SamplingParamsError, body: ResponseCreateRequest) -> str | None:
+    """Where in the body a sampling refusal points: OpenAI's own fields at the top, the rest
+    under `sampling`."""
+    field = exc.field()
+    if field is None:
+        across = across_fields_param(exc, body.sampling) if body.sampling is not None else None
+        return f"sampling.{across}" if across else None
+    top = {"max_tokens": "max_output_tokens", "temperature": "temperature", "top_p": "top_p"}.get(field)
+    if top is not None and getattr(body, top) is not None:
+        return top
+    return f"sampling.{field}"
+
+
+# The HTTP status of a failed response's error code, beside the engine's (`ENGINE_CODE_STATUS`).
+_FAILURE_STATUS = {"unavailable": 503, "internal_error": 500}
+
+
+def _failure(error: dict[str, Any]) -> APIError:
+    """A failed response's error, as the HTTP error a whole (not streamed) response answers."""
+    failure = engine_error(error["code"], error["message"])
+    failure.status = ENGINE_CODE_STATUS.get(error["code"]) or _FAILURE_STATUS.get(error["code"], 500)
+    if failure.code in ("invalid_prompt", "invalid_messages", "prompt_too_long"):
+        failure.param = "input"
+    elif failure.status == 400:  # the engine's refusals of sampling params begin with the field
+        field = failure.message.partition(":")[0]
+        failure.param = f"sampling.{field}" if field.partition(".")[0] in SamplingParams.model_fields else None
+    return failure
+
+
+def _settings(core: SessionCore, body: ResponseCreateRequest) -> ContextSettings:
     defaults = core.plugins.defaults
     if body.truncation == "disabled":
         return ContextSettings("error", defaults.providers)
@@ -191,12 +226,24 @@ def _new_id() -> str:
 # --- HTTP ---------------------------------------------------------------------------------------
 
 
-@router.post("/v1/responses", include_in_schema=False)
+_EVENT = {"type": "object", "required": ["event", "data"], "properties": {
+    "event": {"type": "string", "description": "The event's type (response.created, response.output_text.delta, ...)."},
+    "data": {"type": "string", "description": "The event as JSON, with its sequence_number."}}}  # fmt: skip
+
+
+@router.post(
+    "/v1/responses",
+    openapi_extra={"requestBody": openapi_request_body(ResponseCreateRequest)},
+    responses={200: {"model": ResponseObject, "content": {"text/event-stream": {"itemSchema": _EVENT}}, "links": {
+                   name: {"operationId": name, "parameters": {"response_id": "$response.body#/id"}}
+                   for name in ("getResponse", "deleteResponse", "cancelResponse")}},
+               **error_responses(400, 401, 404, 408, 413, 429, 500, 503)},
+)  # fmt: skip
 async def create_response(request: Request) -> Response:
+    """A response, whole, or streamed as its events with `stream` (`type` and `stream_id` are the
+    WebSocket's `response.create` envelope, not fields of this body)."""
     state = server_state(request)
-    body = await parse_body(request, ResponseCreateBody)
-    if body.type is not None or body.stream_id is not None:
-        raise APIError(400, "unknown_field", "type and stream_id belong to the WebSocket's response.create", "type")
+    body = await parse_body(request, ResponseCreateRequest)
     store, core, response_id = ResponseStore.of(request.app, state), _core(request), _new_id()
     if not body.stream:
         final: dict[str, Any] = {}
@@ -211,7 +258,7 @@ async def create_response(request: Request) -> Response:
         if disconnected:
             return Response(status_code=499)
         if final.get("status") == "failed":
-            raise APIError(500, final["error"]["code"], final["error"]["message"])
+            raise _failure(final["error"])
         return JSONResponse(final)
 
     async def produce(emit) -> None:
@@ -224,21 +271,25 @@ async def create_response(request: Request) -> Response:
     return EventStreamResponse(produce, request_id=response_id)
 
 
-@router.get("/v1/responses/{response_id}", include_in_schema=False)
+_STORED = error_responses(401, 404)
+
+
+@router.get("/v1/responses/{response_id}", operation_id="getResponse", responses={200: {"model": ResponseObject}, **_STORED})
 async def get_response(request: Request, response_id: str):
     state = server_state(request)
-    return ResponseStore.of(request.app, state).get(response_id)[0]
+    return ResponseStore.of(request.app, state).get(response_id, "response_id")[0]
 
 
-@router.delete("/v1/responses/{response_id}", include_in_schema=False)
+@router.delete("/v1/responses/{response_id}", operation_id="deleteResponse", responses={200: {"model": DeletedResponse}, **_STORED})
 async def delete_response(request: Request, response_id: str):
     store = ResponseStore.of(request.app, server_state(request))
-    store.get(response_id)
+    store.get(response_id, "response_id")
     del store.stored[response_id]
     return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 
-@router.post("/v1/responses/{response_id}/cancel", include_in_schema=False)
+@router.post("/v1/responses/{response_id}/cancel", operation_id="cancelResponse",
+             responses={200: {"model": ResponseObject | CancelledResponse}, **_STORED})  # fmt: skip
 async def cancel_response(request: Request, response_id: str):
     """Stop a response being generated (from any connection) and return it as it ended; a
     finished one is returned as it is."""
@@ -246,7 +297,7 @@ async def cancel_response(request: Request, response_id: str):
     store = ResponseStore.of(request.app, state)
     live = store.live.get(response_id)
     if live is None:
-        return store.get(response_id)[0]
+        return store.get(response_id, "response_id")[0]
     await _cancel(state, live)
     with anyio.move_on_after(30):  # an aborted request ends within a step
         await live.ended.wait()

@@ -46,8 +46,8 @@ class InputMessage(_Strict):
         return {"role": "system" if self.role == "developer" else self.role, "content": text}
 
 
-class ResponseCreateBody(_Strict):
-    """`POST /v1/responses`'s body; over the WebSocket also `type` and `stream_id`."""
+class ResponseCreateRequest(_Strict):
+    """`POST /v1/responses`'s body (over the WebSocket, `ResponseCreateBody`)."""
 
     model: str | None = None
     input: str | list[InputMessage] | None = None
@@ -77,9 +77,6 @@ class ResponseCreateBody(_Strict):
     tool_choice: Literal["none", "auto"] | None = None
     background: bool | None = None
     text: dict[str, Any] | None = None
-    # The WebSocket's envelope.
-    type: Literal["response.create"] | None = None
-    stream_id: Annotated[str, Field(min_length=1, max_length=128)] | None = None
 
     @field_validator("tools")
     @classmethod
@@ -98,13 +95,16 @@ class ResponseCreateBody(_Strict):
     @field_validator("text")
     @classmethod
     def _plain_text(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        kind = ((value or {}).get("format") or {}).get("type", "text")
+        fmt = (value or {}).get("format")
+        if fmt is not None and not isinstance(fmt, dict):
+            raise ValueError(f"format must be an object such as {{'type': 'text'}} (got {fmt!r})")
+        kind = (fmt or {}).get("type", "text")
         if kind != "text":
             raise ValueError(f"only the 'text' format is supported (got {kind!r})")
         return value
 
     @model_validator(mode="after")
-    def _has_input(self) -> "ResponseCreateBody":
+    def _has_input(self) -> "ResponseCreateRequest":
         if self.input is None or self.input == []:
             raise ValueError("input is required: a string or a list of messages")
         return self
@@ -121,7 +121,14 @@ class ResponseCreateBody(_Strict):
         return turns[:-1], turns[-1]
 
 
-def engine_overrides(body: ResponseCreateBody) -> dict[str, Any]:
+class ResponseCreateBody(ResponseCreateRequest):
+    """`response.create` over the WebSocket: the HTTP body and its envelope."""
+
+    type: Literal["response.create"] | None = None
+    stream_id: Annotated[str, Field(min_length=1, max_length=128)] | None = None
+
+
+def engine_overrides(body: ResponseCreateRequest) -> dict[str, Any]:
     """OpenAI's sampling fields, under SamplingParams' names."""
     fields = {"max_tokens": body.max_output_tokens, "temperature": body.temperature, "top_p": body.top_p}
     return {k: v for k, v in fields.items() if v is not None}
@@ -130,7 +137,7 @@ def engine_overrides(body: ResponseCreateBody) -> dict[str, Any]:
 # --- what goes back -----------------------------------------------------------------------------
 
 
-def response_object(response_id: str, body: ResponseCreateBody, model: str, status: str, *, created: float,
+def response_object(response_id: str, body: ResponseCreateRequest, model: str, status: str, *, created: float,
                     output: list[dict[str, Any]] | None = None, usage: dict[str, Any] | None = None,
                     incomplete: str | None = None, error: APIError | None = None) -> dict[str, Any]:  # fmt: skip
     return {
@@ -176,3 +183,95 @@ def usage(last) -> dict[str, Any]:
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt + completion,
     }
+
+
+# --- what goes back, for the OpenAPI document ----------------------------------------------------
+
+
+class OutputText(BaseModel):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+    logprobs: list[Any]
+
+
+class OutputMessage(BaseModel):
+    type: Literal["message"]
+    id: str
+    role: Literal["assistant"]
+    status: Literal["in_progress", "completed", "incomplete"]
+    content: list[OutputText]
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="Input tokens served from the prefix cache.")
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int
+
+
+class ContextReport(BaseModel):
+    policy: str = Field(description="The context policy that ran.")
+    cut: bool = Field(description="Whether the policy dropped anything.")
+    turns_dropped: int
+    messages_added: int = Field(description="Messages the context providers added.")
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+    context: ContextReport = Field(description="cadenza: what the context policy did to fit the conversation.")
+
+
+class IncompleteDetails(BaseModel):
+    reason: str
+
+
+class ResponseError(BaseModel):
+    code: str
+    message: str
+
+
+class ResponseObject(BaseModel):
+    """A response as `response_object` builds it (a stream's events carry the same object)."""
+
+    id: str
+    object: Literal["response"]
+    created_at: float
+    completed_at: float | None
+    status: Literal["in_progress", "completed", "incomplete", "cancelled", "failed"]
+    model: str
+    output: list[OutputMessage]
+    instructions: str | None
+    previous_response_id: str | None
+    max_output_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    truncation: Literal["auto", "disabled"]
+    parallel_tool_calls: bool
+    tool_choice: Literal["none"]
+    tools: list[Any]
+    store: bool
+    metadata: dict[str, str]
+    text: dict[str, Any]
+    usage: ResponseUsage | None
+    incomplete_details: IncompleteDetails | None
+    error: ResponseError | None
+
+
+class CancelledResponse(BaseModel):
+    """What cancelling a response that was stopped before it started returns."""
+
+    id: str
+    object: Literal["response"]
+    status: Literal["cancelled"]
+
+
+class DeletedResponse(BaseModel):
+    id: str
+    object: Literal["response.deleted"]
+    deleted: Literal[True]

@@ -20,6 +20,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Sequence
 
+from cadenza.api.tool_schemas import closed_arguments
+
 
 @dataclass(frozen=True, slots=True)
 class ToolCall:
@@ -65,10 +67,17 @@ class ToolParser(ABC):
         content = done.content.strip() if done.calls else done.content
         return (content or None), done.calls
 
+    @abstractmethod
+    def parse_forced(self, text: str, names: Sequence[str]) -> list[ToolCall]:
+        """The calls of an output that `grammar` forced, whole or cut short (max_tokens): every
+        call it began, the last one as far as it got (`partial_call`). `names`: the functions
+        the grammar allowed."""
+
 
 def _call_schema(tool: dict[str, Any], arguments_key: str) -> dict[str, Any]:
     function = tool["function"]
-    parameters = function.get("parameters") or {"type": "object", "properties": {}}
+    # Closed to the declared keys, so that no key is written twice (api/tool_schemas.py).
+    parameters = closed_arguments(function.get("parameters"))
     return {
         "type": "object",
         "properties": {"name": {"const": function["name"]}, arguments_key: parameters},
@@ -99,6 +108,32 @@ def _call_from_json(text: str, arguments_keys: Sequence[str]) -> ToolCall | None
     if isinstance(arguments, str):  # some models write the arguments as JSON text already
         return ToolCall(body["name"], arguments)
     return ToolCall(body["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+# A call's JSON as the forcing grammar writes it, `name` first (its schema orders the keys), up to
+# where the text ends; JSON whitespace anywhere between tokens. Function names need no escapes.
+_WS = r"[ \t\n\r]*"
+_NAME = re.compile(_WS + r'\{' + _WS + r'(?:"(?:n(?:a(?:m(?:e(?:"' + _WS + r'(?::' + _WS + r'(?:"(?P<name>[A-Za-z0-9_-]*)(?P<closed>")?)?)?)?)?)?)?)?)?')
+
+
+def partial_call(text: str, arguments_key: str, names: Sequence[str]) -> ToolCall:
+    """A call the forcing grammar began and `text` (its JSON, from `{`) leaves unfinished, as
+    OpenAI returns a call cut short: the function's name, when what was written settles it
+    (written whole, or a start only one of `names` has, or the only name there is), else "";
+    the arguments, the JSON text as far as it got (possibly "")."""
+    match = _NAME.match(text)
+    written, closed = (match["name"] or "", bool(match["closed"])) if match else ("", False)
+    if closed:
+        name = written
+    else:
+        fitting = [n for n in names if n.startswith(written)]
+        name = fitting[0] if len(fitting) == 1 else ""
+    arguments = ""
+    if closed:
+        rest = re.match(_WS + r',' + _WS + r'"' + re.escape(arguments_key) + r'"' + _WS + r':' + _WS, text[match.end() :])
+        if rest:
+            arguments = text[match.end() + rest.end() :].rstrip(" \t\n\r")
+    return ToolCall(name, arguments)
 
 
 def _partial_suffix(text: str, marker: str) -> int:
@@ -138,6 +173,19 @@ class HermesToolParser(ToolParser):
                 calls.append(call)
             text = after
 
+    def parse_forced(self, text: str, names: Sequence[str]) -> list[ToolCall]:
+        calls = []
+        blocks = text.split(self.start)
+        if len(blocks) == 1 and not (text.strip() and self.start.startswith(text.strip())):
+            return []  # not even the start of a block yet
+        for block in blocks[1:] if len(blocks) > 1 else [""]:
+            body, ended, _ = block.partition(self.end)
+            if not ended:  # cut short, maybe within the end marker
+                body = body[: len(body) - _partial_suffix(body, self.end)]
+            call = _call_from_json(body.strip(), ("arguments", "parameters"))
+            calls.append(call or partial_call(body, "arguments", names))
+        return calls
+
     def grammar(self, tools: Sequence[dict[str, Any]], parallel: bool) -> str:
         call = f'{_lark_string(self.start + chr(10))} call_json {_lark_string(chr(10) + self.end)}'
         start = 'start: call ("\\n" call)*' if parallel else "start: call"
@@ -176,6 +224,24 @@ class Llama3JsonToolParser(ToolParser):
             while position < len(head) and head[position] in " \t\n\r;":
                 position += 1
         return Consumed("", calls, "") if calls else Consumed(text, [], "")
+
+    def parse_forced(self, text: str, names: Sequence[str]) -> list[ToolCall]:
+        calls = []
+        decoder = json.JSONDecoder()
+        position = 0
+        while text[position:].strip(" \t\n\r;"):
+            position += len(text[position:]) - len(text[position:].lstrip(" \t\n\r;"))
+            try:
+                _, end = decoder.raw_decode(text, position)
+            except json.JSONDecodeError:
+                end = -1
+            call = _call_from_json(text[position:end], ("parameters", "arguments")) if end > 0 else None
+            if call is None:  # the last call, cut short
+                calls.append(partial_call(text[position:], "parameters", names))
+                break
+            calls.append(call)
+            position = end
+        return calls
 
     def grammar(self, tools: Sequence[dict[str, Any]], parallel: bool) -> str:
         start = 'start: call ("; " call)*' if parallel else "start: call"

@@ -92,7 +92,9 @@ class TemperatureProcessor(LogitsProcessor):
 
     def apply(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         temps = [1.0 if p.is_greedy else p.temperature for p in batch.params]
-        return logits.div_(row_column(temps, logits))
+        # A temperature past the dtype's largest value would become inf, and -inf / inf (a masked
+        # logit) NaN: at the largest finite value every logit is ~0, as the temperature asks.
+        return logits.div_(row_column(temps, logits).clamp_(max=torch.finfo(logits.dtype).max))
 
 
 class MinPProcessor(LogitsProcessor):

@@ -57,8 +57,12 @@ class PenaltiesProcessor(LogitsProcessor):
         if any(r != 1.0 for r in repetition):
             prompts = [batch.prompt_token_ids[i] for i in rows]
             seen = output_seen | (token_counts(prompts, vocab, logits.device) > 0)
-            penalty = row_column(repetition, sub)
-            penalized = torch.where(sub > 0, sub / penalty, sub * penalty)
+            # Within the dtype's finite positive range: a penalty that rounds to 0 or inf would
+            # turn a masked logit (-inf * 0) or a zero one (0 * inf) into NaN; and a division
+            # that overflows stops at the largest finite logit (two +inf would make NaN too).
+            finfo = torch.finfo(sub.dtype)
+            penalty = row_column(repetition, sub).clamp_(finfo.tiny, finfo.max)
+            penalized = torch.where(sub > 0, (sub / penalty).clamp_(max=finfo.max), sub * penalty)
             sub = torch.where(seen, penalized, sub)
 
         frequency = [p.frequency_penalty for p in params]

@@ -376,10 +376,35 @@ def test_logprob_token_text_keeps_a_sentencepiece_space():
 
 
 @pytest.mark.parametrize("field, value", [("max_tokens", "8"), ("echo", 0), ("stream", "true"), ("temperature", "0.5"),
-                                          ("n", 1.0), ("logprobs", True), ("prompt", [1, "2"])])
+                                          ("n", 1.0), ("logprobs", True), ("prompt", [1, "2"]), ("prompt", ["a", 1]),
+                                          ("prompt", [[1], "a"])])
 def test_json_types_are_checked_as_the_schema_gives_them(server, model, field, value):
     # OpenAI answers 400 to a number in a string or a 0 for false; so does cadenza (not a coercion).
     error = error_of(post(server, "/v1/completions", {"model": model, "prompt": "x", "max_tokens": 2, field: value}), 400)
     assert error["param"].split(".")[0] == field, error
     ok = post(server, "/v1/completions", {"model": model, "prompt": "x", "max_tokens": 2, "temperature": 1, "logit_bias": {"5": 1}})
     assert ok.status_code == 200, ok.text  # an integer is a number; JSON's keys stand for token ids
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "strict": 0}}]}),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": 0}}}),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "strict": "true"}}]}),
+])  # fmt: skip
+def test_strict_of_the_wrong_type_is_a_400_naming_it(server, model, path, body):
+    messages = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    error = error_of(post(server, path, {"model": model, **messages, **body}), 400)
+    assert error["param"].endswith(".strict"), error
+
+
+def test_seed_minus_one_is_a_seed_like_any_other(server, client, model):
+    """-1 is documented as an ordinary seed (not llama.cpp's "random"): it repeats, and differs
+    from other seeds."""
+    def text(seed):
+        return client.completions.create(model=model, prompt="The quick", max_tokens=12, temperature=1.0, seed=seed).choices[0].text
+
+    first = text(-1)
+    assert text(-1) == first
+    assert any(text(seed) != first for seed in (0, 1, 2))
+    seed_doc = httpx.get(server.url + "/openapi.json").json()["components"]["schemas"]["CompletionRequest"]["properties"]["seed"]
+    assert "-1 is a seed like any other" in json.dumps(seed_doc)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import llguidance
@@ -17,6 +18,7 @@ from cadenza.api.tool_parsers import (
     get_tool_parser,
     parser_for_template,
 )
+from cadenza.api.tool_schemas import closed_arguments
 from cadenza.models.tokenizer import Tokenizer, load_hf_tokenizer
 from cadenza.prompts import ChatPrompt, tokenize_prompt
 
@@ -202,10 +204,169 @@ def test_bad_tool_requests_are_400s(server, model, body, param):
     assert response.json()["error"]["param"] == param
 
 
-def test_a_tool_whose_schema_is_invalid_is_a_400_naming_tools(server, model):
-    broken = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "nope"}}}}}
-    response = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
-        "model": model, "messages": [{"role": "user", "content": "x"}], "tools": [broken], "tool_choice": "required"})  # fmt: skip
+BROKEN = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "nope"}}}}}
+
+
+@pytest.mark.parametrize("tool_choice", [None, "auto", "none", "required", {"type": "function", "function": {"name": "f"}},
+                                         {"type": "function", "function": {"name": "get_time"}}])  # fmt: skip
+@pytest.mark.parametrize("position", [0, 1])
+def test_a_tool_whose_schema_does_not_compile_is_a_400_whatever_tool_choice_says(server, model, tool_choice, position):
+    tools = [BROKEN, TIME] if position == 0 else [TIME, BROKEN]
+    body = {"model": model, "messages": [{"role": "user", "content": "x"}], "tools": tools, "max_tokens": 2}
+    if tool_choice is not None:
+        body["tool_choice"] = tool_choice
+    response = httpx.post(server.url + "/v1/chat/completions", timeout=30, json=body)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert error["param"] == "tools" and "Invalid type: nope" in error["message"]
+    assert error["param"] == f"tools.{position}.function.parameters", error
+    assert error["message"].startswith(f"tools.{position}.function.parameters: ") and "Invalid type: nope" in error["message"]
+    # The same tools with a schema that compiles are served.
+    fixed = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "string"}}}}}
+    good = {**body, "tools": [fixed if t is BROKEN else t for t in tools]}
+    assert httpx.post(server.url + "/v1/chat/completions", timeout=30, json=good).status_code == 200
+
+
+# --- a forced call cut short by max_tokens ------------------------------------------------------
+
+NAMES = ["get_weather", "get_time"]
+
+
+@pytest.mark.parametrize("text, calls", [
+    ("", []),
+    ("<tool", [("", "")]),
+    ('<tool_call>\n{ \n "name"  :\t"get_w', [("get_weather", "")]),  # only one name starts so
+    ('<tool_call>\n{"name": "get_', [("", "")]),  # two names do
+    ('<tool_call>\n{"name": "get_time"', [("get_time", "")]),
+    ('<tool_call>\n{"name": "get_time", "arguments": {"zone": "U', [("get_time", '{"zone": "U')]),
+    ('<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool', [("get_time", '{"zone": "UTC"}')]),
+    ('<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>\n<tool_call>\n{"name": "get_weather", '
+     '"arguments": {"ci', [("get_time", '{"zone": "UTC"}'), ("get_weather", '{"ci')]),
+])  # fmt: skip
+def test_hermes_reads_a_forced_output_cut_anywhere(text, calls):
+    assert [(c.name, c.arguments) for c in HermesToolParser().parse_forced(text, NAMES)] == calls
+
+
+def test_llama3_json_reads_a_forced_output_cut_anywhere():
+    parser = Llama3JsonToolParser()
+    cut = '{"name": "get_time", "parameters": {"zone": "UTC"}}; {"name": "get_weather", "parameters": {"city": "Pa'
+    assert [(c.name, c.arguments) for c in parser.parse_forced(cut, NAMES)] == [("get_time", '{"zone": "UTC"}'), ("get_weather", '{"city": "Pa')]
+    assert [(c.name, c.arguments) for c in parser.parse_forced('{"na', ["only"])] == [("only", "")]
+
+
+def _chat(client, model, stream, **kwargs):
+    """(content, [(name, arguments)], finish_reason, the output's tokens' texts (from the logprobs)
+    when not streamed)."""
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    if stream:
+        content, calls, reason = _accumulate(client.chat.completions.create(messages=messages, model=model, stream=True, **kwargs))
+        return content or None, [(c["name"], c["arguments"]) for c in calls], reason, None
+    (choice,) = client.chat.completions.create(messages=messages, model=model, logprobs=True, **kwargs).choices
+    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or ()]
+    return choice.message.content, calls, choice.finish_reason, [t.token for t in choice.logprobs.content]
+
+
+_ARGUMENTS = re.compile(r'"arguments"[ \t\n\r]*:[ \t\n\r]*')
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_forced_call_cut_short_is_still_tool_calls_with_the_arguments_so_far(client, model, tool_choice):
+    kwargs = dict(tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=False, temperature=1.0, seed=11)
+    _, whole_calls, reason, texts = _chat(client, model, False, max_tokens=400, **kwargs)
+    assert reason in ("tool_calls", "length") and _ARGUMENTS.search("".join(texts)), texts
+    # Cut where the arguments have begun, and before: the same seed writes the same tokens, so
+    # the output is a prefix of the whole one, and the call's arguments are what it wrote of them.
+    opened = next(i for i in range(len(texts)) if "{" in "".join(texts[:i]).partition('"arguments"')[2])
+    for max_tokens in (1, 3, opened, opened + 2):
+        assert max_tokens < len(texts)
+        prefix = "".join(texts[:max_tokens])
+        content, calls, reason, cut = _chat(client, model, False, max_tokens=max_tokens, **kwargs)
+        assert cut == texts[:max_tokens] and reason == "length" and content is None, (cut, reason, content)
+        ((name, arguments),) = calls
+        assert name == "get_weather" if isinstance(tool_choice, dict) else name in ("", *NAMES)
+        head = _ARGUMENTS.search(prefix)
+        assert arguments == (prefix[head.end() :].rstrip(" \t\n\r") if head else ""), (arguments, prefix)
+        if max_tokens >= opened:
+            assert arguments.startswith("{") and name == whole_calls[0][0], (arguments, name)
+        # Streamed: the same call, as tool_calls deltas, and no content.
+        assert _chat(client, model, True, max_tokens=max_tokens, **kwargs)[:3] == (None, calls, "length")
+
+
+# --- no key twice in a forced call's arguments --------------------------------------------------
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 3}}, "required": ["city"]}
+
+
+def test_object_schemas_are_closed_to_their_declared_keys_where_they_say_nothing_else():
+    closed = closed_arguments({"type": "object", "properties": {"a": CITY, "b": {"type": "array", "items": CITY}}})
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["a"]["additionalProperties"] is False
+    assert closed["properties"]["b"]["items"]["additionalProperties"] is False
+    assert closed_arguments(None) == {"type": "object", "properties": {}, "additionalProperties": False}
+    # Left as written: keys allowed explicitly, and objects other subschemas add keys to.
+    for schema in ({**CITY, "additionalProperties": True}, {**CITY, "additionalProperties": {"type": "integer"}},
+                   {**CITY, "patternProperties": {"^x": {}}}, {**CITY, "allOf": [{"properties": {"y": {}}}]},
+                   {**CITY, "anyOf": [{"properties": {"y": {}}}]}, {**CITY, "required": ["city", "zip"]}):  # fmt: skip
+        assert closed_arguments(schema) == schema
+    assert "additionalProperties" not in closed_arguments({"allOf": [CITY]})["allOf"][0]
+    assert closed_arguments({"anyOf": [CITY, {"type": "string"}]})["anyOf"][0]["additionalProperties"] is False
+
+
+def test_the_forcing_grammar_writes_no_key_twice():
+    duplicated = '<tool_call>\n{"name": "f", "arguments": {"city": "Rom", "description": "x", "description": "y"}}\n</tool_call>'
+    once = '<tool_call>\n{"name": "f", "arguments": {"city": "Rom"}}\n</tool_call>'
+    tokenizer = llguidance.LLTokenizer(_ByteTokenizer(), n_vocab=257, eos_token=256)
+
+    def accepts(parameters, sentence):
+        tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
+        grammar = llguidance.LLMatcher.grammar_from_lark(HermesToolParser().grammar([tool], parallel=False))
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        return matcher.consume_tokens(list(sentence.encode())) and matcher.is_accepting()
+
+    assert accepts(CITY, once) and not accepts(CITY, duplicated)
+    # A schema that allows other keys explicitly keeps them, repeats and all (JSON Schema cannot forbid those).
+    assert accepts({**CITY, "additionalProperties": True}, duplicated)
+
+
+def _keys_begun(arguments: str) -> list[str]:
+    """The keys an object's JSON text (possibly cut short) begins at its top level."""
+    keys, depth, i, expect_key = [], 0, 0, False
+    while i < len(arguments):
+        char = arguments[i]
+        if char == '"':
+            end = i + 1
+            while end < len(arguments) and arguments[end] != '"':
+                end += 2 if arguments[end] == "\\" else 1
+            if depth == 1 and expect_key:
+                keys.append(arguments[i + 1 : end])
+                expect_key = False
+            i = end + 1
+            continue
+        if char in "{[":
+            depth += 1
+            expect_key = depth == 1 and char == "{"
+        elif char in "}]":
+            depth -= 1
+            if depth == 0:
+                break  # the object's end
+        elif char == "," and depth == 1:
+            expect_key = True
+        i += 1
+    return keys
+
+
+def test_a_forced_call_on_the_model_writes_only_declared_keys_once(client, model):
+    def keys(parameters, seed):
+        tool = {"type": "function", "function": {"name": "lookup", "parameters": parameters}}
+        _, calls, _, texts = _chat(client, model, False, max_tokens=300, tools=[tool], tool_choice="required",
+                               parallel_tool_calls=False, temperature=1.0, seed=seed)  # fmt: skip
+        raw = "".join(texts)  # the text as written: parsed arguments would have lost any repeat
+        head = _ARGUMENTS.search(raw)
+        return _keys_begun(raw[head.end() :]) if head else []
+
+    seeds = range(6)
+    written = [keys(CITY, seed) for seed in seeds]
+    assert all(k in ([], ["city"]) for k in written), written
+    assert ["city"] in written
+    # The same model, the same seeds, under the schema with other keys allowed: it writes some.
+    opened = [keys({**CITY, "additionalProperties": True}, seed) for seed in seeds]
+    assert any(set(k) - {"city"} for k in opened), opened

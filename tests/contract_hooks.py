@@ -1,0 +1,70 @@
+"""schemathesis hooks for tests/test_api_contract.py, loaded by the `schemathesis run` it starts
+(`SCHEMATHESIS_HOOKS=contract_hooks`): in that process only, so the other fuzz tests' checks stay
+schemathesis' own.
+
+- `before_call`: integral floats become JSON integers (the document's global rule, stated in its
+  description: JSON Schema counts 2.0 as an integer, cadenza refuses it as OpenAI does).
+- `documented_refusal`, a check: a body the document allows that the server refuses (400) must
+  break one of the relations the document lists for the operation (`x-cadenza-relations`): the
+  error's `param` is one of that relation's params. It stands in for schemathesis'
+  `positive_data_acceptance`, which knows no relations.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+from typing import Any
+
+import schemathesis
+
+
+def as_json_integers(value: Any) -> Any:
+    """`value` with every integral float written as an integer."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [as_json_integers(v) for v in value]
+    if isinstance(value, dict):
+        return {k: as_json_integers(v) for k, v in value.items()}
+    return value
+
+
+@schemathesis.hook
+def before_call(context, case, kwargs):
+    if isinstance(case.body, (dict, list)):
+        case.body = as_json_integers(case.body)
+
+
+def relations_of(document: dict, path: str, method: str) -> list[dict]:
+    """The relations the document lists for an operation's request body."""
+    body = document["paths"][path][method.lower()].get("requestBody")
+    if body is None:
+        return []
+    ref = body["content"]["application/json"]["schema"]["$ref"]
+    return document["components"]["schemas"][ref.rpartition("/")[2]].get("x-cadenza-relations", [])
+
+
+@schemathesis.check
+def documented_refusal(ctx, response, case) -> bool | None:
+    meta = case.meta
+    if meta is None or not meta.generation.mode.is_positive or response.status_code < 400:
+        return None
+    if case.method.upper() != case.operation.method.upper():
+        return None  # an undeclared method: the 405 checks judge it
+    try:
+        error = json.loads(response.content)["error"]
+    except (ValueError, KeyError, TypeError):
+        raise AssertionError(f"a {response.status_code} without OpenAI's error shape") from None
+    status, param = response.status_code, error.get("param")
+    if status == 429:  # the queue was full: a valid body may wait its turn
+        return None
+    if status == 404:  # a stored response that does not exist (the path's id or previous_response_id)
+        assert param in ("response_id", "previous_response_id"), f"404 for a body the document allows: {error}"
+        return None
+    assert status == 400, f"{status} for a body the document allows: {error}"
+    params = [p for r in relations_of(case.operation.schema.raw_schema, case.operation.path, case.method) for p in r["params"]]
+    assert param is not None and any(fnmatch.fnmatchcase(param, p) for p in params), (
+        f"a body the document allows was refused for no relation it documents: {error}"
+    )
+    return None
