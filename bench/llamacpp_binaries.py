@@ -19,7 +19,7 @@ import json
 import subprocess
 from pathlib import Path
 
-from cadenza.bench.llamacpp_build import find_binary
+from cadenza.bench.llamacpp_build import find_binary, why_binaries_missing
 
 _TIMEOUT_S = 600
 
@@ -47,7 +47,7 @@ class LlamaBinaryProbe:
     def __init__(self, gguf_path: Path, kind: str, num_threads: int) -> None:
         bench, batched = find_binary("llama-bench"), find_binary("llama-batched-bench")
         if bench is None or batched is None:
-            raise LlamaBinaryError("llama.cpp binaries are not built: python -m cadenza.bench.llamacpp_build")
+            raise LlamaBinaryError(why_binaries_missing() or "llama.cpp binaries are not built")
         self.path, self.threads, self.bench, self.batched = gguf_path, num_threads, bench, batched
         self.name = f"llama.cpp {kind}"
 

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from cadenza.bench.engines import EngineRun
-from cadenza.bench.llamacpp_build import find_binary
+from cadenza.bench.llamacpp_build import find_binary, why_binaries_missing
 from cadenza.bench.workload import Workload
 
 _START_TIMEOUT_S = 120
@@ -40,7 +40,7 @@ class LlamaServerEngine:
     def __init__(self, gguf_path: Path, kind: str, *, num_threads: int, parallel: int, max_len: int, seed: int = 0) -> None:
         binary = find_binary("llama-server")
         if binary is None:
-            raise LlamaServerError("llama-server is not built: python -m cadenza.bench.llamacpp_build")
+            raise LlamaServerError(why_binaries_missing() or "llama-server is not built")
         self.binary, self.path, self.kind = binary, gguf_path, kind
         self.threads, self.parallel, self.max_len, self.seed = num_threads, parallel, max_len, seed
         self.name = f"llama.cpp {kind} (llama-server, {parallel} parallel)"
