@@ -73,6 +73,8 @@ def resolve_plugins(config: CadenzaConfig, extra_plugins: Iterable[object] = ())
     configured.append(registries.context_policies.get(config.sessions.context_policy))
     configured += [registries.context_providers.get(name) for name in config.sessions.context_providers]
     configured += proposer_classes(config, registries)
+    # The KV connector's name and options (prefill/decode disaggregation; parallel/disaggregation.py).
+    configured.append(registries.kv_connectors.get(config.parallel.disaggregation.connector))
     plugins.options = _validate_options(config.plugin_options, registries, configured)
     return plugins
 
@@ -82,7 +84,7 @@ def _validate_options(given: dict[str, dict[str, Any]], registries: Registries, 
         name: registry.get(name)
         for registry in (registries.attention_backends, registries.samplers, registries.logits_processors,
                          registries.eviction_policies, registries.context_policies, registries.context_providers,
-                         registries.proposers)
+                         registries.proposers, registries.kv_connectors)
         for name in registry.names()
     }
     problems = []
@@ -281,6 +283,12 @@ def _build_runtime(config: CadenzaConfig, extra_plugins=()) -> Runtime:
             "parallel.data_parallel_size: replicas are served by `cadenza serve` (parallel/replicas.py); "
             "a runtime is one engine"
         )
+    if config.parallel.disaggregation.enabled:
+        from cadenza.parallel.disaggregation import plan_disaggregation
+
+        plan_disaggregation(config)  # names what does not fit (data_parallel_size, ...) first
+        raise ConfigError("parallel.disaggregation: prefill and decode replicas are served by `cadenza serve` "
+                          "(parallel/replicas.py); a runtime is one engine")
     plugins = resolve_plugins(config, extra_plugins)
     size = config.parallel.tensor_parallel_size
     set_rank_threads(config, size)

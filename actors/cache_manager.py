@@ -220,6 +220,61 @@ class KVCacheManager:
                 else:
                     self._free.append(block)
 
+    # --- blocks that move between replicas (prefill/decode disaggregation) ------------------------
+    # A `holder` is a table like a request's, under an id of its own, released by `free(holder)`:
+    # it keeps blocks from eviction while they are sent (prefill side) or received (decode side).
+    # The replica's transfer agent (parallel/kv_transfer.py) calls these on the event loop's thread
+    # after `engine.settle()`, so they run between this actor's messages, never inside one.
+
+    def hold_cached(self, holder: str, hashes: Sequence[bytes]) -> tuple[int, ...]:
+        """Hold the cached blocks of the leading run of `hashes` that this cache has (chained
+        hashes, as `commit` computes them); returns their ids, in order: the prefix the caller
+        need not send or receive again."""
+        if holder in self._tables:
+            raise ValueError(f"{holder} already holds blocks")
+        table = _Table()
+        for digest in hashes if self.enable_prefix_caching else ():
+            block = self._cached.get(digest)
+            if block is None:
+                break
+            self._acquire(block)
+            table.blocks.append(block)
+            table.hashes.append(digest)
+        self._tables[holder] = table
+        return tuple(table.blocks)
+
+    def hold_fresh(self, holder: str, count: int) -> tuple[int, ...]:
+        """Add up to `count` empty blocks to `holder` (fewer when fewer are available; cached
+        blocks no one holds are evicted for them, as for a request); returns their ids."""
+        table = self._tables[holder]
+        taken = []
+        for _ in range(max(0, min(count, self.num_available))):
+            block = self._take_block()
+            self._ref[block] = 1
+            table.blocks.append(block)
+            taken.append(block)
+        return tuple(taken)
+
+    def cache_held(self, holder: str, hashes: Sequence[bytes]) -> None:
+        """`holder`'s blocks after its hashed ones now hold the keys and values the chained
+        `hashes` name (received from another replica): they enter the prefix cache, in order, so a
+        request with that prompt finds them as a prefix hit. A hash some other block entered
+        meanwhile keeps that block; this one then goes back to the free list with the holder."""
+        table = self._tables[holder]
+        if len(table.hashes) + len(hashes) > len(table.blocks):
+            raise ValueError(f"{holder}: {len(hashes)} hashes for {len(table.blocks) - len(table.hashes)} unhashed blocks")
+        for digest in hashes:
+            index = len(table.hashes)
+            table.hashes.append(digest)
+            block = table.blocks[index]
+            if self.enable_prefix_caching and digest not in self._cached and block not in self._hash_of:
+                self._cached[digest] = block
+                self._hash_of[block] = digest
+                self.policy.on_cached(block, index)
+
+    def holds(self, holder: str) -> bool:
+        return holder in self._tables
+
     # --- internals ------------------------------------------------------------------------------
 
     def _match(self, tokens: tuple[int, ...]) -> tuple[list[int], list[bytes]]:

@@ -16,7 +16,7 @@ PEERS = ("hf", "llamacpp")
 HF_VARIANTS = ("generate", "compiled", "continuous")  # what --compare hf runs
 SERVE_PROTOCOLS = ("ws", "http")
 WORKLOADS = ("nano-vllm",)
-SERVE_WORKLOADS = ("random", "multi-turn")
+SERVE_WORKLOADS = ("random", "multi-turn", "disaggregation")
 ROUTERS = ("prefix", "round_robin", "least_loaded")  # parallel.router's choices (parallel/router.py)
 
 
@@ -122,7 +122,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     mt = srv.add_argument_group("multi-turn", "--workload multi-turn: chats over shared system prompts against "
                                 "`cadenza serve --data-parallel-size N`, one launched server per router (WebSocket, token ids)")
     mt.add_argument("--workload", choices=SERVE_WORKLOADS, default="random",
-                    help="random: independent random prompts (default); multi-turn: the router bench")
+                    help="random: independent random prompts (default); multi-turn: the router bench; "
+                         "disaggregation: 1 prefill + 1 decode replica against 2 colocated ones")
     mt.add_argument("--routers", nargs="+", default=["prefix", "round_robin"], choices=ROUTERS, metavar="ROUTER",
                     help=f"parallel.router of each arm: {', '.join(ROUTERS)}; ratios are the first over the second "
                          "(default: prefix round_robin)")
@@ -133,7 +134,20 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     mt.add_argument("--turns", type=int, default=4, help="turns per conversation (default 4)")
     mt.add_argument("--user-len", type=int, nargs=2, default=(24, 40), metavar=("A", "B"),
                     help="user message lengths uniform in [A, B] (default 24 40)")
-    mt.add_argument("--repeats", type=int, default=1, help="runs per router, order reversed every other repeat (default 1)")
+    mt.add_argument("--repeats", type=int, default=1, help="runs per router (or disaggregation arm), order reversed "
+                                                            "every other repeat (default 1)")
+    pd = srv.add_argument_group("disaggregation", "--workload disaggregation: running decodes while long prompts "
+                                "arrive, on `cadenza serve --data-parallel-size 2` colocated and as 1 prefill + 1 "
+                                "decode replica (bench/disagg_bench.py); one rate, default 0.5")
+    pd.add_argument("--decodes", type=int, default=4, help="requests decoding throughout, whose ITL is measured (default 4)")
+    pd.add_argument("--decode-prompt-len", type=int, default=32, help="their prompts' tokens (default 32)")
+    pd.add_argument("--decode-tokens", type=int, default=1024,
+                    help="their max_tokens: they must outlast the long prompts; cancelled after them (default 1024)")
+    pd.add_argument("--long-prompts", type=int, default=8, help="long prompts arriving meanwhile (default 8)")
+    pd.add_argument("--long-prompt-len", type=int, default=1024, help="their tokens (default 1024)")
+    pd.add_argument("--long-tokens", type=int, default=16, help="their max_tokens (default 16)")
+    pd.add_argument("--connector", default="torch_distributed",
+                    help="parallel.disaggregation.connector of the disaggregated arm (default torch_distributed)")
     srv.add_argument("--max-duration", type=float, default=300.0,
                      help="seconds per run; requests unfinished by then are cancelled and counted (default 300)")
     srv.add_argument("--vocab-size", type=int, help="draw prompt token ids below this (default: the model's vocabulary, "
@@ -156,6 +170,10 @@ def run_bench(args: argparse.Namespace) -> int:
             from cadenza.bench.router_bench import serve_multi_turn
 
             return serve_multi_turn(args)
+        if args.bench_command == "serve" and args.workload == "disaggregation":
+            from cadenza.bench.disagg_bench import serve_disaggregation
+
+            return serve_disaggregation(args)
         if args.bench_command == "serve":
             return _serve(args)
         return _latency(args)

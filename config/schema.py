@@ -315,6 +315,35 @@ class SessionsConfig(_Section):
     )
 
 
+class DisaggregationConfig(_Section):
+    """Prefill/decode disaggregation: some data-parallel replicas only prefill prompts and hand
+    their KV-cache blocks to the others, which decode. See docs/scale-out.md."""
+
+    prefill: int = Field(
+        0, ge=0, description="Replicas that compute prompts' KV caches and send their blocks on. 0 "
+        "(with decode 0): off, every replica does both.",
+    )
+    decode: int = Field(
+        0, ge=0, description="Replicas that receive a prompt's blocks (only those their prefix "
+        "cache lacks), compute its last position and stream the answer. prefill + decode must equal "
+        "data_parallel_size.",
+    )
+    connector: str = Field(
+        "torch_distributed", min_length=1, description="KV connector plugin moving the blocks: "
+        "torch_distributed (point-to-point in a process group of its own: gloo on the CPU, NCCL "
+        "between GPUs), nixl (the `nixl` package), or a plugin's name.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty(cls, value: object) -> object:
+        return {} if value is None else value  # a YAML section whose keys are all commented out
+
+    @property
+    def enabled(self) -> bool:
+        return self.prefill + self.decode > 0
+
+
 class ParallelConfig(_Section):
     """Scale-out: tensor parallelism (one model split over ranks) and data parallelism (engine
     replicas behind one server). See docs/scale-out.md."""
@@ -352,6 +381,10 @@ class ParallelConfig(_Section):
     router: Literal["prefix", "round_robin", "least_loaded"] = Field(
         "prefix", description="How data parallelism picks a replica: prefix (longest cached prompt "
         "prefix by block hashes, else least loaded), round_robin, or least_loaded.",
+    )
+    disaggregation: DisaggregationConfig = Field(
+        default_factory=DisaggregationConfig, description="Prefill/decode disaggregation: how many "
+        "replicas prefill and how many decode, and the KV connector between them.",
     )
 
 

@@ -16,6 +16,11 @@
   actors), and what each runs.
 - `dp_engine.py`, `replica_client.py`, `wire.py`: the server's `AsyncEngine`-like view of the
   replicas, its connection to each, and their frames.
+- Prefill/decode disaggregation: `disaggregation.py` (the shape, checked up front), `pd_engine.py`
+  (the server's side: a request's blocks brought from a prefill to a decode replica),
+  `kv_transfer.py` (a replica's side: blocks held, its KV connector's half of each transfer; the
+  connectors themselves are in `cadenza.kv_connectors`).
 
-Imports point one way: lifecycle, placement <- launch, ray_replicas, replica_client <- dp_engine <- replicas.
+Imports point one way: lifecycle, placement <- launch, ray_replicas, replica_client <- dp_engine <- replicas;
+disaggregation, kv_transfer <- replica_server; dp_engine <- pd_engine <- replicas.
 """

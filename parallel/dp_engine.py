@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import uuid
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Protocol, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, Sequence
 
 import anyio
 import structlog
 
 from cadenza.engine import SERVER_SHUTDOWN, EngineClosedError
 from cadenza.metrics import EngineMetrics
+from cadenza.parallel.errors import ReplicaFailedError
 from cadenza.parallel.lifecycle import ManagedProcess
 from cadenza.parallel.replica_client import REPLICA_FAILED, ReplicaClient
 from cadenza.parallel.replica_server import error_output
@@ -221,6 +222,13 @@ class DataParallelEngine:
     async def generate(
         self, prompt: Any, params: SamplingParams | None = None, *, request_id: str | None = None, priority: int = 0
     ) -> AsyncIterator[GenerationOutput]:
+        params, request_id, ids = self._accept(prompt, params, request_id)
+        async for output in self._relay(self.router.route(ids), request_id, prompt, params, priority):
+            yield output
+
+    def _accept(self, prompt: Any, params: SamplingParams | None, request_id: str | None) -> tuple[SamplingParams, str, list[int]]:
+        """Check a new request; returns its params, its id and its prompt's token ids (to route it:
+        the replica tokenizes again, exactly as it would alone)."""
         params = params or SamplingParams()
         if params.n != 1:
             raise ValueError(f"n={params.n}: generate streams one completion per request")
@@ -233,7 +241,15 @@ class DataParallelEngine:
             ids = tokenize_prompt(prompt, self.runtime.tokenizer, self.runtime.loaded.arch.vocab_size)[1]
         except ValueError:
             ids = []  # the replica's ingress reports the bad prompt, as it would alone
-        index = self.router.route(ids)
+        return params, request_id, ids
+
+    async def _relay(
+        self, index: int, request_id: str, prompt: Any, params: SamplingParams, priority: int,
+        prepare: Callable[[], Awaitable[None]] | None = None,
+    ) -> AsyncIterator[GenerationOutput]:  # fmt: skip
+        """Send the request to replica `index` (routed there) and relay its outputs. `prepare`
+        runs first, the request already open (so shutdown and `end_requests` reach it): a
+        `ReplicaFailedError` from it ends the request with `REPLICA_FAILED` without sending it."""
         client = self.clients[index]
         # Bounded in outputs (each a merge of what the replica had ready), the engine's bound in tokens.
         send, receive = anyio.create_memory_object_stream[GenerationOutput](self.max_pending_tokens)
@@ -242,10 +258,16 @@ class DataParallelEngine:
         self.metrics.requests_started += 1
         finished = False
         try:
-            try:
-                await client.send(("generate", request_id, prompt, params, priority))
-            except Exception as exc:  # its connection broke: it ends like the replica's other requests
-                client.fail(f"lost data-parallel replica {index}: {exc!r}")
+            if prepare is not None:
+                try:
+                    await prepare()
+                except ReplicaFailedError as exc:  # a replica the request needed first failed
+                    client.end(request_id, REPLICA_FAILED, str(exc))
+            if request_id in client.streams:  # not ended meanwhile
+                try:
+                    await client.send(("generate", request_id, prompt, params, priority))
+                except Exception as exc:  # its connection broke: it ends like the replica's other requests
+                    client.fail(f"lost data-parallel replica {index}: {exc!r}")
             async with receive:
                 async for output in receive:
                     finished = output.finished

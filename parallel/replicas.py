@@ -10,6 +10,11 @@ local one also dies with its parent, so none outlives its server.
 A replica with `tensor_parallel_size` > 1 starts its own tensor-parallel group (its ranks, its
 MASTER_PORT); locally on CUDA it sees only its own GPUs. `launcher: ray` (the `cadenza[ray]` extra)
 starts each replica under a Ray actor instead (`ray_replicas.py`); see docs/scale-out.md.
+
+With `parallel.disaggregation` the replicas are prefill and decode replicas (`disaggregation.py`,
+checked before anything starts): this process hosts the store their KV connectors meet in, each
+replica joins the others before it reports ready, and the app serves a `DisaggregatedEngine`
+(`pd_engine.py`).
 """
 
 from __future__ import annotations
@@ -22,10 +27,12 @@ from typing import Any, Callable
 import structlog
 
 from cadenza.config import CadenzaConfig
+from cadenza.parallel.disaggregation import Roles, check_connector, plan_disaggregation
 from cadenza.parallel.dp_engine import DataParallelEngine
 from cadenza.parallel.errors import ReplicaFailedError
 from cadenza.parallel.lifecycle import LocalProcess, ManagedProcess
 from cadenza.parallel.placement import ReplicaShape, plan_replicas, visible_devices
+from cadenza.parallel.kv_transfer import peer_flag
 from cadenza.parallel.replica_server import READY, replica_command
 
 log = structlog.get_logger(__name__)
@@ -46,6 +53,7 @@ class FrontendRuntime:
     num_blocks: int = 0
     on_close: Callable[[], None] | None = None  # what else the launcher tears down (a Ray instance)
     closed: bool = field(default=False)
+    roles: Roles | None = None  # which replicas prefill and which decode, when disaggregated
 
     @property
     def tokenizer(self):
@@ -60,6 +68,10 @@ class FrontendRuntime:
         return self.config.cache.block_size
 
     def serve_engine(self, runtime, **kwargs):
+        if self.roles is not None:
+            from cadenza.parallel.pd_engine import DisaggregatedEngine
+
+            return DisaggregatedEngine.serve(self, **kwargs)
         return DataParallelEngine.serve(self, **kwargs)
 
     def failure(self) -> str | None:
@@ -90,12 +102,15 @@ def start_replicas(config: CadenzaConfig) -> FrontendRuntime:
     from cadenza.runtime import build_sampling_pipeline, resolve_plugins
 
     plugins = resolve_plugins(config)
+    roles = plan_disaggregation(config)
+    if roles is not None:
+        check_connector(config, plugins.registries)  # a missing package fails here, not in every replica
     if config.parallel.launcher == "ray":
         from cadenza.parallel.ray_replicas import start_ray_replicas
 
         replicas, on_close = start_ray_replicas(config, lambda shape: _one_replica(config, shape))
     else:
-        replicas, on_close = _start_local(config), None
+        replicas, on_close = _start_local(config, roles)
     try:
         arch, tokenizer, max_model_len = load_tokenizer(config.model.path, config.model.max_model_len)
         pipeline = build_sampling_pipeline(plugins, arch.vocab_size, tokenizer, _cpu())
@@ -108,12 +123,18 @@ def start_replicas(config: CadenzaConfig) -> FrontendRuntime:
     loaded = SimpleNamespace(arch=arch, tokenizer=tokenizer, max_model_len=max_model_len)
     log.info("Data-parallel replicas ready", replicas=len(replicas), ports=[r.address.port for r in replicas])
     num_blocks = min(r.address.num_blocks for r in replicas)
-    return FrontendRuntime(config, plugins.registries, loaded, replicas, pipeline.extra_params, num_blocks, on_close)
+    if roles is not None:
+        log.info("Disaggregated: prefill and decode replicas", prefill=list(roles.prefill), decode=list(roles.decode),
+                 connector=config.parallel.disaggregation.connector)  # fmt: skip
+    return FrontendRuntime(config, plugins.registries, loaded, replicas, pipeline.extra_params, num_blocks, on_close,
+                           roles=roles)  # fmt: skip
 
 
 def _one_replica(config: CadenzaConfig, shape: ReplicaShape) -> CadenzaConfig:
-    """The config each replica runs: one engine of `shape.ranks` ranks, `shape.threads` threads a rank."""
-    parallel = config.parallel.model_copy(update={"data_parallel_size": 1})
+    """The config each replica runs: one engine of `shape.ranks` ranks, `shape.threads` threads a
+    rank (its part in disaggregation comes with its `--kv-peer`; the connector's name stays)."""
+    alone = config.parallel.disaggregation.model_copy(update={"prefill": 0, "decode": 0})
+    parallel = config.parallel.model_copy(update={"data_parallel_size": 1, "disaggregation": alone})
     model = config.model.model_copy(update={"num_threads": shape.threads})
     return config.model_copy(update={"parallel": parallel, "model": model})
 
@@ -134,17 +155,26 @@ def _local_devices(config: CadenzaConfig) -> list[str]:
     return visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
 
 
-def _start_local(config: CadenzaConfig) -> list[LocalProcess]:
+def _start_local(config: CadenzaConfig, roles: Roles | None = None) -> tuple[list[LocalProcess], Callable[[], None] | None]:
+    """Start the replicas on this machine; returns them and what else `close` must stop (the KV
+    connectors' store, which this process hosts for a disaggregated deployment)."""
     parallel = config.parallel
     devices = _local_devices(config)
     shape = plan_replicas(parallel.data_parallel_size, parallel.tensor_parallel_size, config.model.num_threads,
                           cores=os.cpu_count() or 1, gpus=len(devices), use_gpus=bool(devices), where="this machine")  # fmt: skip
     config_json = _one_replica(config, shape).model_dump_json()
+    store = port = None
+    if roles is not None:
+        from cadenza.parallel.kv_transfer import host_store
+
+        store, port = host_store()
     replicas = []
     for index in range(shape.replicas):
         extra = {"CUDA_VISIBLE_DEVICES": visible_devices(index, shape.ranks, devices)} if devices else None
-        argv, env = replica_command(config_json, index, extra_env=extra)
-        replicas.append(LocalProcess(f"data-parallel replica {index}", argv, env, ready=READY, error=ReplicaFailedError))
+        kv_peer = None if roles is None else peer_flag(index, roles.world_size, "127.0.0.1", port)
+        argv, env = replica_command(config_json, index, extra_env=extra, kv_peer=kv_peer)
+        name = f"data-parallel replica {index}" + ("" if roles is None else f" ({roles.role(index)})")
+        replicas.append(LocalProcess(name, argv, env, ready=READY, error=ReplicaFailedError))
     try:
         for replica in replicas:
             replica.start()
@@ -154,4 +184,7 @@ def _start_local(config: CadenzaConfig) -> list[LocalProcess]:
         for replica in replicas:
             replica.kill()
         raise
-    return replicas
+    if store is None:
+        return replicas, None
+    served = [store]  # the store serves while referenced: `close` drops it, after the replicas stopped
+    return replicas, served.clear

@@ -7,7 +7,8 @@ index of the hashes it routed there (least recently routed dropped first past th
 count). So a session's or conversation's turns, each prompt extending the last, go where their
 history is cached. Without a match, or when the best match's replica is `max_imbalance` requests
 busier than the least loaded one, the least loaded replica wins. `round_robin` and `least_loaded`
-ignore prompts.
+ignore prompts. A disaggregated deployment routes each request twice, among its prefill
+replicas and among its decode replicas (`among`), by the same policy.
 """
 
 from __future__ import annotations
@@ -56,16 +57,19 @@ class Router:
         self._index: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(num_replicas)]
         self._next = itertools.cycle(range(num_replicas))
 
-    def route(self, token_ids: Sequence[int]) -> int:
-        """Pick a live replica for a prompt, and count the request as in flight there."""
-        alive = [i for i, s in enumerate(self.stats) if s.alive]
+    def route(self, token_ids: Sequence[int], among: Sequence[int] | None = None) -> int:
+        """Pick a live replica for a prompt (one of `among`, if given: the prefill or the decode
+        replicas of a disaggregated deployment), and count the request as in flight there."""
+        candidates = range(len(self.stats)) if among is None else among
+        alive = [i for i in candidates if self.stats[i].alive]
         if not alive:
-            raise RuntimeError("no data-parallel replica is alive")
+            raise RuntimeError("no data-parallel replica is alive" if among is None else
+                               f"none of data-parallel replicas {list(among)} is alive")
         hashes = prompt_hashes(token_ids, self.block_size) if self.policy == "prefix" else []
         least = min(alive, key=lambda i: (self.stats[i].in_flight, self.stats[i].routed))
         matched = 0
         if self.policy == "round_robin":
-            choice = next(i for i in self._next if self.stats[i].alive)
+            choice = next(i for i in self._next if i in alive)
         elif self.policy == "least_loaded":
             choice = least
         else:

@@ -47,3 +47,8 @@ def register_context_providers(register: Register) -> None:
 @hookspec
 def register_proposers(register: Register) -> None:
     """Register speculative-decoding proposers: `register(name, cls)`, cls a `Proposer` subclass."""
+
+
+@hookspec
+def register_kv_connectors(register: Register) -> None:
+    """Register KV connectors (prefill/decode disaggregation): `register(name, cls)`, cls a `KVConnector`."""

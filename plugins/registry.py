@@ -26,6 +26,7 @@ DEFAULT_PLUGINS = (
     "cadenza.plugins.eviction",
     "cadenza.plugins.context",
     "cadenza.speculative.builtins",
+    "cadenza.kv_connectors.builtins",
 )
 ENTRY_POINT_GROUP = "cadenza"
 ALLOWLIST_ENV = environment.PLUGINS.name
@@ -77,11 +78,13 @@ class Registries:
     context_policies: Registry
     context_providers: Registry
     proposers: Registry
+    kv_connectors: Registry
     plugin_names: list[str]
 
 
 def _new_registries() -> Registries:
     from cadenza.attention_backends.base import AttentionBackend
+    from cadenza.kv_connectors.base import KVConnector
     from cadenza.plugins.context import ContextPolicy, ContextProvider
     from cadenza.plugins.eviction import EvictionPolicy
     from cadenza.samplers.base import LogitsProcessor, Sampler
@@ -95,6 +98,7 @@ def _new_registries() -> Registries:
         context_policies=Registry("context policy", ContextPolicy),
         context_providers=Registry("context provider", ContextProvider),
         proposers=Registry("proposer", Proposer),
+        kv_connectors=Registry("KV connector", KVConnector),
         plugin_names=[],
     )
 
@@ -168,6 +172,7 @@ def collect_registries(pm: pluggy.PluginManager) -> Registries:
         ("register_context_policies", _checked(registries.context_policies)),
         ("register_context_providers", _checked(registries.context_providers)),
         ("register_proposers", _checked(registries.proposers)),
+        ("register_kv_connectors", _checked(registries.kv_connectors)),
     ]
     for hook_name, add in hooks:
         for impl in getattr(pm.hook, hook_name).get_hookimpls():

@@ -351,6 +351,63 @@ def test_on_evict_forgets_a_block_that_left_the_cache_otherwise():
     assert len(policy) == 1 and policy.pop_victim() == 4 and policy.name == "lru"
 
 
+# --- KV connectors (prefill/decode disaggregation; engine-level tests in test_disaggregation.py) ---
+
+
+@covers("register_kv_connectors")
+def test_a_kv_connector_plugin_registers_and_moves_blocks_by_the_contract():
+    from cadenza.kv_connectors.base import BlockTransfer, KVConnector
+    from cadenza.kv_connectors.blocks import block_nbytes, cache_tensors, gather_blocks, scatter_blocks
+    from cadenza.plugins.errors import PluginError
+    from cadenza.plugins.hookspecs import hookimpl
+    from cadenza.plugins.registry import load_registries
+
+    wire: dict[int, torch.Tensor] = {}
+
+    class InProcessConnector(KVConnector):
+        """Both replicas in one process: the payload goes through a dict."""
+
+        name = "in_process_test"
+
+        def join(self, peers):
+            self.tensors = cache_tensors(self.kv_caches)
+
+        def send(self, transfer):
+            wire[transfer.transfer_id] = gather_blocks(self.tensors, transfer.source_blocks)
+            return wire[transfer.transfer_id].numel()
+
+        def receive(self, transfer):
+            payload = wire.pop(transfer.transfer_id)
+            scatter_blocks(self.tensors, transfer.destination_blocks, payload)
+            return payload.numel()
+
+    class Plugin:
+        @hookimpl
+        def register_kv_connectors(self, register):
+            register(InProcessConnector.name, InProcessConnector)
+
+    class BadPlugin:
+        @hookimpl
+        def register_kv_connectors(self, register):
+            register("not_a_connector", dict)
+
+    registries = load_registries(entry_points=False, extra_plugins=[Plugin()])
+    assert registries.kv_connectors.names() == ["in_process_test", "nixl", "torch_distributed"]
+    cls = registries.kv_connectors.get("in_process_test")
+    source = [torch.randn(2, 6, 4, 2, 8) for _ in range(2)]  # 2 layers, 6 blocks of 4 tokens
+    target = [torch.zeros(2, 6, 4, 2, 8) for _ in range(2)]
+    sender, receiver = (cls(c, block_size=4, device=CPU) for c in (source, target))
+    sender.join(None)
+    receiver.join(None)
+    transfer = BlockTransfer(7, 0, 1, (1, 4), (5, 0))
+    assert sender.send(transfer) == receiver.receive(transfer) == 2 * block_nbytes(cache_tensors(source))
+    for src, dst in zip(source, target):
+        assert torch.equal(dst[:, 5], src[:, 1]) and torch.equal(dst[:, 0], src[:, 4])
+        assert not dst[:, 1:5].any()  # nothing else written
+    with pytest.raises(PluginError, match="not a subclass of KVConnector"):
+        load_registries(entry_points=False, extra_plugins=[BadPlugin()])
+
+
 # --- meta: every hook and contract member has a test --------------------------------------------
 
 

@@ -153,6 +153,7 @@ def test_builtins_are_ordinary_plugins_and_name_their_module():
         "cadenza.plugins.eviction": (registries.eviction_policies, BUILTIN_POLICIES),
         "cadenza.plugins.context": (registries.context_policies, ["drop_oldest", "error"]),
         "cadenza.speculative.builtins": (registries.proposers, ["draft", "ngram", "suffix"]),
+        "cadenza.kv_connectors.builtins": (registries.kv_connectors, ["nixl", "torch_distributed"]),
     }
     assert set(expected) == set(DEFAULT_PLUGINS)
     for module, (registry, names) in expected.items():
@@ -487,6 +488,7 @@ def test_registries_hold_no_plugin_manager():
         "context_policies",
         "context_providers",
         "proposers",
+        "kv_connectors",
         "plugin_names",
     ]
     assert all(isinstance(name, str) for name in registries.plugin_names)
@@ -615,6 +617,32 @@ def test_proposers_register_beside_the_builtins_and_must_be_proposers():
         load(Wrong())
 
 
+def test_kv_connectors_register_beside_the_builtins_and_must_be_connectors():
+    from cadenza.kv_connectors.torch_distributed import TorchDistributedConnector
+
+    class Plugin:
+        @hookimpl
+        def register_kv_connectors(self, register):
+            class Loopback(TorchDistributedConnector):
+                name = "loopback_test"
+
+            register(Loopback.name, Loopback)
+
+    registries = load(Plugin())
+    assert registries.kv_connectors.names() == ["loopback_test", "nixl", "torch_distributed"]
+    assert registries.kv_connectors.source_of("nixl") == "cadenza.kv_connectors.builtins"
+    with pytest.raises(UnknownNameError, match="known KV connectors: loopback_test, nixl, torch_distributed"):
+        registries.kv_connectors.get("mooncake")
+
+    class Wrong:
+        @hookimpl
+        def register_kv_connectors(self, register):
+            register("wrong_test", MRUPolicy)
+
+    with pytest.raises(PluginError, match="KV connector 'wrong_test'.*not a subclass of KVConnector"):
+        load(Wrong())
+
+
 # --- meta: every hook is tested and documented ---------------------------------------------------
 
 
@@ -635,6 +663,7 @@ def test_hookspecs_are_found():
         "register_context_policies",
         "register_context_providers",
         "register_proposers",
+        "register_kv_connectors",
     }
 
 
