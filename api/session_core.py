@@ -33,6 +33,7 @@ from cadenza.plugins.context import (
     Message,
     ProviderRequest,
     Turn,
+    engine_embedder,
 )
 from cadenza.plugins.errors import PluginError
 from cadenza.plugins.registry import Registries
@@ -152,7 +153,8 @@ class SessionCore:
         history = list(previous)
         if not new_messages and history and not any(m["role"] == "assistant" for m in history[-1]):
             new_messages = history.pop()
-        request = ProviderRequest(session_id, request_id, conversation.system() + flatten(history), flatten([new_messages]))
+        request = ProviderRequest(session_id, request_id, conversation.system() + flatten(history), flatten([new_messages]),
+                                  embed=engine_embedder(self.state.engine, request_id))
         added = await self._provide(settings.providers, request)
         turn = [*added, *new_messages]
         budget, limit = self.limits(params)

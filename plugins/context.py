@@ -13,15 +13,18 @@ and never the system prompt or the turn being answered.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Awaitable, Callable, ClassVar
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, ClassVar
 
+import anyio
 from pydantic import BaseModel, ConfigDict, Field
 
 from cadenza.plugins.hookspecs import hookimpl
 
 Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": "..."}
 Turn = list[Message]
+Embed = Callable[[list[str]], Awaitable[list[list[float]]]]  # texts -> one vector each, in order
 
 
 class ContextOverflowError(Exception):
@@ -98,11 +101,58 @@ class ProviderRequest:
     request_id: str
     conversation: list[Message]  # the system prompt and the history, oldest first
     new_messages: list[Message]  # the turn's messages (usually one user message)
+    # The served model's embeddings (`engine_embedder`); None where the front-end offers none.
+    embed: Embed | None = field(default=None, repr=False, compare=False)
 
     @property
     def query(self) -> str:
         """The turn's text: its user messages, joined."""
         return "\n".join(m["content"] for m in self.new_messages if m["role"] == "user")
+
+
+def engine_embedder(engine: Any, request_id: str) -> Embed:
+    """`ProviderRequest.embed` over an `AsyncEngine`, for the front-end that builds the request.
+
+    `await embed(texts)` returns one vector per text, in order, pooled as the deployment's
+    `embeddings` section says (as `LLM.embed` and `/v1/embeddings` do: the same text gives the same
+    vector). Every text is an engine request of its own, all sent at once, so the scheduler batches
+    them with each other and with generation. A text longer than the engine takes is cut to its
+    first tokens that fit; a request that fails raises `RuntimeError` (the turn then fails)."""
+    ids = itertools.count()  # the providers of one turn share it: request ids stay unique
+
+    async def embed(texts: list[str]) -> list[list[float]]:
+        # Imported here: importing this module stays cheap (no tokenizer, no torch).
+        from cadenza.pooling_params import PoolingParams
+        from cadenza.prompts import tokenize_prompt
+        from cadenza.sampling_params import SamplingParams
+
+        runtime = engine.runtime
+        section = runtime.config.embeddings
+        # Through `generate`, as /v1/embeddings does: every engine kind (data-parallel too) serves it.
+        params = SamplingParams(max_tokens=1, pooling=PoolingParams(pooling=section.pooling, normalize=section.normalize))
+        cap = runtime.config.server.max_prompt_tokens or runtime.max_model_len
+        fits = min(runtime.max_model_len - 1, runtime.num_blocks * runtime.block_size - 1, cap)
+        vocab_size = runtime.loaded.arch.vocab_size
+
+        def tokenize() -> list[list[int]]:
+            return [tokenize_prompt(text, runtime.tokenizer, vocab_size)[1][:fits] for text in texts]
+
+        prompts = await anyio.to_thread.run_sync(tokenize)  # a folder's worth of text is not loop work
+        vectors: list[list[float]] = [[] for _ in texts]
+
+        async def one(i: int) -> None:
+            async for out in engine.generate(prompts[i], params, request_id=f"{request_id}:embed-{next(ids)}"):
+                if out.finished and out.embedding is None:  # the last output carries the vector or the error
+                    raise RuntimeError(f"embedding failed ({out.error_code}): {out.error}")
+                if out.finished:
+                    vectors[i] = list(out.embedding)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(texts)):
+                tg.start_soon(one, i)
+        return vectors
+
+    return embed
 
 
 # --- the built-in policies ----------------------------------------------------------------------
