@@ -378,6 +378,12 @@ class ParallelConfig(_Section):
         "served (its open requests end with engine_failed; the others serve meanwhile). 0: a dead "
         "replica stays dead and the engine turns unhealthy, as with local replicas.",
     )
+    ray_placement: Literal["spread", "pack", "strict_spread"] = Field(
+        "spread", description="launcher ray: how replicas spread over the cluster's nodes (a Ray "
+        "placement group of one bundle a replica; a replica's ranks always share a node). spread: "
+        "over as many nodes as can hold one, as Ray Serve spreads replicas; pack: as few nodes as "
+        "possible; strict_spread: each on a node of its own, or start-up fails.",
+    )
     router: Literal["prefix", "round_robin", "least_loaded"] = Field(
         "prefix", description="How data parallelism picks a replica: prefix (longest cached prompt "
         "prefix by block hashes, else least loaded), round_robin, or least_loaded.",

@@ -5,13 +5,21 @@ Every rank is a process with its own threads; on CUDA each rank holds one GPU. S
 `data_parallel_size` x `tensor_parallel_size` ranks needs that many CPU cores (CPU) or GPUs (CUDA)
 on this machine (launcher local) or in the Ray cluster (launcher ray), and each replica's ranks
 share one machine: a replica starts its own tensor-parallel group there, on its own MASTER_PORT.
+Under Ray each replica is one bundle of a placement group, which `parallel.ray_placement` spreads
+over the nodes or packs onto few (`RAY_STRATEGIES`); `check_bundles_fit` refuses up front what no
+placement could hold, where Ray would wait for it forever.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping, Sequence
 
 from cadenza.config.errors import ConfigError
+
+# parallel.ray_placement -> the placement group's strategy (one bundle a replica). Each bundle lands
+# whole on one node, so a replica's ranks share it whatever the strategy.
+RAY_STRATEGIES = {"spread": "SPREAD", "pack": "PACK", "strict_spread": "STRICT_SPREAD"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,3 +69,28 @@ def plan_replicas(
 def visible_devices(index: int, ranks: int, devices: list[str]) -> str:
     """CUDA_VISIBLE_DEVICES for local replica `index`: its own `ranks` of `devices`, in order."""
     return ",".join(devices[index * ranks : (index + 1) * ranks])
+
+
+def copies_on(bundle: Mapping[str, float], node: Mapping[str, float]) -> int:
+    """How many `bundle`s a node of these resources holds at once."""
+    return min((int(node.get(k, 0) // v) for k, v in bundle.items() if v > 0), default=0)
+
+
+def check_bundles_fit(
+    bundle: Mapping[str, float], replicas: int, placement: str, nodes: Sequence[tuple[str, Mapping[str, float]]]
+) -> None:
+    """A `ConfigError` unless `replicas` bundles fit `nodes` ((name, such as its IP; its total
+    resources) each) under `parallel.ray_placement`: every strategy puts each bundle whole on one
+    node; strict_spread also puts each on a node of its own. Totals, not what is free: what other
+    jobs hold is Ray's to wait for."""
+    fits = [(name, copies_on(bundle, resources)) for name, resources in nodes]
+    holding = sum(1 for _, n in fits if n)
+    where = ", ".join(f"{name}: {n}" for name, n in fits)
+    if placement == "strict_spread" and holding < replicas:
+        raise ConfigError(f"parallel.ray_placement strict_spread puts each of {replicas} replicas on a node of its "
+                          f"own, but {holding} of the Ray cluster's {len(fits)} nodes can hold one ({bundle}); "
+                          "add nodes, or set ray_placement: spread")  # fmt: skip
+    if sum(n for _, n in fits) < replicas:
+        raise ConfigError(f"parallel: each replica needs {bundle} on one node (its tensor-parallel ranks share a "
+                          f"machine); the Ray cluster's nodes hold {sum(n for _, n in fits)} such replicas ({where}), "
+                          f"not {replicas}; lower model.num_threads or data_parallel_size")  # fmt: skip

@@ -5,12 +5,15 @@ Imported only for that launcher; Ray comes with the `cadenza[ray]` extra. Where 
 - unset: a cluster this machine has joined (`ray start`), else a local instance that cadenza starts
   (`ray.init(num_cpus=..., include_dashboard=False)`) and shuts down when it stops.
 
-Each replica reserves its CPUs (and a GPU a rank on CUDA) in a placement group of one bundle, so
-its tensor-parallel ranks share a node. Its actor, a `ReplicaSupervisor`, starts one
+Each replica reserves its CPUs (and a GPU a rank on CUDA) as one bundle of the deployment's
+placement group, so its tensor-parallel ranks share a node; `parallel.ray_placement` spreads the
+bundles over the nodes (default) or packs them. Its actor, a `ReplicaSupervisor`, starts one
 `replica_server` process there and lives exactly as long as it: when the replica dies, the actor
 exits and Ray restarts it (`parallel.max_restarts`), which starts a new replica; when the actor
-dies, the replica sees its stdin close and leaves. The server connects to each replica over TCP as
-to a local one, and reconnects to a restarted one once it reports ready (`RayReplica.wait_ready`).
+dies, the replica sees its stdin close and leaves. A lost node's bundles are placed again wherever
+they fit, and its actors restart there. The server connects to each replica over TCP as to a local
+one (at its node's Ray address when that node is another machine), and reconnects to a restarted
+one once it reports ready (`RayReplica.wait_ready`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import functools
 import os
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 import structlog
@@ -28,13 +31,14 @@ from cadenza.config import CadenzaConfig
 from cadenza.config.errors import ConfigError
 from cadenza.parallel.errors import ParallelError, ReplicaFailedError
 from cadenza.parallel.lifecycle import Address, LocalProcess, ManagedProcess
-from cadenza.parallel.placement import ReplicaShape, plan_replicas
+from cadenza.parallel.placement import RAY_STRATEGIES, ReplicaShape, check_bundles_fit, plan_replicas
 
 log = structlog.get_logger(__name__)
 
 START_SECONDS = 300.0
 OBJECT_STORE_BYTES = 100 << 20  # a local instance's shared memory: frames go over TCP, not Ray
 POLL_SECONDS = 0.25
+LOOPBACK = "127.0.0.1"
 
 
 def _ray():
@@ -52,7 +56,6 @@ class RaySession:
 
     started: bool
     connected: bool
-    single_node: bool  # every node is this machine: replicas listen on loopback only
 
     def close(self) -> None:
         ray = _ray()
@@ -65,25 +68,36 @@ def connect_ray(num_cpus: int) -> RaySession:
     """Join RAY_ADDRESS's cluster, or this machine's, or start a local instance of `num_cpus`."""
     ray = _ray()
     if ray.is_initialized():
-        return RaySession(False, False, _single_node())
+        return RaySession(False, False)
     address = os.environ.get("RAY_ADDRESS")
+    if address and address.startswith("ray://"):
+        # Under Ray Client this process is no node of the cluster: no way to tell which replicas share
+        # its machine, nor to count on reaching the others.
+        raise ConfigError(f"RAY_ADDRESS={address}: Ray Client (ray://) cannot carry the replicas' connections; run "
+                          "cadenza serve on a node of the cluster with RAY_ADDRESS=auto or the head's HOST:6379")  # fmt: skip
     try:
         ray.init(address=address or "auto")
-        log.info("Connected to a Ray cluster", address=address or "auto", nodes=len(ray.nodes()))
-        return RaySession(False, True, _single_node())
+        log.info("Connected to a Ray cluster", address=address or "auto", nodes=len(_alive_nodes()))
+        return RaySession(False, True)
     except ConnectionError:
         if address:
             raise
     started = time.perf_counter()
     ray.init(num_cpus=num_cpus, include_dashboard=False, object_store_memory=OBJECT_STORE_BYTES)
     log.info("Started a local Ray instance", num_cpus=num_cpus, seconds=round(time.perf_counter() - started, 2))
-    return RaySession(True, False, True)
+    return RaySession(True, False)
 
 
-def _single_node() -> bool:
-    ray = _ray()
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    return len(nodes) == 1 and nodes[0]["NodeManagerAddress"] == ray.util.get_node_ip_address()
+def _alive_nodes() -> list[dict]:
+    return [n for n in _ray().nodes() if n.get("Alive")]
+
+
+def replica_host(server_ip: str) -> str:
+    """Where a replica on this node listens: loopback on the server's own machine (nothing else
+    connects to it), else this node's Ray address, which the other nodes reach (Ray's own traffic
+    uses it); never every interface."""
+    node_ip = _ray().util.get_node_ip_address()
+    return LOOPBACK if node_ip == server_ip else node_ip
 
 
 class ReplicaSupervisor:
@@ -91,11 +105,11 @@ class ReplicaSupervisor:
     that dies after it served (so that Ray restarts both). One that never got ready is not
     restarted: it would fail again. Methods answer plain tuples, never raise across Ray."""
 
-    def __init__(self, config_json: str, index: int, host: str) -> None:
+    def __init__(self, config_json: str, index: int, server_ip: str) -> None:
         from cadenza.parallel.replica_server import READY, replica_command
 
-        argv, env = replica_command(config_json, index, host=host, lifeline=True)
-        self.host = host
+        # Decided here, on the node Ray placed (or, after a lost node, placed again) this actor.
+        argv, env = replica_command(config_json, index, host=replica_host(server_ip), lifeline=True)
         self.replica = LocalProcess(f"data-parallel replica {index}", argv, env, ready=READY, error=ReplicaFailedError,
                                     lifeline=True)  # fmt: skip
         self.replica.start()
@@ -127,10 +141,6 @@ class ReplicaSupervisor:
             return ("failed", self.replica.exit_status())
         if self._exited.is_set():
             return ("exited", self.replica.exit_status())
-        if self.host == "0.0.0.0":
-            import ray
-
-            return ("ready", replace(self._address, host=ray.util.get_node_ip_address()))
         return ("ready", self._address)
 
     def watch(self) -> int | None:
@@ -147,29 +157,29 @@ class ReplicaSupervisor:
 class RayReplica(ManagedProcess):
     """The server's handle on one replica under a Ray actor (see `ReplicaSupervisor`)."""
 
-    def __init__(self, index: int, config_json: str, bundle: dict[str, float], max_restarts: int, host: str) -> None:
+    def __init__(self, index: int, config_json: str, group, bundle: dict[str, float], max_restarts: int, server_ip: str) -> None:
+        """`group`: the deployment's placement group, whose bundle `index` (`bundle`) this replica
+        takes; the group belongs to `start_ray_replicas`, which removes it after every replica stopped."""
         self.name = f"data-parallel replica {index}"
         self.index = index
-        self.config_json, self.bundle, self.max_restarts, self.host = config_json, bundle, max_restarts, host
+        self.config_json, self.bundle, self.max_restarts, self.server_ip = config_json, bundle, max_restarts, server_ip
         self.restarts = max_restarts > 0
         self.actor = None
-        self.group = None
+        self.group = group
         self.address: Address | None = None
         self._watch = None  # resolves when the current incarnation's replica exits
         self._placed = self._stopped = False
 
     def start(self) -> None:
         _ray()  # a clear error without Ray
-        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        self.group = placement_group([self.bundle], strategy="STRICT_PACK")
         options = dict(
             num_cpus=self.bundle["CPU"], num_gpus=self.bundle.get("GPU", 0), max_restarts=self.max_restarts,
             max_task_retries=0, max_concurrency=4,  # address, watch and stop at once
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=0),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=self.index),
         )  # fmt: skip
-        self.actor = _supervisor_class().options(**options).remote(self.config_json, self.index, self.host)
+        self.actor = _supervisor_class().options(**options).remote(self.config_json, self.index, self.server_ip)
 
     def wait_ready(self, timeout: float) -> Address:
         ray = _ray()
@@ -184,7 +194,8 @@ class RayReplica(ManagedProcess):
             try:
                 ray.get(self.group.ready(), timeout=timeout)
             except GetTimeoutError:
-                raise ReplicaFailedError(f"Ray could not place {self.name} within {timeout:.0f} s: it needs {self.bundle} on one node") from None
+                raise ReplicaFailedError(f"Ray could not place {self.name} within {timeout:.0f} s: it needs {self.bundle} on "
+                                         "one node, beside the other replicas' bundles") from None  # fmt: skip
             self._placed = True
         while not self._stopped:
             left = deadline - time.monotonic()
@@ -230,17 +241,21 @@ class RayReplica(ManagedProcess):
         if self._stopped or self.actor is None:
             self._stopped = True
             return
+        try:
+            alive = self.is_alive()
+        except Exception:  # Ray itself is gone: nothing to ask
+            alive = False
         self._stopped = True
         ray = _ray()
-        from ray.util.placement_group import remove_placement_group
-
-        try:
-            ray.get(self.actor.stop.remote(grace), timeout=grace + 5)
-        except Exception as exc:  # a dead or restarting actor: killing it is all that is left
-            log.info("Replica actor did not stop itself", replica=self.index, error=type(exc).__name__)
+        # Only a serving replica is asked: a restarting actor (say, its node lost and no room for its
+        # bundle elsewhere) would take the call only once placed again, if ever.
+        if alive:
+            try:
+                ray.get(self.actor.stop.remote(grace), timeout=grace + 5)
+            except Exception as exc:  # it died meanwhile: killing it is all that is left
+                log.info("Replica actor did not stop itself", replica=self.index, error=type(exc).__name__)
         try:
             ray.kill(self.actor, no_restart=True)
-            remove_placement_group(self.group)
         except Exception as exc:  # Ray itself is gone (shut down, or the cluster lost): so is the actor
             log.warning("Could not remove a replica's actor", replica=self.index, error=repr(exc))
 
@@ -254,13 +269,28 @@ def start_ray_replicas(
     config: CadenzaConfig, one_replica: Callable[[ReplicaShape], CadenzaConfig]
 ) -> tuple[list[RayReplica], Callable[[], None]]:
     """Start `data_parallel_size` replicas on Ray and wait for each; returns them and what closes
-    the Ray session. `one_replica(shape)`: the config each replica runs."""
+    the deployment's placement group and the Ray session. `one_replica(shape)`: the config each
+    replica runs."""
     parallel = config.parallel
     world = parallel.data_parallel_size * parallel.tensor_parallel_size
     session = connect_ray(max(os.cpu_count() or 1, world * (config.model.num_threads or 1)))
     replicas: list[RayReplica] = []
+    group = None
+
+    def close() -> None:
+        if group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(group)  # after the actors: it would kill them unasked
+            except Exception as exc:  # Ray itself is gone: so is the group
+                log.warning("Could not remove the replicas' placement group", error=repr(exc))
+        session.close()
+
     try:
         ray = _ray()
+        from ray.util.placement_group import placement_group
+
         resources = ray.cluster_resources()
         cores, gpus = int(resources.get("CPU", 0)), int(resources.get("GPU", 0))
         if session.started:  # its CPUs are logical (enough for the bundles); the cores are this machine's
@@ -269,26 +299,31 @@ def start_ray_replicas(
         where = "this machine" if session.started else "the Ray cluster"
         shape = plan_replicas(parallel.data_parallel_size, parallel.tensor_parallel_size, config.model.num_threads,
                               cores=cores, gpus=gpus, use_gpus=use_gpus, where=where)  # fmt: skip
-        _check_a_node_fits(shape.resources())
-        host = "127.0.0.1" if session.single_node else "0.0.0.0"
+        bundle = shape.resources()
+        nodes = [(n["NodeManagerAddress"], n["Resources"]) for n in _alive_nodes()]
+        check_bundles_fit(bundle, shape.replicas, parallel.ray_placement, nodes)
+        # One group for the deployment: Ray places its bundles all at once, by the strategy.
+        group = placement_group([bundle] * shape.replicas, strategy=RAY_STRATEGIES[parallel.ray_placement])
+        server_ip = ray.util.get_node_ip_address()  # the replicas on this machine listen on loopback
         config_json = one_replica(shape).model_dump_json()
-        replicas = [RayReplica(i, config_json, shape.resources(), parallel.max_restarts, host) for i in range(shape.replicas)]
+        replicas = [RayReplica(i, config_json, group, bundle, parallel.max_restarts, server_ip) for i in range(shape.replicas)]
         for replica in replicas:
             replica.start()
         for replica in replicas:
             replica.wait_ready(START_SECONDS)
-        log.info("Started replicas on Ray", replicas=len(replicas), bundle=shape.resources(), max_restarts=parallel.max_restarts)
+        log.info("Started replicas on Ray", replicas=len(replicas), bundle=bundle, placement=parallel.ray_placement,
+                 nodes=_bundle_nodes(group), addresses=[f"{r.address.host}:{r.address.port}" for r in replicas],
+                 max_restarts=parallel.max_restarts)  # fmt: skip
     except BaseException:
         for replica in replicas:
             replica.stop(0)
-        session.close()
+        close()
         raise
-    return replicas, session.close
+    return replicas, close
 
 
-def _check_a_node_fits(bundle: dict[str, float]) -> None:
-    """A replica's ranks share one node: some node must hold its whole bundle."""
-    nodes = [n["Resources"] for n in _ray().nodes() if n.get("Alive")]
-    if not any(all(node.get(k, 0) >= v for k, v in bundle.items()) for node in nodes):
-        raise ConfigError(f"parallel: each replica needs {bundle} on one node (its tensor-parallel ranks share "
-                          "a machine), and no node of the Ray cluster has that much")  # fmt: skip
+def _bundle_nodes(group) -> list[str]:
+    """The node (its Ray address) each replica's bundle was placed on, in replica order."""
+    ips = {n["NodeID"]: n["NodeManagerAddress"] for n in _alive_nodes()}
+    placed = _ray().util.placement_group_table(group)["bundles_to_node_id"]
+    return [ips.get(placed.get(i), "?") for i in range(len(placed))]
