@@ -16,10 +16,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
 from cadenza.api.errors import APIError, error_responses, install_error_handlers
-from cadenza.api.openai_schema import ModelList, openapi_schemas
-from cadenza.api.prometheus import ServerMetrics
-from cadenza.api.request_rules import API_DESCRIPTION, ServedLimits
-from cadenza.api.session_core import ContextPlugins, SessionCore
+from cadenza.api.metrics import ServerMetrics
+from cadenza.api.openai.request_rules import API_DESCRIPTION, ServedLimits
+from cadenza.api.openai.schema import ModelList, openapi_schemas
+from cadenza.api.sessions.core import ContextPlugins, SessionCore
 from cadenza.api.state import ServerState, check_api_key, served_model_name, server_state
 from cadenza.engine import AsyncEngine
 from cadenza.runtime import Runtime
@@ -134,11 +134,14 @@ def create_app(runtime: Runtime, *, shutdown_grace: float = 10.0) -> FastAPI:
             ],
         }
 
-    from cadenza.api import embeddings_routes, openai_routes, playground, realtime, responses, tokenizer_routes, websocket
+    from cadenza.api import playground, tokenizer
+    from cadenza.api.openai import completions, embeddings
+    from cadenza.api.openai_ws import realtime, responses
+    from cadenza.api.sessions import websocket
 
-    app.include_router(openai_routes.router)
-    app.include_router(embeddings_routes.router)
-    app.include_router(tokenizer_routes.router)
+    app.include_router(completions.router)
+    app.include_router(embeddings.router)
+    app.include_router(tokenizer.router)
     app.include_router(websocket.router)
     app.include_router(responses.router)
     app.include_router(realtime.router)

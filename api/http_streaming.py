@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from cadenza.api.errors import APIError, validation_error
-from cadenza.api.prometheus import ServerMetrics
+from cadenza.api.metrics import ServerMetrics
 from cadenza.engine import AsyncEngine, EngineClosedError
 from cadenza.sampling_params import SamplingParams
 from cadenza.streams import GenerationOutput

@@ -19,7 +19,7 @@ import structlog
 import uvicorn
 
 from cadenza.api.app import create_app
-from cadenza.api.websocket import Sessions
+from cadenza.api.sessions.websocket import Sessions
 from cadenza.config import CadenzaConfig
 from cadenza.engine import SERVER_SHUTDOWN
 from cadenza.runtime import build_runtime

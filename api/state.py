@@ -9,7 +9,7 @@ from pathlib import Path
 from starlette.requests import HTTPConnection
 
 from cadenza.api.errors import APIError
-from cadenza.api.prometheus import ServerMetrics
+from cadenza.api.metrics import ServerMetrics
 from cadenza.config import CadenzaConfig
 from cadenza.engine import AsyncEngine
 from cadenza.models.default_model import DEFAULT_MODEL_NAME

@@ -1,7 +1,7 @@
 """Time to first token of a long conversation's turns: with prefix reuse, without it, and after a
 `drop_oldest` cut. `python -m cadenza.bench.sessions [--model PATH] [--turns N] ...`
 
-Runs the conversation core (`api/session_core.py`: chat template, context policy) on an in-process
+Runs the conversation core (`api/sessions/core.py`: chat template, context policy) on an in-process
 engine, twice with the same greedy turns: once with the prefix cache, once without. Every turn's
 prompt is the whole conversation, so without reuse its prefill grows with the history; with reuse
 only the new tokens are computed, until a cut changes everything after the system prompt.
@@ -15,9 +15,9 @@ import json
 import statistics
 from dataclasses import asdict, dataclass
 
-from cadenza.api.conversation import Conversation
-from cadenza.api.prometheus import ServerMetrics
-from cadenza.api.session_core import ContextPlugins, ContextSettings, SessionCore
+from cadenza.api.metrics import ServerMetrics
+from cadenza.api.sessions.conversation import Conversation
+from cadenza.api.sessions.core import ContextPlugins, ContextSettings, SessionCore
 from cadenza.api.state import ServerState
 from cadenza.config import load_config
 from cadenza.engine import AsyncEngine

@@ -3,7 +3,7 @@ the model's window, and what is retrieved or remembered before each of its turns
 
 Both are plugins, registered through `register_context_policies` and `register_context_providers`;
 the built-in policies `error` and `drop_oldest` are registered by this module exactly as a
-third-party package registers its own. docs/plugins.md has the contracts; `api/session_core.py`
+third-party package registers its own. docs/plugins.md has the contracts; `api/sessions/core.py`
 is the one caller.
 
 A conversation is a system prompt and a list of turns. A turn is whole: the messages a context

@@ -31,7 +31,7 @@ import pytest
 from fuzz_values import FUZZ_ENV, FUZZ_SERVER_ARGS, VOCAB_SIZE
 from server_process import running_server
 
-from cadenza.api.request_rules import integers_below
+from cadenza.api.openai.request_rules import integers_below
 
 # Cases per operation in the fuzzing phase (the coverage phase adds its own, a few per field, and
 # the stateful phase its sequences): schemathesis ran 22 s, the module 33 s, on two cores at load 2-3.
@@ -80,10 +80,13 @@ def test_the_server_keeps_to_its_document(server, tmp_path):
 def test_every_served_http_route_is_in_the_document(server, document):
     from fastapi.routing import APIRoute
 
-    from cadenza.api import embeddings_routes, openai_routes, playground, realtime, responses, tokenizer_routes, websocket
+    from cadenza.api import playground, tokenizer
+    from cadenza.api.openai import completions, embeddings
+    from cadenza.api.openai_ws import realtime, responses
+    from cadenza.api.sessions import websocket
 
     served = {("/health", "get"), ("/metrics", "get"), ("/v1/models", "get")}  # the app's own
-    for module in (openai_routes, embeddings_routes, tokenizer_routes, websocket, responses, realtime, playground):
+    for module in (completions, embeddings, tokenizer, websocket, responses, realtime, playground):
         served |= {(r.path, m.lower()) for r in module.router.routes if isinstance(r, APIRoute) for m in r.methods}
     documented = {(path, method) for path, operations in document["paths"].items() for method in operations}
     assert served == documented

@@ -35,8 +35,8 @@ from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from server_process import running_server
 
-from cadenza.api.openai_protocol import ChatCompletionRequest, CompletionRequest
-from cadenza.api.openai_schema import ChatCompletionResponse, CompletionResponse
+from cadenza.api.openai.protocol import ChatCompletionRequest, CompletionRequest
+from cadenza.api.openai.schema import ChatCompletionResponse, CompletionResponse
 
 ERROR_TYPES = {"invalid_request_error", "authentication_error", "not_found_error", "rate_limit_error", "server_error"}
 REQUIRED = {"/v1/completions": ("model", "prompt"), "/v1/chat/completions": ("model", "messages")}

@@ -33,8 +33,7 @@ from hypothesis import strategies as st
 from server_process import running_server
 from websockets.sync.client import connect
 
-from cadenza.api.websocket import MAX_FRAME_CHARS
-from cadenza.api.ws_protocol import (
+from cadenza.api.sessions.protocol import (
     CLIENT_TYPES,
     Cancel,
     Generate,
@@ -45,6 +44,7 @@ from cadenza.api.ws_protocol import (
     SessionUpdate,
     parse_client_message,
 )
+from cadenza.api.sessions.websocket import MAX_FRAME_CHARS
 
 DOC = Path(__file__).parents[1] / "docs" / "websocket.md"
 

@@ -312,16 +312,16 @@ def output(text="", finish=None, code=None, tokens=1):
 def scripted_app(*script):
     from fastapi import FastAPI
 
-    from cadenza.api import openai_routes
     from cadenza.api.errors import install_error_handlers
-    from cadenza.api.prometheus import ServerMetrics
+    from cadenza.api.metrics import ServerMetrics
+    from cadenza.api.openai import completions
     from cadenza.api.state import ServerState
     from cadenza.config import CadenzaConfig
     from cadenza.metrics import EngineMetrics
 
     app = FastAPI()
     install_error_handlers(app)
-    app.include_router(openai_routes.router)
+    app.include_router(completions.router)
     app.state.server = ServerState(ScriptedEngine(script), CadenzaConfig(), "m", ServerMetrics(EngineMetrics()))
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
 
@@ -363,7 +363,7 @@ def test_logprob_token_text_keeps_a_sentencepiece_space():
     # space it carries; a logprob's token text is what the token adds to the output instead.
     from tokenizers import Tokenizer, decoders, models
 
-    from cadenza.api.openai_routes import _TokenTexts
+    from cadenza.api.openai.completions import _TokenTexts
 
     vocab = {"<unk>": 0, "▁hello": 1, "▁wor": 2, "ld": 3, "<0xC3>": 4}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))

@@ -10,8 +10,8 @@ import httpx
 import pytest
 from websockets.asyncio.client import connect
 
-from cadenza.api.openai_protocol import ChatCompletionRequest, CompletionRequest
-from cadenza.api.ws_protocol import SamplingOptions
+from cadenza.api.openai.protocol import ChatCompletionRequest, CompletionRequest
+from cadenza.api.sessions.protocol import SamplingOptions
 from cadenza.config import CadenzaConfig, SamplingDefaults
 from cadenza.sampling_params import BOUNDS, SamplingOverrides, SamplingParams, SamplingParamsError
 from server_process import running_server

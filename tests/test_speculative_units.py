@@ -201,7 +201,7 @@ def test_prometheus_reports_speculation_per_proposer():
     pytest.importorskip("prometheus_client")
     from prometheus_client import generate_latest
 
-    from cadenza.api.prometheus import ServerMetrics
+    from cadenza.api.metrics import ServerMetrics
 
     metrics = EngineMetrics()
     metrics.record_speculation("ngram", 4, 3)

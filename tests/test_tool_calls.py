@@ -11,14 +11,14 @@ import llguidance
 import pytest
 from openai_fixtures import client, model, server  # noqa: F401 (fixtures)
 
-from cadenza.api.tool_parsers import (
+from cadenza.api.openai.tool_parsers import (
     HermesToolParser,
     Llama3JsonToolParser,
     ToolCallStream,
     get_tool_parser,
     parser_for_template,
 )
-from cadenza.api.tool_schemas import closed_arguments
+from cadenza.api.openai.tool_schemas import closed_arguments
 from cadenza.models.tokenizer import Tokenizer, load_hf_tokenizer
 from cadenza.prompts import ChatPrompt, tokenize_prompt
 

@@ -7,8 +7,8 @@ keep. It then commits the turn to the conversation; `settle` adds the answer or,
 failed turn, restores the history as it was before (the policy's cut included).
 
 The prompt goes to the engine as token ids: the conversation is tokenized once, here, and the
-ingress only checks the ids. WebSocket sessions (`api/websocket.py`), the Responses API
-(`api/responses.py`) and the Realtime API (`api/realtime.py`) are front-ends over this module.
+ingress only checks the ids. WebSocket sessions (`api/sessions/websocket.py`), the Responses API
+(`api/openai_ws/responses.py`) and the Realtime API (`api/openai_ws/realtime.py`) are front-ends over this module.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import anyio
 import structlog
 from pydantic import ValidationError
 
-from cadenza.api.conversation import Conversation, flatten
+from cadenza.api.sessions.conversation import Conversation, flatten
 from cadenza.api.state import ServerState
 from cadenza.config import CadenzaConfig
 from cadenza.models.tokenizer import ChatTemplateError

@@ -5,7 +5,7 @@ events out, one response at a time per `stream_id` lane).
 
 A stored response keeps its conversation: `previous_response_id` continues it (a fork: two
 responses may continue the same one), and since the new prompt starts with the old one's tokens,
-the prefix cache serves them. Turns go through `api/session_core.py` like the WebSocket sessions'.
+the prefix cache serves them. Turns go through `api/sessions/core.py` like the WebSocket sessions'.
 """
 
 from __future__ import annotations
@@ -24,12 +24,11 @@ from fastapi import APIRouter, Request, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from cadenza.api.conversation import Conversation
 from cadenza.api.errors import ENGINE_CODE_STATUS, APIError, engine_error, error_responses
 from cadenza.api.http_streaming import EventStreamResponse, parse_body, until_disconnected
-from cadenza.api.openai_protocol import across_fields_param
-from cadenza.api.openai_schema import openapi_request_body
-from cadenza.api.responses_protocol import (
+from cadenza.api.openai.protocol import across_fields_param
+from cadenza.api.openai.schema import openapi_request_body
+from cadenza.api.openai_ws.responses_protocol import (
     CancelledResponse,
     DeletedResponse,
     ResponseCreateBody,
@@ -41,7 +40,8 @@ from cadenza.api.responses_protocol import (
     text_part,
     usage,
 )
-from cadenza.api.session_core import ContextSettings, SessionCore, TurnError
+from cadenza.api.sessions.conversation import Conversation
+from cadenza.api.sessions.core import ContextSettings, SessionCore, TurnError
 from cadenza.api.state import ServerState, server_state
 from cadenza.api.ws_connection import admit, parse_frame, write_outbox
 from cadenza.engine import EngineClosedError

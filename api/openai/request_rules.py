@@ -1,6 +1,6 @@
 """What a request body must satisfy beyond its fields' own types, as `/openapi.json` states it.
 
-The request models (`openai_protocol.py`, `tokenizer_routes.py`, `responses_protocol.py`) check
+The request models (`openai/protocol.py`, `tokenizer.py`, `openai_ws/responses_protocol.py`) check
 these rules; this module writes them into the served document, so that the document is the
 contract: a body it allows is refused only for a relation it names.
 

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cadenza.api.errors import APIError
-from cadenza.api.ws_protocol import SamplingOptions
+from cadenza.api.sessions.protocol import SamplingOptions
 from cadenza.plugins.context import Message, Turn
 from cadenza.sampling_params import MaxTokens, Temperature, TopP
 

@@ -7,7 +7,7 @@ events: `session.created` / `.updated`, `conversation.item.added` / `.done` / `.
 `response.content_part.added`, `response.output_text.delta`, ... `response.done`), and `error`
 (the connection carries on). Audio events are answered with an error: there is no audio here.
 
-Turns go through `api/session_core.py` (providers, context policy, prefix-cache reuse) like the
+Turns go through `api/sessions/core.py` (providers, context policy, prefix-cache reuse) like the
 WebSocket sessions' and the Responses API's.
 """
 
@@ -21,12 +21,12 @@ import structlog
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from cadenza.api.conversation import Conversation
 from cadenza.api.errors import APIError
-from cadenza.api.session_core import ContextSettings, SessionCore, TurnError
+from cadenza.api.sessions.conversation import Conversation
+from cadenza.api.sessions.core import ContextSettings, SessionCore, TurnError
+from cadenza.api.sessions.protocol import SamplingOptions
 from cadenza.api.state import ServerState
 from cadenza.api.ws_connection import admit, parse_frame, write_outbox
-from cadenza.api.ws_protocol import SamplingOptions
 from cadenza.engine import EngineClosedError
 from cadenza.sampling_params import MaxTokens, SamplingParamsError, describe_error, merge_sampling
 

@@ -21,11 +21,11 @@ from fastapi.responses import JSONResponse, Response
 
 from cadenza.api.errors import APIError, engine_error, error_responses
 from cadenza.api.http_streaming import Emit, EventStreamResponse, parse_body, run_choices, sse, until_disconnected
-from cadenza.api.openai_protocol import ChatCompletionRequest, CompletionRequest, to_sampling_params
-from cadenza.api.openai_schema import ChatCompletionResponse, CompletionResponse, openapi_request_body
+from cadenza.api.openai.protocol import ChatCompletionRequest, CompletionRequest, to_sampling_params
+from cadenza.api.openai.schema import ChatCompletionResponse, CompletionResponse, openapi_request_body
+from cadenza.api.openai.tool_parsers import ToolCallStream, ToolParser, parser_for_template
+from cadenza.api.openai.tool_schemas import check_tool_schemas
 from cadenza.api.state import ServerState, server_state
-from cadenza.api.tool_parsers import ToolCallStream, ToolParser, parser_for_template
-from cadenza.api.tool_schemas import check_tool_schemas
 from cadenza.outputs import TokenLogprob
 from cadenza.prompts import ChatPrompt
 from cadenza.sampling_params import SamplingParams, StructuredOutputs

@@ -7,7 +7,7 @@ service_tier) are accepted and ignored. `to_sampling_params` fills what a reques
 `config.sampling.defaults`.
 
 The routes parse their bodies themselves (bounded, errors in OpenAI's shape), so FastAPI cannot see
-these models; `api/openai_schema.py` puts them into the OpenAPI document.
+these models; `api/openai/schema.py` puts them into the OpenAPI document.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """WebSocket sessions at /v1/sessions: several requests at once on one connection, server-side
 conversations (reset, truncate, fork; a context policy when they outgrow the model; context
 providers before each turn) with cancel and barge-in, and errors that never end the connection.
-Conversation turns go through `api/session_core.py`, as the Responses and Realtime APIs' do.
+Conversation turns go through `api/sessions/core.py`, as the Responses and Realtime APIs' do.
 
 A connection runs a reader (client messages) and a writer (server messages) plus one task per
 request; when the reader or the writer ends, everything else on the connection is cancelled, and
@@ -22,11 +22,9 @@ import structlog
 from anyio.streams.memory import MemoryObjectSendStream
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
-from cadenza.api.conversation import Conversation
-from cadenza.api.session_core import ContextSettings, PreparedTurn, SessionCore, TurnError
-from cadenza.api.state import ServerState
-from cadenza.api.ws_connection import CLOSE, MAX_FRAME_CHARS, admit, write_outbox
-from cadenza.api.ws_protocol import (
+from cadenza.api.sessions.conversation import Conversation
+from cadenza.api.sessions.core import ContextSettings, PreparedTurn, SessionCore, TurnError
+from cadenza.api.sessions.protocol import (
     MAIN,
     Cancel,
     Generate,
@@ -43,6 +41,8 @@ from cadenza.api.ws_protocol import (
     error,
     parse_client_message,
 )
+from cadenza.api.state import ServerState
+from cadenza.api.ws_connection import CLOSE, MAX_FRAME_CHARS, admit, write_outbox
 from cadenza.engine import EngineClosedError
 from cadenza.sampling_params import SamplingParams, SamplingParamsError, merge_sampling
 

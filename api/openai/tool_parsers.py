@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Sequence
 
-from cadenza.api.tool_schemas import closed_arguments
+from cadenza.api.openai.tool_schemas import closed_arguments
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +76,7 @@ class ToolParser(ABC):
 
 def _call_schema(tool: dict[str, Any], arguments_key: str) -> dict[str, Any]:
     function = tool["function"]
-    # Closed to the declared keys, so that no key is written twice (api/tool_schemas.py).
+    # Closed to the declared keys, so that no key is written twice (api/openai/tool_schemas.py).
     parameters = closed_arguments(function.get("parameters"))
     return {
         "type": "object",

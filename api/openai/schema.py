@@ -8,8 +8,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 from pydantic.json_schema import GenerateJsonSchema, models_json_schema
 
-from cadenza.api.openai_protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
-from cadenza.api.request_rules import ServedLimits, document_rules
+from cadenza.api.openai.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from cadenza.api.openai.request_rules import ServedLimits, document_rules
 
 _REF = "#/components/schemas/{model}"
 REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, EmbeddingRequest)
@@ -36,8 +36,8 @@ def openapi_schemas(model_name: str, limits: ServedLimits) -> dict[str, dict[str
     """The request models and every model they use, as OpenAPI components (what `$ref`s point to);
     `model` is the one model this server serves (any other is a 404). The rules beyond the
     fields' types, and the served model's bounds, are written in (`request_rules.py`)."""
-    from cadenza.api.responses_protocol import ResponseCreateRequest  # imports this module
-    from cadenza.api.tokenizer_routes import REQUEST_MODELS as TOKENIZER_MODELS
+    from cadenza.api.openai_ws.responses_protocol import ResponseCreateRequest  # imports this module
+    from cadenza.api.tokenizer import REQUEST_MODELS as TOKENIZER_MODELS
 
     optional_model = (*TOKENIZER_MODELS, ResponseCreateRequest)
     pairs = [(m, "validation") for m in (*REQUEST_MODELS, *optional_model)]

@@ -17,8 +17,8 @@ from pydantic import ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 from cadenza.api.errors import APIError, error_responses
 from cadenza.api.http_streaming import parse_body
-from cadenza.api.openai_protocol import ChatMessage, Tool, _Strict
-from cadenza.api.openai_schema import openapi_request_body
+from cadenza.api.openai.protocol import ChatMessage, Tool, _Strict
+from cadenza.api.openai.schema import openapi_request_body
 from cadenza.api.state import ServerState, server_state
 from cadenza.prompts import ChatPrompt, PromptError, check_encodable
 

@@ -18,9 +18,9 @@ from fastapi.responses import JSONResponse, Response
 
 from cadenza.api.errors import APIError, error_responses
 from cadenza.api.http_streaming import parse_body, run_choices, until_disconnected
-from cadenza.api.openai_protocol import EmbeddingRequest
-from cadenza.api.openai_routes import _check_finish
-from cadenza.api.openai_schema import EmbeddingResponse, openapi_request_body
+from cadenza.api.openai.completions import _check_finish
+from cadenza.api.openai.protocol import EmbeddingRequest
+from cadenza.api.openai.schema import EmbeddingResponse, openapi_request_body
 from cadenza.api.state import server_state
 from cadenza.pooling_params import PoolingParams
 from cadenza.sampling_params import SamplingParams
