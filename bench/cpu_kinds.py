@@ -39,7 +39,7 @@ from cadenza.models import cpu_features
 TARGET_RATIO = 1.3  # issue 26: cadenza at least 1.3x llama.cpp on every measure
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 # What the parent's `import cadenza` set for its own kind (setdefault): a child sets its kind's.
-_TORCH_KIND_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+_TORCH_KIND_VARS = cpu_features.TORCH_KIND_VARS
 
 
 @dataclass(frozen=True, slots=True)

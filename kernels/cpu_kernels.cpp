@@ -14,7 +14,8 @@
 // alone took 20 s to compile): each function checks its tensors (dtype, shape, strides, the
 // messages Python sees) and hands their pointers to the kernels, plain C++ in the units beside it
 // (kernels.h): linear.cpp, small_ops.cpp, paged_attention.cpp, decode_layer.cpp, quant.cpp (GGUF
-// blocks) and quant_packed.cpp (GGUF blocks re-laid for AVX-512 VNNI, built where the CPU has it).
+// blocks) and the products over GGUF blocks re-laid a group of rows at a time: quant_packed.cpp
+// (16 rows, AVX-512 VNNI) or quant_packed8.cpp (8 rows, AVX2 or AVX-VNNI), as the build variant says.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -245,7 +246,7 @@ Tensor quant_dequantize(const Tensor& w, int64_t qtype) {
   return quant_dequantize_(at::empty({w.size(0), quant_in_features(w, qtype)}, at::dtype(at::kFloat)), w, qtype);
 }
 
-// The weight w [N, row_bytes] of GGML type qtype, packed (same shape; N a multiple of 16).
+// The weight w [N, row_bytes] of GGML type qtype, packed (same shape; N a multiple of pack_rows()).
 Tensor quant_pack(const Tensor& w, int64_t qtype) {
   check_blocks(w);
   auto out = at::empty_like(w);
@@ -488,8 +489,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_dequantize", &quant_dequantize, "raw GGUF blocks [out, bytes], de-quantized to float32 [out, in]", release());
   m.def("quant_dequantize_", &quant_dequantize_, "raw GGUF blocks, de-quantized into a float32 or bfloat16 [out, in] tensor", release());
   m.def("quant_in_features", &quant_in_features, "in_features of raw GGUF blocks [out, bytes] of a GGML type");
-  m.def("quant_pack", &quant_pack, "GGUF blocks re-laid 16 rows at a time for the AVX-512 VNNI kernels", release());
-  m.def("packed_kernels_built", &cadenza::packed_kernels_built, "whether this build has the packed (AVX-512 VNNI) kernels");
+  m.def("quant_pack", &quant_pack, "GGUF blocks re-laid pack_rows() rows at a time for the packed products", release());
+  m.def("quant_packs", &cadenza::packs, "whether this build packs weights of a GGML type");
+  m.def("pack_rows", &cadenza::pack_rows, "rows a packed group holds in this build: 8 or 16");
+  m.def("packed_path", &cadenza::packed_path, "this build's products over packed weights, e.g. avx2-packed8");
+  m.def("packed_kernels_built", [] { return true; }, "whether this build has products over packed weights (every build has)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, float32", release());
   m.def("rotary_", &rotary_, "in-place NeoX rotary embedding from cos/sin tables", release());
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up for a fused [rows, 2 * I] gate_up", release());

@@ -1,5 +1,6 @@
 // The linears over GGUF blocks of quant.h: the block types, their integer dot products and
-// de-quantization. Packed weights' products are quant_packed.cpp's (AVX-512 VNNI builds only).
+// de-quantization. Packed weights' products are quant_packed.cpp's (AVX-512 VNNI, 16 rows a group)
+// or quant_packed8.cpp's (AVX2 and AVX-VNNI, 8 rows), whichever the build compiles.
 #include "quant.h"
 
 #include <algorithm>
@@ -288,7 +289,7 @@ inline void quant_matmul_impl(const QuantizedActivations& a, int64_t M, const We
       case 3: qdot_range<T, 3>(wp, row_bytes, a, m, bias, om, os, accumulate, n0, n1); break;
       default: qdot_range<T, 4>(wp, row_bytes, a, m, bias, om, os, accumulate, n0, n1); break;
     }
-  });
+  }, 4, activation_chunk_rows(a.K, 4));
 }
 
 // Block b of row n of w [N, row_bytes] as the file stores it: in place, or (packed) re-assembled
@@ -307,9 +308,9 @@ inline const uint8_t* file_block(const uint8_t* w, int64_t row_bytes, bool packe
 
 int64_t quant_in_features(int64_t rows, int64_t row_bytes, int64_t qtype) {
   if (is_packed(qtype)) {
-    CADENZA_CHECK(packed_kernels_built(), "packed weights (type ", qtype, ") need the AVX-512 VNNI build of the kernels");
+    CADENZA_CHECK(packs(unpacked_type(qtype)), "this build of the kernels (", packed_path(), ") packs no weights of type ",
+                  unpacked_type(qtype));
     CADENZA_CHECK(rows % kPackRows == 0, "a packed weight has a multiple of ", kPackRows, " rows, not ", rows);
-    with_packed_type(unpacked_type(qtype), [](auto) { return 0; });  // a type with a packed layout
   }
   return with_block_type(unpacked_type(qtype), [&](auto block) {
     using T = decltype(block);
@@ -324,12 +325,10 @@ void quant_matmul(In x, const Weight& w, Out out, bool accumulate) {
   if (M == 0 || N == 0) return;
   thread_local QuantizedActivations act;
   quantize_activations(x, act);
-#ifdef CADENZA_PACKED_KERNELS
   if (is_packed(w.qtype)) {
     packed_matmul(act, M, w, out, accumulate);
     return;
   }
-#endif
   with_block_type(w.qtype, [&](auto block) {
     quant_matmul_impl<decltype(block)>(act, M, w, w.bias, out.data, out.stride, accumulate);
   });
@@ -382,6 +381,7 @@ void quant_dequantize(const Weight& w, void* out, bool bf16) {
 }
 
 void quant_pack(const uint8_t* src, int64_t rows, int64_t row_bytes, int64_t qtype, uint8_t* dst) {
+  CADENZA_CHECK(packs(qtype), "this build of the kernels (", packed_path(), ") packs no weights of type ", qtype);
   CADENZA_CHECK(rows % kPackRows == 0, "packing needs a multiple of ", kPackRows, " rows, not ", rows);
   const int64_t groups = rows / kPackRows;
   with_packed_type(qtype, [&](auto pack) {
@@ -403,12 +403,14 @@ void quant_pack(const uint8_t* src, int64_t rows, int64_t row_bytes, int64_t qty
   });
 }
 
-bool packed_kernels_built() {
-#ifdef CADENZA_PACKED_KERNELS
-  return true;
-#else
-  return false;
-#endif
+bool packs(int64_t qtype) {
+  switch (qtype) {
+    case kQ4_0: case kQ4_1: case kQ8_0: case kQ4_K: return true;
+    case kQ6_K: return kPackRows == 8;  // products only in quant_packed8.cpp
+    default: return false;
+  }
 }
+
+int64_t pack_rows() { return kPackRows; }
 
 }  // namespace cadenza

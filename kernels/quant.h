@@ -37,11 +37,17 @@ void quant_rows(const Weight& w, const int64_t* ids, int64_t n, float* out);
 // nearest even as PyTorch's conversion does, written in one pass rather than through a float32 copy.
 void quant_dequantize(const Weight& w, void* out, bool bf16);
 
-// Blocks w [rows, row_bytes] of GGML type qtype re-laid 16 rows at a time into out (same size): the
-// packed layout of quant_packed.h. Checks rows, type and bytes.
+// Blocks w [rows, row_bytes] of GGML type qtype re-laid pack_rows() rows at a time into out (same
+// size): the packed layout of quant_packed.h. Checks rows, type and bytes.
 void quant_pack(const uint8_t* w, int64_t rows, int64_t row_bytes, int64_t qtype, uint8_t* out);
 
-// Whether this build has the products over packed weights (AVX-512 VNNI, quant_packed.cpp).
-bool packed_kernels_built();
+// Whether this build packs weights of GGML type qtype (its packed products beat the file's layout).
+bool packs(int64_t qtype);
+
+// Rows a packed group holds in this build (quant_packed.h): 16 (AVX-512 VNNI) or 8 (AVX2, AVX-VNNI).
+int64_t pack_rows();
+
+// The name of this build's products over packed weights, e.g. "avx2-packed8" (quant_packed.h).
+const char* packed_path();
 
 }  // namespace cadenza

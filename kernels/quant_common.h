@@ -33,15 +33,17 @@ inline void store_affine32(__m256i q, float scale, float offset, float* y) {
 }
 
 // Activations x [M, K] as int8 per 32 values: q[M*K]; per block its scale d, d * sum(q) and
-// sum(q) itself (for kernels that subtract a weight offset in integers).
+// sum(q) itself (for kernels that subtract a weight offset in integers), and the sums of its two
+// halves of 16 values as int16, the first in the low half of qhalves (for a weight with a scale
+// per 16 values: packed Q6_K).
 struct QuantizedActivations {
   std::vector<int8_t> q;
   std::vector<float> d, s;
-  std::vector<int32_t> qsum;
+  std::vector<int32_t> qsum, qhalves;
   int64_t K = 0, blocks = 0;  // blocks per row
 };
 
-inline void quantize_row_q8(const float* x, int64_t K, int8_t* q, float* d, float* s, int32_t* qsum) {
+inline void quantize_row_q8(const float* x, int64_t K, int8_t* q, float* d, float* s, int32_t* qsum, int32_t* qhalves) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t b = 0; b < K / 32; ++b) {
@@ -55,15 +57,18 @@ inline void quantize_row_q8(const float* x, int64_t K, int8_t* q, float* d, floa
     // Round to nearest (MXCSR's default mode): |q| <= 127.
     const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, inv)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, inv)),
                   i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, inv)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, inv));
-    const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    // The sums of values 0-15 (A) and 16-31 (B): hadd gives [A, A, B, B | A, A, B, B] in partial
+    // sums, the second [A, B, A, B] of the 128-bit halves, and adding its swapped 64-bit halves the whole.
+    const __m256i halves = _mm256_hadd_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+    __m128i s4 = _mm_hadd_epi32(_mm256_castsi256_si128(halves), _mm256_extracti128_si256(halves, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));  // [A, B, A, B]
     // The packs interleave 128-bit lanes: 4-value groups come out in the order 0 2 4 6 1 3 5 7.
     const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * b), _mm256_permutevar8x32_epi32(packed, order));
     d[b] = amax / 127.0f;
-    qsum[b] = _mm_cvtsi128_si32(s4);
+    const int32_t first = _mm_cvtsi128_si32(s4), second = _mm_extract_epi32(s4, 1);
+    qsum[b] = first + second;
+    qhalves[b] = static_cast<int32_t>((static_cast<uint32_t>(second) << 16) | (static_cast<uint32_t>(first) & 0xFFFFu));
     s[b] = d[b] * static_cast<float>(qsum[b]);
   }
 }
@@ -77,12 +82,13 @@ inline void quantize_activations(In x, QuantizedActivations& a) {
     a.d.resize(M * a.blocks);
     a.s.resize(M * a.blocks);
     a.qsum.resize(M * a.blocks);
+    a.qhalves.resize(M * a.blocks);
   }
   const float* xp = x.data;
   auto rows = [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       quantize_row_q8(xp + m * xs, K, a.q.data() + m * K, a.d.data() + m * a.blocks, a.s.data() + m * a.blocks,
-                      a.qsum.data() + m * a.blocks);
+                      a.qsum.data() + m * a.blocks, a.qhalves.data() + m * a.blocks);
   };
   if (M * K < 65536) rows(0, M);
   else parallel_for(0, M, 16, rows);

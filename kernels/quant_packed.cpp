@@ -1,8 +1,8 @@
-// The AVX-512 VNNI products over the packed layout of quant_packed.h: only the avx512vnni build
-// compiles this unit (kernels/cpu.py); built without AVX-512 VNNI it is empty.
+// The AVX-512 VNNI products over the packed layout of quant_packed.h, 16 rows a group: only the
+// avx512vnni build compiles this unit (kernels/cpu.py); in a build of 8-row groups it is empty.
 #include "quant_packed.h"
 
-#ifdef CADENZA_PACKED_KERNELS
+#if CADENZA_PACK_ROWS == 16
 
 #include <immintrin.h>
 
@@ -184,18 +184,21 @@ inline void packed_matmul_of(const QuantizedActivations& a, int64_t M, const uin
       case 7: dot_group<P, 7>(wg, nblocks, a, m, bias, om, os, accumulate, n0); break;
       default: dot_group<P, 8>(wg, nblocks, a, m, bias, om, os, accumulate, n0); break;
     }
-  }, kPackPassRows);
+  }, kPackPassRows, activation_chunk_rows(a.K, kPackPassRows));
 }
 
 }  // namespace
 
 void packed_matmul(const QuantizedActivations& a, int64_t M, const Weight& w, Out out, bool accumulate) {
   with_packed_type(unpacked_type(w.qtype), [&](auto pack) {
-    packed_matmul_of<decltype(pack)>(a, M, static_cast<const uint8_t*>(w.data), w.rows, w.cols, w.bias, out.data,
-                                     out.stride, accumulate);
+    using P = decltype(pack);
+    if constexpr (std::is_same_v<P, PackQ6_K>) fail("this build packs no Q6_K weights (quant.cpp's packs)");
+    else packed_matmul_of<P>(a, M, static_cast<const uint8_t*>(w.data), w.rows, w.cols, w.bias, out.data, out.stride, accumulate);
   });
 }
 
+const char* packed_path() { return "avx512vnni-packed16"; }
+
 }  // namespace cadenza
 
-#endif  // CADENZA_PACKED_KERNELS
+#endif  // CADENZA_PACK_ROWS == 16

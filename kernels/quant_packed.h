@@ -1,27 +1,31 @@
-// GGUF's 32-value block types (Q4_0, Q4_1, Q8_0) and Q4_K re-laid 16 output rows at a time, for AVX-512
-// VNNI: one instruction then computes a 4-value integer dot product for 16 rows at once, and the
-// float scaling of a block (its scale times the activation's) runs once per 16 rows, not per row.
+// GGUF's 32-value block types (Q4_0, Q4_1, Q8_0), Q4_K and Q6_K re-laid kPackRows output rows at a time
+// (16 for AVX-512's 512-bit vectors, 8 for AVX2's 256-bit ones): one instruction then computes a
+// 4-value integer dot product for that many rows at once, and the float scaling of a block (its
+// scale times the activation's) runs once per group of rows, not per row.
 //
-// The file's layout keeps each row's blocks together, so a kernel reduces 8 lanes of partial sums
-// to one number per (row, block) before it can scale them: about 18 instructions per 32 weights
-// on AVX2, which made batch-1 decode of the default model instruction-bound (20 GB/s of its
-// ~50 GB/s of cache and memory bandwidth). Packed, a group of 16 rows stores each block as
+// The file's layout keeps each row's blocks together, so a kernel multiplies one row at a time
+// and its 8 lanes of partial sums are one row's: about 18 instructions per 32 weights on AVX2
+// (decoding the row's scales, converting and scaling each block's sum), which made batch-1 decode
+// of the default model instruction-bound (20 GB/s of its ~50 GB/s of cache and memory bandwidth).
+// Packed, a group of R = kPackRows rows stores each block as
 //
-//   16 float16 scales d | 16 float16 mins m (Q4_1 only) | value chunks of 64 bytes
+//   R float16 scales d | R float16 mins m (Q4_1 only) | value chunks of 4R bytes
 //
-// where chunk c holds bytes [4c, 4c + 4) of each of the 16 rows' values, row r at offset 4r:
+// where chunk c holds bytes [4c, 4c + 4) of each of the R rows' values, row r at offset 4r:
 // 4 chunks of nibbles (Q4_x; a low nibble is value 4c + j, a high one value 16 + 4c + j) or 8 of
 // bytes (Q8_0, stored as q + 128 so that VNNI's unsigned x signed product applies). `vpdpbusd`
-// with the activation's 4 matching bytes broadcast adds one chunk into 16 lanes of int32 sums.
-// The integer sum is exact; the weight's offset (Q4_0: 8, Q8_0: 128) is subtracted in integers
-// (sum(q) of the activation block is known), so packed products equal the unpacked ones' math.
-// A packed weight has the same shape and bytes as the file's ([out, bytes per row], out a multiple
-// of 16); its type id is the GGML id plus kPackedFlag. Each output row's sum is computed the same
-// way whatever the number of activation rows (batch invariant, bit for bit).
+// (or AVX2's `vpmaddubsw` and `vpmaddwd`) with the activation's 4 matching bytes broadcast adds
+// one chunk into R lanes of int32 sums, one per row. The integer sum is exact; the weight's offset
+// (Q4_0: 8, Q8_0: 128) is subtracted in integers (sum(q) of the activation block is known), so
+// packed products equal the unpacked ones' math. A packed weight has the same shape and bytes as
+// the file's ([out, bytes per row], out a multiple of R); its type id is the GGML id plus
+// kPackedFlag, in the layout of the build that packed it (a process runs one build, kernels/cpu.py).
+// Each output row's sum is computed the same way whatever the number of activation rows (batch
+// invariant, bit for bit).
 //
 // Here: the layout, which every build reads (quant.cpp packs weights and re-assembles a row's
-// block from it for de-quantizing). The AVX-512 VNNI products over it are quant_packed.cpp, a unit
-// only the avx512vnni build compiles (kernels/cpu.py).
+// block from it for de-quantizing). The products over it: quant_packed.cpp (AVX-512 VNNI, 16
+// rows) and quant_packed8.cpp (AVX2, AVX-VNNI: 8 rows), each a unit only its builds compile.
 #pragma once
 
 #include <cstdint>
@@ -31,14 +35,20 @@
 #include "kernels.h"
 #include "quant_common.h"
 
+// Rows a group packs: kernels/cpu.py sets it per build variant (16: the zmm products, 8: the ymm ones).
+#ifndef CADENZA_PACK_ROWS
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define CADENZA_PACKED_KERNELS 1
+#define CADENZA_PACK_ROWS 16
+#else
+#define CADENZA_PACK_ROWS 8
+#endif
 #endif
 
 namespace cadenza {
 
 constexpr int64_t kPackedFlag = 256;  // type id of a packed weight: GGML id + kPackedFlag
-constexpr int64_t kPackRows = 16;
+constexpr int64_t kPackRows = CADENZA_PACK_ROWS;
+static_assert(kPackRows == 8 || kPackRows == 16, "packed groups are 8 rows (ymm) or 16 (zmm)");
 
 // The packed layouts. kValues: where the values start in the file's block; kOffset: subtracted
 // from every stored value (x = d * (stored - offset) + m).
@@ -56,11 +66,23 @@ struct PackQ8_0 {
 };
 
 // Q4_K: 256-value super-blocks of 8 sub-blocks with 6-bit scales and mins. A group-block is
-//   16 d | 16 dmin (float16) | the 12 scale bytes, byte i of the 16 rows at 64 + 16 i |
-//   per pair c of sub-blocks (2c: low nibbles, 2c + 1: high), 8 chunks of 64 bytes at 256 + 512 c
+//   R d | R dmin (float16) | the 12 scale bytes, byte i of the R rows at 4R + R i |
+//   per pair c of sub-blocks (2c: low nibbles, 2c + 1: high), 8 chunks of 4R bytes at 16R + 32R c
 // (chunk k: bytes [4k, 4k + 4) of each row's 32 bytes of the pair): the file's 144 bytes a row.
 struct PackQ4_K {
   static constexpr int64_t kBytes = 144;
+};
+
+// Q6_K: 256-value super-blocks of 16 int8 scales (one per 16 values); each value's low 4 bits in ql
+// (128 bytes: value l of sub-block j = 4h + s is the low (s < 2) or high nibble of ql byte
+// 64h + 32 (s % 2) + l) and its high 2 bits in qh (bits 2s of byte 32h + l). A group-block is
+//   R d (float16) | the 16 scale bytes, byte i of the R rows at 2R + R i |
+//   ql in 4 runs t of 32 bytes, 8 chunks of 4R bytes each at 18R + 32R t + 4R k |
+//   qh in 2 runs h of 32 bytes, chunk k at 146R + 32R h + 4R k
+// (chunk k: bytes [4k, 4k + 4) of each row's run): the file's 210 bytes a row. Only the 8-row builds
+// have products over it (quant_packed8.cpp; `packs` in quant.cpp).
+struct PackQ6_K {
+  static constexpr int64_t kBytes = 210;
 };
 
 template <class P>
@@ -76,9 +98,10 @@ inline auto with_packed_type(int64_t qtype, F&& f) {
     case kQ4_1: return f(PackQ4_1{});
     case kQ8_0: return f(PackQ8_0{});
     case kQ4_K: return f(PackQ4_K{});
+    case kQ6_K: return f(PackQ6_K{});
     default: break;
   }
-  fail("GGML type ", qtype, " has no packed layout (Q4_0, Q4_1, Q8_0 and Q4_K do)");
+  fail("GGML type ", qtype, " has no packed layout (Q4_0, Q4_1, Q8_0, Q4_K and Q6_K do)");
 }
 
 inline bool is_packed(int64_t qtype) { return (qtype & kPackedFlag) != 0; }
@@ -94,11 +117,18 @@ inline void for_each_field(F&& f) {
     f(2, 2 * kPackRows, 2);                                                       // dmin
     for (int64_t i = 0; i < 12; ++i) f(4 + i, 4 * kPackRows + kPackRows * i, 1);  // the scale bytes
     for (int64_t c = 0; c < 4; ++c)
-      for (int64_t k = 0; k < 8; ++k) f(16 + 32 * c + 4 * k, 16 * kPackRows + 512 * c + 64 * k, 4);
+      for (int64_t k = 0; k < 8; ++k) f(16 + 32 * c + 4 * k, 16 * kPackRows + 32 * kPackRows * c + 4 * kPackRows * k, 4);
+  } else if constexpr (std::is_same_v<P, PackQ6_K>) {
+    f(208, 0, 2);                                                                   // d
+    for (int64_t i = 0; i < 16; ++i) f(192 + i, 2 * kPackRows + kPackRows * i, 1);  // the scales
+    for (int64_t t = 0; t < 4; ++t)                                                 // ql
+      for (int64_t k = 0; k < 8; ++k) f(32 * t + 4 * k, 18 * kPackRows + 32 * kPackRows * t + 4 * kPackRows * k, 4);
+    for (int64_t h = 0; h < 2; ++h)  // qh
+      for (int64_t k = 0; k < 8; ++k) f(128 + 32 * h + 4 * k, 146 * kPackRows + 32 * kPackRows * h + 4 * kPackRows * k, 4);
   } else {
     f(0, 0, 2);                                        // d
     if constexpr (P::kHasMin) f(2, 2 * kPackRows, 2);  // m
-    for (int64_t c = 0; c < P::kChunks; ++c) f(P::kValues + 4 * c, packed_header_bytes<P>() + 64 * c, 4);
+    for (int64_t c = 0; c < P::kChunks; ++c) f(P::kValues + 4 * c, packed_header_bytes<P>() + 4 * kPackRows * c, 4);
   }
 }
 
@@ -115,9 +145,11 @@ inline void packed_raw_block(const uint8_t* gb, int64_t r, uint8_t* raw) {
   if constexpr (std::is_same_v<P, PackQ8_0>) flip_sign_bits(raw + P::kValues, P::kBytes - P::kValues);
 }
 
-#ifdef CADENZA_PACKED_KERNELS
-// out [M, N] (+)= a @ W^T (+ w.bias) for a packed weight w (quant_packed.cpp).
+// out [M, N] (+)= a @ W^T (+ w.bias) for a packed weight w (quant_packed.cpp or quant_packed8.cpp,
+// whichever this build compiles).
 void packed_matmul(const QuantizedActivations& a, int64_t M, const Weight& w, Out out, bool accumulate);
-#endif
+
+// The products' name, for the log and the tests: "avx2-packed8", "avxvnni-packed8", "avx512vnni-packed16".
+const char* packed_path();
 
 }  // namespace cadenza

@@ -7,7 +7,7 @@ Lake and later: AVX2 with 256-bit VNNI), `avx512-vnni` (Ice Lake, Cascade Lake),
 decision that reads the CPU goes through `cpu_flags()`: the kernel build and its packed layouts,
 `cpu_fp32_matmul: auto`, the attention's compute dtype and the KV cache's. So one machine can run
 the suite as each kind it can execute, and a kind whose features this CPU lacks is refused.
-`apply_cpu_kind_to_torch()` holds PyTorch's own kernels (ATen's vector code and oneDNN) to the
+`apply_cpu_kind_to_torch()` holds PyTorch's own kernels (ATen's vector code, oneDNN and MKL) to the
 same kind, where it runs before torch is imported.
 """
 
@@ -44,6 +44,15 @@ _TORCH_ENV = {
     "avx512-bf16": ("avx512", "AVX512_CORE_BF16"),
     "amx": ("avx512", "AVX512_CORE_AMX"),
 }
+
+
+# MKL, which serves PyTorch's float32 GEMMs, picks its code path on its own: held to AVX2 for the
+# kinds without AVX-512, or an avx2 kind on an AVX-512 host multiplies at AVX-512's rate (one core of
+# a Sapphire Rapids Xeon, 512x576 @ 576x3072: 174 GFLOP/s unrestricted, 109 with AVX2), and the
+# crossover to the GEMM that prefill takes (models/quantized_linear.py) is measured wrong.
+_MKL_ENV = {"avx2": "AVX2", "avx2-vnni": "AVX2"}
+# Every variable `apply_cpu_kind_to_torch` may set: a child process of another kind drops them.
+TORCH_KIND_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
 
 def _kind_gated(flag: str) -> bool:
@@ -117,6 +126,8 @@ def apply_cpu_kind_to_torch(environ=os.environ) -> None:
         aten, onednn = _TORCH_ENV[kind]
         environ.setdefault("ATEN_CPU_CAPABILITY", aten)
         environ.setdefault("ONEDNN_MAX_CPU_ISA", onednn)
+    if kind in _MKL_ENV:
+        environ.setdefault("MKL_ENABLE_INSTRUCTIONS", _MKL_ENV[kind])
 
 
 def runnable_kinds() -> list[str]:

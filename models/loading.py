@@ -125,7 +125,7 @@ def load_model(
         model.use_cpu_kernels(kernels)
         for layout in block_layouts(model, kernels) if native else ():
             if layout.pop("packed"):
-                log.info("Quantized weights packed 16 rows at a time for AVX-512 VNNI", **layout)
+                log.info("Quantized weights packed a group of rows at a time for the CPU kernels", **layout)
             else:
                 log.info("Quantized weights run in the file's layout", **layout)
     log.info(

@@ -16,19 +16,23 @@ float32 one there (M=512, the default model's shapes), so the crossover moves do
 `GEMM_MIN_ROWS_BF16` rows (measured on Sapphire Rapids over the default model's layers: the int8
 kernel costs ~1.9 ms a row, de-quantizing every weight and the GEMMs 32-38 ms at 1-32 rows), and the rounding is that of the
 de-quantized bfloat16 model; elsewhere it is float32 and rounds no activation. Packed weights
-(below) cost ~0.6 ms a row over the model, so they stay on the int8 kernel up to
-`GEMM_MIN_ROWS_PACKED` rows (measured, same CPU, model step: batch-32 decode 27 against 63 ms
-through the GEMM, a 128-token prefill 66 against 76 ms, 192 tokens 98 against 90 ms).
+(below) stay on the int8 kernel up to `GEMM_MIN_ROWS_PACKED` rows, by the build's group: 16 rows
+(AVX-512 VNNI) cost ~0.6 ms a row over the model (measured, same CPU, model step: batch-32 decode
+27 against 63 ms through the GEMM, a 128-token prefill 66 against 76 ms, 192 tokens 98 against
+90 ms); 8 rows (AVX2) beat the float32 GEMM at every size measured, 1 to 1024 rows (one core of the
+same CPU as `CADENZA_CPU=avx2`, MKL held to AVX2, the model's linears: 1.47-1.71 ms a row against
+1.93 at 1024 rows, 2.19 at 128), so a prefill chunk (512 by default) never takes the GEMM there.
 
 A fused projection (q/k/v, gate/up) is its parts' rows one after another; parts of one type are
 concatenated into one tensor (rows are independent), parts of different types each write their
 columns of the output.
 
-Where the kernels are built for AVX-512 VNNI, Q4_0, Q4_1, Q8_0 and Q4_K weights of a multiple of 16
-rows are re-laid on `use_cpu_kernels` 16 rows at a time (kernels/quant_packed.h; same bytes, the
-old tensor freed): batch-1 products run about 2x faster, and a step of 4 rows costs 1.5x one row
-instead of 2.5x. A packed part's type id is its GGML id plus `PACKED_FLAG`; a tied LM head packs
-once, with its embedding.
+Q4_0, Q4_1, Q8_0 and Q4_K weights (and Q6_K where the build has 8-row groups) whose rows are a
+multiple of the build's group are re-laid on `use_cpu_kernels` a group of rows at a time
+(kernels/quant_packed.h; same bytes, the old tensor freed): 16 rows for AVX-512 VNNI (batch-1
+products about 2x faster, a step of 4 rows 1.5x one row instead of 2.5x), 8 for AVX2 and AVX-VNNI
+(1.6-3x the file layout's products, `kernels.pack_rows()`, `kernels.quant_packs(type)`). A packed
+part's type id is its GGML id plus `PACKED_FLAG`; a tied LM head packs once, with its embedding.
 """
 
 from __future__ import annotations
@@ -44,10 +48,10 @@ from torch import nn
 NATIVE_TYPES = {8: ("Q8_0", 32, 34), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 12: ("Q4_K", 256, 144), 14: ("Q6_K", 256, 210)}
 
 
-# Type ids of packed weights (kernels/quant_packed.h): the GGML id plus this flag.
+# Type ids of packed weights (kernels/quant_packed.h): the GGML id plus this flag, in the layout of
+# the build that packed them (a process runs one build).
 PACKED_FLAG = 256
-PACKABLE_TYPES = frozenset({2, 3, 8, 12})  # Q4_0, Q4_1, Q8_0, Q4_K
-PACK_ROWS = 16
+PACKABLE_TYPES = frozenset({2, 3, 8, 12, 14})  # Q4_0, Q4_1, Q8_0, Q4_K, Q6_K: the types with a packed layout
 
 
 def ggml_type(qtype: int) -> int:
@@ -55,7 +59,7 @@ def ggml_type(qtype: int) -> int:
     return qtype & ~PACKED_FLAG
 
 
-# Bytes of blocks packed at a time in place: each 16 rows pack into the same 16 rows, so a weight
+# Bytes of blocks packed at a time in place: each group of rows packs into the same rows, so a weight
 # packs a slice at a time, and no more than this is ever a second copy (the default model's Q8_0
 # embedding whole would be 30 MB).
 PACK_IN_PLACE_BYTES = 1 << 20
@@ -65,12 +69,14 @@ def pack_for_kernels(kernels, blocks: torch.Tensor, qtype: int, in_place: bool =
     """(blocks, type id) re-laid for the packed kernels where this build, the type and the rows
     allow it; as given otherwise. `in_place`: the packed bytes overwrite `blocks` (a weight
     arena's), a slice of rows at a time."""
-    packable = kernels is not None and qtype in PACKABLE_TYPES and blocks.shape[0] % PACK_ROWS == 0
-    if not packable or not kernels.packed_kernels_built():
+    if kernels is None or qtype not in PACKABLE_TYPES or not kernels.quant_packs(qtype):
+        return blocks, qtype
+    group = kernels.pack_rows()
+    if blocks.shape[0] % group:
         return blocks, qtype
     if not in_place:
         return kernels.quant_pack(blocks, qtype), qtype | PACKED_FLAG
-    step = max(1, PACK_IN_PLACE_BYTES // (PACK_ROWS * blocks.shape[1])) * PACK_ROWS
+    step = max(1, PACK_IN_PLACE_BYTES // (group * blocks.shape[1])) * group
     for row in range(0, blocks.shape[0], step):
         rows = blocks[row : row + step]
         rows.copy_(kernels.quant_pack(rows, qtype))
@@ -94,7 +100,7 @@ def _joined(pieces: list[torch.Tensor], arena) -> torch.Tensor:
 # weight values (128 MiB of float32 scratch) to do so: a large LM head stays on the kernel.
 GEMM_MIN_ROWS = 64
 GEMM_MIN_ROWS_BF16 = 20
-GEMM_MIN_ROWS_PACKED = 160
+GEMM_MIN_ROWS_PACKED = {16: 160, 8: 2048}  # by kernels.pack_rows()
 GEMM_MAX_VALUES = 32 << 20
 _scratch = threading.local()
 
@@ -212,7 +218,7 @@ class QuantizedLinear(nn.Module):
                 parts.append((first, qtype, blocks))
             self._set_parts(parts)
         if all(qtype & PACKED_FLAG for _, qtype in self.parts):
-            self.min_rows = GEMM_MIN_ROWS_PACKED
+            self.min_rows = GEMM_MIN_ROWS_PACKED[kernels.pack_rows()]
         else:
             self.min_rows = GEMM_MIN_ROWS_BF16 if self.gemm_dtype == torch.bfloat16 else GEMM_MIN_ROWS
 
@@ -268,8 +274,13 @@ class QuantizedLinear(nn.Module):
         return residual.add_(self(x))
 
     def extra_repr(self) -> str:
-        types = "+".join(NATIVE_TYPES[ggml_type(q)][0] + ("x16" if q & PACKED_FLAG else "") for _, q in self.parts)
+        types = "+".join(NATIVE_TYPES[ggml_type(q)][0] + _packed_suffix(q, self.kernels) for _, q in self.parts)
         return f"in_features={self.in_features}, out_features={self.out_features}, blocks={types or 'pending'}"
+
+
+def _packed_suffix(qtype: int, kernels) -> str:
+    """"x8" or "x16" after a packed type's name (the rows of its groups), "" for the file's layout."""
+    return f"x{kernels.pack_rows()}" if qtype & PACKED_FLAG and kernels is not None else ""
 
 
 class QuantizedEmbedding(nn.Module):
@@ -312,7 +323,7 @@ class QuantizedEmbedding(nn.Module):
         return rows.view(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
-        name = NATIVE_TYPES.get(ggml_type(self.qtype), ("pending",))[0] + ("x16" if self.qtype & PACKED_FLAG else "")
+        name = NATIVE_TYPES.get(ggml_type(self.qtype), ("pending",))[0] + _packed_suffix(self.qtype, self.kernels)
         return f"{self.num_embeddings}, {self.embedding_dim}, blocks={name}"
 
 
@@ -334,7 +345,7 @@ def move_into_huge_pages(model: nn.Module) -> int:
 
 def block_layouts(model: nn.Module, kernels) -> list[dict]:
     """Per GGML type of the model's quantized weights: how many tensors, whether they are packed
-    for the AVX-512 VNNI kernels, and if not, why (what the load logs)."""
+    (and the products that run them, `kernels.packed_path()`), and if not, why (what the load logs)."""
     counts: dict[tuple[int, bool], int] = {}
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
@@ -346,13 +357,18 @@ def block_layouts(model: nn.Module, kernels) -> list[dict]:
         for qtype in types:
             key = (ggml_type(qtype), bool(qtype & PACKED_FLAG))
             counts[key] = counts.get(key, 0) + 1
-    built = kernels is not None and kernels.packed_kernels_built()
     layouts = []
     for (qtype, packed), n in sorted(counts.items()):
         entry = {"type": NATIVE_TYPES[qtype][0], "tensors": n, "packed": packed}
-        if not packed and not built:
-            entry["reason"] = "the kernels are built without AVX-512 VNNI (the CPU lacks it, or CADENZA_CPU names a kind without it)"
-        elif not packed:
-            entry["reason"] = f"rows not a multiple of {PACK_ROWS}" if qtype in PACKABLE_TYPES else "no packed layout for this type"
+        if packed:
+            entry["path"] = kernels.packed_path()
+        elif kernels is None:
+            entry["reason"] = "the CPU kernels are off"
+        elif qtype not in PACKABLE_TYPES:
+            entry["reason"] = "no packed layout for this type"
+        elif not kernels.quant_packs(qtype):
+            entry["reason"] = f"this build ({kernels.packed_path()}) has no packed products for it"
+        else:
+            entry["reason"] = f"rows not a multiple of {kernels.pack_rows()}"
         layouts.append(entry)
     return layouts

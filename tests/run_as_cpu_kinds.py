@@ -2,10 +2,11 @@
 
 The suite proper runs as this CPU; the kernels, the quantized path, int8 weights and KV, tensor
 parallelism on the GGUF, speculative identity and the models' parity with transformers take
-other paths on other CPUs (no AVX-512: the file's block layout, no packing, float32 matmul copies
-and attention; no native bf16: float32 activations), so `make test` runs them again as each kind
-whose decisions differ from this CPU's (`CADENZA_CPU`, models/cpu_features.py). Exit status: 0
-when every kind passed.
+other paths on other CPUs (no AVX-512: blocks packed 8 rows at a time for 256-bit products,
+vpmaddubsw or AVX-VNNI's vpdpbusd, float32 matmul copies and attention; no native bf16: float32
+activations), so `make test` runs them again as each kind whose decisions differ from this CPU's
+(`CADENZA_CPU`, models/cpu_features.py), a kind that differs from one already run only in the
+packed products' instructions the products' tests alone. Exit status: 0 when every kind passed.
 """
 
 from __future__ import annotations
@@ -25,6 +26,13 @@ CPU_SENSITIVE = [
     "test_int8_weights.py", "test_kv_int8.py", "test_decode_stack.py", "test_gguf_model.py",
     "test_model_parity.py", "test_attention_backends.py", "test_tensor_parallel.py", "test_speculative.py",
 ]  # fmt: skip
+# What a kind runs when it differs from a kind already run only in the instructions of the packed
+# products (avx2-vnni after avx2: the same 8-row layout, vpdpbusd for vpmaddubsw): the tests of those
+# products and of the models on them, about a minute instead of the whole set's two or three.
+PRODUCTS_SENSITIVE = [
+    "test_cpu_isa.py", "test_quantized.py", "test_quantized_quality.py", "test_int8_weights.py",
+    "test_decode_stack.py", "test_gguf_model.py",
+]  # fmt: skip
 
 
 def decisions(kind: str) -> tuple:
@@ -38,12 +46,22 @@ def decisions(kind: str) -> tuple:
         del os.environ[environment.CPU.name]
 
 
-def kinds_to_run() -> list[str]:
+def _layout(decided: tuple) -> tuple:
+    """The decisions but the packed products' instructions: the packed layout and the bf16 choice."""
+    from cadenza.kernels import cpu
+
+    isa, bf16 = decided
+    return (cpu.PACK_ROWS[isa], bf16)
+
+
+def kinds_to_run() -> list[tuple[str, list[str]]]:
+    """(kind, test files) for every kind whose decisions differ from this CPU's and the kinds before it."""
     here = decisions(cpu_features.NATIVE)
     chosen, seen = [], {here}
     for kind in cpu_features.runnable_kinds():
         if (d := decisions(kind)) not in seen:
-            chosen.append(kind)
+            lean = _layout(d) in {_layout(s) for s in seen}
+            chosen.append((kind, PRODUCTS_SENSITIVE if lean else CPU_SENSITIVE))
             seen.add(d)
     return chosen
 
@@ -53,17 +71,18 @@ def main(argv: list[str]) -> int:
         print("cpu kinds: this CPU has no AVX2; nothing to stand in for")
         return 0
     kinds = kinds_to_run()
-    print(f"cpu kinds: this CPU is {cpu_features.describe_cpu()}; running the CPU-sensitive tests as: {', '.join(kinds) or 'none'}")
+    names = [kind if files is CPU_SENSITIVE else f"{kind} (packed products' tests)" for kind, files in kinds]
+    print(f"cpu kinds: this CPU is {cpu_features.describe_cpu()}; running the CPU-sensitive tests as: {', '.join(names) or 'none'}")
     failed = []
-    for kind in kinds:
+    for kind, files in kinds:
         env = {**os.environ, environment.CPU.name: kind}
         env.pop(environment.CPU_ISA.name, None)
-        env.pop("ATEN_CPU_CAPABILITY", None)  # the kind sets PyTorch's, as `import cadenza` does
-        env.pop("ONEDNN_MAX_CPU_ISA", None)
+        for name in cpu_features.TORCH_KIND_VARS:  # the kind sets PyTorch's, as `import cadenza` does
+            env.pop(name, None)
         started = time.monotonic()
         print(f"\n== as {kind} ({environment.CPU.name}={kind}) ==", flush=True)
         done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *argv,
-                               *(str(TESTS / name) for name in CPU_SENSITIVE)], env=env)
+                               *(str(TESTS / name) for name in files)], env=env)
         print(f"== as {kind}: {'passed' if done.returncode == 0 else 'FAILED'} in {time.monotonic() - started:.0f} s ==", flush=True)
         if done.returncode != 0:
             failed.append(kind)

@@ -97,6 +97,26 @@ def test_batched_kernel_matches_float64_reference(kernels, qtype):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_long_steps_go_in_chunks_of_rows_with_the_same_results(kernels, qtype):
+    """A step's activations go through the weight in chunks of 128 KiB of int8 (kernels/linear.h,
+    for_each_tile): 4096 inputs make chunks of 32 rows, so 70 rows are 32 + 32 + 6, file layout and
+    packed alike; every row as from the float64 reference and as computed alone."""
+    rng = np.random.default_rng(int(qtype) + 3)
+    rows, cols, out_features = 70, 4096, 32
+    blocks = random_blocks(qtype, out_features, cols, rng)
+    x = torch.from_numpy(rng.standard_normal((rows, cols), dtype=np.float32))
+    expected, tol = reference(blocks, qtype, x)
+    weights = [(torch.from_numpy(blocks), int(qtype))]
+    if kernels.quant_packs(int(qtype)):
+        weights.append((kernels.quant_pack(torch.from_numpy(blocks), int(qtype)), int(qtype) + 256))
+    for w, type_id in weights:
+        got = kernels.quant_linear(x, w, type_id, None)
+        assert ((got.double() - expected).abs() <= tol).all()
+        for row in (0, 31, 32, 63, 64, 69):  # either side of each chunk's edge
+            assert torch.equal(kernels.quant_linear(x[row : row + 1].clone(), w, type_id, None), got[row : row + 1])
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_each_row_is_the_same_alone_or_in_a_batch(kernels, qtype):
     """Batch invariance, bit for bit: greedy decoding must not depend on what else is in the step."""
     rng = np.random.default_rng(3)
@@ -124,37 +144,69 @@ def test_rows_dequantize_exactly(kernels, qtype):
     assert torch.equal(as_bf16, whole.bfloat16())
 
 
-PACKABLE = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K)
+PACKABLE = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K)
 
 
 @pytest.mark.parametrize("qtype", PACKABLE, ids=lambda t: t.name)
 def test_packed_layout_matches_the_reference_and_the_file_layout(kernels, qtype):
-    """kernels/quant_packed.h: 16 rows re-laid for AVX-512 VNNI. Products within the float64
-    tolerance, every row the same alone or in a batch of any size, rows and whole weights
-    de-quantized exactly as from the file's layout."""
-    if not kernels.packed_kernels_built():
-        pytest.skip("the kernels are built without AVX-512 VNNI here")
+    """kernels/quant_packed.h: rows re-laid a group at a time (16 for AVX-512 VNNI, 8 for AVX2 and
+    AVX-VNNI). Products within the float64 tolerance, every row the same alone or in a batch of any
+    size, rows and whole weights de-quantized exactly as from the file's layout."""
+    if not kernels.quant_packs(int(qtype)):
+        pytest.skip(f"this build ({kernels.packed_path()}) has no packed products for {qtype.name}")
+    group = kernels.pack_rows()
+    assert group == (16 if kernels.packed_path().endswith("packed16") else 8)
     rng = np.random.default_rng(int(qtype) + 11)
-    cols, out_features = 768, 48
+    cols, out_features = 768, 48  # 3 groups of 16, 6 of 8
     blocks = random_blocks(qtype, out_features, cols, rng)
     w = torch.from_numpy(blocks)
     packed, packed_type = kernels.quant_pack(w, int(qtype)), int(qtype) + 256
     assert packed.shape == w.shape and kernels.quant_in_features(packed, packed_type) == cols
+    assert not torch.equal(packed[:group], w[:group])  # re-laid, not copied
     x = torch.from_numpy(rng.standard_normal((17, cols), dtype=np.float32))
     expected, tol = reference(blocks, qtype, x)
     got = kernels.quant_linear(x, packed, packed_type, None)
     assert ((got.double() - expected).abs() <= tol).all()
-    for rows in (1, 2, 3, 4, 5, 7, 8, 9, 16):  # a row's sum does not depend on how many rows share the call (passes of 8)
+    for rows in (1, 2, 3, 4, 5, 7, 8, 9, 16):  # a row's sum does not depend on how many rows share the call (passes of 4 or 8)
         assert torch.equal(kernels.quant_linear(x[:rows].clone(), packed, packed_type, None), got[:rows])
     bias = torch.from_numpy(rng.standard_normal(out_features, dtype=np.float32))
     residual = torch.from_numpy(rng.standard_normal((17, out_features), dtype=np.float32))
     summed = kernels.quant_linear_add_(residual.clone(), x, packed, packed_type, bias)
     assert torch.equal(summed, residual + kernels.quant_linear(x, packed, packed_type, bias))
-    ids = torch.tensor([0, 17, 47, 16, 3])
+    wide = torch.zeros(17, out_features + 5)  # a column slice of a wider output (a fused projection's part)
+    kernels.quant_matmul_(wide[:, 2 : 2 + out_features], x, packed, packed_type, None, False)
+    assert torch.equal(wide[:, 2 : 2 + out_features], got) and not wide[:, :2].any() and not wide[:, -3:].any()
+    ids = torch.tensor([0, 17, 47, 16, 3, 9])
     assert torch.equal(kernels.quant_rows(packed, packed_type, ids), kernels.quant_rows(w, int(qtype), ids))
     assert torch.equal(kernels.quant_dequantize(packed, packed_type), kernels.quant_dequantize(w, int(qtype)))
-    with pytest.raises(RuntimeError, match="multiple of 16"):
-        kernels.quant_pack(w[:40].contiguous(), int(qtype))
+    with pytest.raises(RuntimeError, match=f"multiple of {group}"):
+        kernels.quant_pack(w[: group + 4].contiguous(), int(qtype))
+
+
+@pytest.mark.parametrize("qtype", PACKABLE, ids=lambda t: t.name)
+def test_packed_products_hold_at_the_extremes_of_their_integer_sums(kernels, qtype):
+    """Every weight byte at its largest (nibbles 15, Q8_0's -128 and 127) against activations at
+    +-127 (each block's maximum): the products whose int16 partial sums have the least headroom
+    (AVX2's vpmaddubsw pairs) must not saturate."""
+    if not kernels.quant_packs(int(qtype)):
+        pytest.skip(f"this build ({kernels.packed_path()}) has no packed products for {qtype.name}")
+    rng = np.random.default_rng(5)
+    cols, out_features = 512, 2 * kernels.pack_rows()
+    blocks = random_blocks(qtype, out_features, cols, rng)
+    elems, size = gguf.GGML_QUANT_SIZES[qtype]
+    view = blocks.reshape(out_features, cols // elems, size)
+    values = {Q.Q8_0: slice(2, 34), Q.Q4_0: slice(2, 18), Q.Q4_1: slice(4, 20), Q.Q4_K: slice(16, 144), Q.Q6_K: slice(0, 192)}[qtype]
+    view[: out_features // 2, :, values] = 0xFF  # nibbles 15 (Q8_0: -1, Q6_K: 63)
+    if qtype == Q.Q6_K:  # scales at their extremes too
+        view[:, :, 192:208] = np.where(np.arange(out_features) % 2, 0x80, 0x7F).astype(np.uint8)[:, None, None]
+    if qtype == Q.Q8_0:  # a group of -128s and one of 127s
+        view[out_features // 2 :, :, values] = np.where(np.arange(out_features // 2) < out_features // 4, 0x80, 0x7F)[:, None, None]
+    x = torch.from_numpy(np.where(rng.random((3, cols)) < 0.5, -1.0, 1.0).astype(np.float32))
+    x[1] = 1.0  # every activation +127 after rounding: sums of one sign only
+    expected, tol = reference(blocks, qtype, x)
+    packed = kernels.quant_pack(torch.from_numpy(blocks), int(qtype))
+    got = kernels.quant_linear(x, packed, int(qtype) + 256, None)
+    assert ((got.double() - expected).abs() <= tol).all()
 
 
 @pytest.mark.parametrize("rows", [3, 70])  # the kernel; the de-quantized GEMM (GEMM_MIN_ROWS, any CPU)
@@ -164,9 +216,9 @@ def test_quantized_linear_of_mixed_parts(kernels, rows):
 
     assert (rows >= GEMM_MIN_ROWS) == (rows == 70)
     rng = np.random.default_rng(rows)
-    parts = [(Q.Q4_K, 24), (Q.Q4_K, 8), (Q.Q6_K, 8)]
+    parts = [(Q.Q4_K, 24), (Q.Q4_K, 8), (Q.Q6_K, 12)]  # 12 rows: Q6_K stays in the file's layout in every build
     blocks = [random_blocks(qtype, n, 256, rng) for qtype, n in parts]
-    linear = QuantizedLinear(256, 40, bias=True)
+    linear = QuantizedLinear(256, 44, bias=True)
     first = 0
     for (qtype, n), b in zip(parts, blocks):
         linear.load_rows(first, QuantizedTensor(torch.from_numpy(b), int(qtype), 256))
@@ -174,13 +226,15 @@ def test_quantized_linear_of_mixed_parts(kernels, rows):
     linear.finish_loading()
     assert [q for _, q in linear.parts] == [int(Q.Q4_K), int(Q.Q6_K)]  # same-type neighbours joined
     with torch.no_grad():
-        linear.bias.copy_(torch.randn(40))
+        linear.bias.copy_(torch.randn(44))
     linear.use_cpu_kernels(kernels)
+    assert [bool(q & 256) for _, q in linear.parts] == [kernels.quant_packs(int(Q.Q4_K)), False]
     x = torch.from_numpy(rng.standard_normal((rows, 256), dtype=np.float32))
+    assert linear._uses_gemm(x) == (rows == 70)  # a part in the file's layout: the GEMM from GEMM_MIN_ROWS
     expected = torch.cat([reference(b, q, x)[0] for b, (q, _) in zip(blocks, parts)], dim=1) + linear.bias.double()
     tol = torch.cat([reference(b, q, x)[1] for b, (q, _) in zip(blocks, parts)], dim=1)
     assert ((linear(x).double() - expected).abs() <= tol).all()
-    residual = torch.randn(rows, 40)
+    residual = torch.randn(rows, 44)
     summed = linear.linear_add_(residual.clone(), x)
     assert ((summed.double() - residual.double() - expected).abs() <= tol + 1e-5).all()
 
@@ -193,6 +247,10 @@ def test_kernel_rejects_wrong_inputs(kernels):
         kernels.quant_linear(torch.zeros(1, 96), w, int(Q.Q5_0), None)
     with pytest.raises(RuntimeError, match="whole number"):
         kernels.quant_linear(torch.zeros(1, 96), torch.zeros(4, 61, dtype=torch.uint8), int(Q.Q4_1), None)
+    with pytest.raises(RuntimeError, match="packs no weights of type 6"):  # Q5_0: no packed layout
+        kernels.quant_linear(torch.zeros(1, 32), torch.zeros(8, 22, dtype=torch.uint8), int(Q.Q5_0) + 256, None)
+    with pytest.raises(RuntimeError, match="multiple of"):
+        kernels.quant_linear(torch.zeros(1, 32), torch.zeros(4, 20, dtype=torch.uint8), int(Q.Q4_1) + 256, None)
 
 
 # --- the default model end to end -----------------------------------------------------------------
@@ -313,7 +371,7 @@ def test_load_says_which_layout_each_block_type_runs_in(default_models, kernels)
     layouts = {e["type"]: e for e in block_layouts(native.model, native.model.kernels)}
     assert set(layouts) == {"Q4_1", "Q8_0"}  # the default model's linears and its tied embedding
     assert layouts["Q4_1"]["tensors"] == 30 * 4 and layouts["Q8_0"]["tensors"] == 2  # head + embedding
-    packed = kernels.packed_kernels_built()
-    for entry in layouts.values():
+    for name, entry in layouts.items():
+        packed = kernels.quant_packs(int(getattr(Q, name)))
         assert entry["packed"] == packed
-        assert packed or "AVX-512 VNNI" in entry["reason"]
+        assert entry["path"] == kernels.packed_path() if packed else "no packed products" in entry["reason"]

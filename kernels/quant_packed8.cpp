@@ -1,0 +1,365 @@
+// The products over the packed layout of quant_packed.h with 256-bit vectors, 8 rows a group:
+// AVX2's `vpmaddubsw` (pairs of unsigned x signed bytes summed into int16) and `vpmaddwd`, or where
+// the build has VNNI, `vpdpbusd` on ymm (the avx2vnni build: AVX-VNNI's VEX form, Alder Lake and
+// later). Only the builds of 8-row groups compile this unit (kernels/cpu.py); otherwise it is empty.
+//
+// Per block of 32 Q4_x values and group of 8 rows the AVX2 products take about 30 instructions for
+// each activation row (8 broadcasts of 4 activation bytes, 8 vpmaddubsw, their int16 sums, one
+// vpmaddwd, the conversion and two fma) and 16 shared by the activation rows (loading and splitting
+// the nibbles, the scales): about 6 an output row and block at batch 1, against about 20 in the
+// file's layout (quant.cpp), which decodes each row's scales and converts each row's sum on its own.
+// Measured on one core of a Sapphire Rapids Xeon as an AVX2 CPU, 3072 x 576 weights (768 for the
+// K-quants): 1.6x (Q8_0) to 3x (Q4_K) the file layout's rate at 4 rows and more; AVX-VNNI 1.2x (Q4_1)
+// to 2x (Q8_0) AVX2's.
+#include "quant_packed.h"
+
+#if CADENZA_PACK_ROWS == 8
+
+#include <immintrin.h>
+
+#include "linear.h"
+
+namespace cadenza {
+namespace {
+
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define CADENZA_YMM_VNNI 1
+constexpr bool kVnni = true;
+inline __m256i dpbusd(__m256i acc, __m256i u, __m256i x) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u, x);
+#else
+  return _mm256_dpbusd_epi32(acc, u, x);
+#endif
+}
+#else
+constexpr bool kVnni = false;
+#endif
+
+inline __m256i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// v as computed here: an empty asm that the compiler must assume reads and changes it, so that a
+// chain of integer adds keeps its order. Re-associated by gcc 12 (all of a block's products first,
+// then a tree of adds), the 4 activation rows of a pass spilled to the stack: about 70 moves in a
+// block's 230 instructions, and 30% more time at 4 rows and more. The saturating add would keep the
+// order too, but it runs on 2 of Zen's 4 vector ALU pipes (LLVM's Znver4 model, from AMD's guide).
+inline __m256i pinned(__m256i v) {
+  asm("" : "+x"(v));
+  return v;
+}
+
+// The sum over a run of chunks of nibbles u (each byte < 16) times 4 broadcast activation bytes:
+// one int32 lane a row. AVX2 sums the pairs of vpmaddubsw in int16, exact for up to 8 chunks
+// (8 x 2 x 15 x 127 = 30480 < 2^15; activations are within +-127); VNNI adds into int32 in two
+// chains, so that consecutive vpdpbusd do not wait on each other.
+class NibbleDots {
+ public:
+  // Chunk k of the run (k even and odd alternate between the chains).
+  void add(int k, __m256i u, __m256i x) {
+#ifdef CADENZA_YMM_VNNI
+    if (k % 2) s1_ = dpbusd(s1_, u, x);
+    else s0_ = dpbusd(s0_, u, x);
+#else
+    (void)k;
+    s0_ = pinned(_mm256_add_epi16(s0_, _mm256_maddubs_epi16(u, x)));
+#endif
+  }
+  __m256i sum() const {
+    if constexpr (kVnni) return _mm256_add_epi32(s0_, s1_);
+    return _mm256_madd_epi16(s0_, _mm256_set1_epi16(1));
+  }
+
+ private:
+  __m256i s0_ = _mm256_setzero_si256(), s1_ = _mm256_setzero_si256();
+};
+
+// The weight's offset left in the integer sum: Q8_0's stored q + 128 under VNNI (unsigned x signed);
+// AVX2 recovers the signed q instead (vpmaddubsw's int16 pairs would overflow on 255 x 127).
+template <class P>
+constexpr int64_t sum_offset() {
+  return P::kNibbles || kVnni ? P::kOffset : 0;
+}
+
+// The 8 rows' integer sums of one group-block's values (chunks) with the 32 activation values at
+// x[m], for M activation rows.
+template <class P, int M>
+inline void block_sums(const uint8_t* chunks, const int8_t* const* x, __m256i* isum) {
+  if constexpr (P::kNibbles) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    NibbleDots dots[M];
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + 32 * c));
+      const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      for (int m = 0; m < M; ++m) {
+        dots[m].add(2 * c, lo, broadcast4(x[m] + 4 * c));
+        dots[m].add(2 * c + 1, hi, broadcast4(x[m] + 16 + 4 * c));
+      }
+    }
+    for (int m = 0; m < M; ++m) isum[m] = dots[m].sum();
+  } else {
+#ifdef CADENZA_YMM_VNNI
+    __m256i s0[M], s1[M];
+    for (int m = 0; m < M; ++m) s0[m] = s1[m] = _mm256_setzero_si256();
+    for (int c = 0; c < 8; c += 2) {
+      const __m256i u0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + 32 * c));
+      const __m256i u1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + 32 * c + 32));
+      for (int m = 0; m < M; ++m) {
+        s0[m] = dpbusd(s0[m], u0, broadcast4(x[m] + 4 * c));
+        s1[m] = dpbusd(s1[m], u1, broadcast4(x[m] + 4 * c + 4));
+      }
+    }
+    for (int m = 0; m < M; ++m) isum[m] = _mm256_add_epi32(s0[m], s1[m]);
+#else
+    // |q| (unsigned) x (x with q's sign): llama.cpp's way to a signed x signed product on
+    // vpmaddubsw; a pair is at most 2 x 128 x 127 < 2^15, so each chunk goes to int32 at once.
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+    for (int m = 0; m < M; ++m) isum[m] = _mm256_setzero_si256();
+    for (int c = 0; c < 8; ++c) {
+      const __m256i q = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + 32 * c)), flip);
+      const __m256i aq = _mm256_abs_epi8(q);
+      for (int m = 0; m < M; ++m) {
+        const __m256i p = _mm256_maddubs_epi16(aq, _mm256_sign_epi8(broadcast4(x[m] + 4 * c), q));
+        isum[m] = pinned(_mm256_add_epi32(isum[m], _mm256_madd_epi16(p, ones)));
+      }
+    }
+#endif
+  }
+}
+
+// Bytes of weights fetched ahead of the block being read (groups lie one after another, so this
+// runs on into the next group), as quant_packed.cpp does for the same reason.
+constexpr int64_t kPrefetchAheadBytes = 5120;
+
+inline void prefetch_ahead(const uint8_t* block, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchAheadBytes + o), _MM_HINT_T0);
+}
+
+// out rows [0, M) (of stride os), columns [n, n + 8) (+)= acc + macc (+ bias).
+template <int M>
+inline void store_group(const __m256* acc, const __m256* macc, const float* bias, float* out, int64_t os,
+                        bool accumulate, int64_t n) {
+  for (int m = 0; m < M; ++m) {
+    __m256 v = _mm256_add_ps(acc[m], macc[m]);
+    if (bias != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + n));
+    float* o = out + m * os + n;
+    _mm256_storeu_ps(o, accumulate ? _mm256_add_ps(_mm256_loadu_ps(o), v) : v);
+  }
+}
+
+inline __m256 load_halves8(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Output rows [n, n + 8) of M activation rows from m0: one packed group `wg` of a 32-value type.
+// The scaled sums and the mins' terms go to separate accumulators (shorter dependency chains).
+template <class P, int M>
+inline void packed_dot_group(const uint8_t* wg, int64_t nblocks, const QuantizedActivations& a, int64_t m0,
+                             const float* bias, float* out, int64_t os, bool accumulate, int64_t n) {
+  __m256 acc[M], macc[M];
+  for (int m = 0; m < M; ++m) acc[m] = macc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const uint8_t* gb = wg + b * kPackRows * P::kBytes;
+    prefetch_ahead(gb, kPackRows * P::kBytes);
+    const int8_t* x[M];
+    for (int m = 0; m < M; ++m) x[m] = a.q.data() + (m0 + m) * a.K + 32 * b;
+    __m256i isum[M];
+    block_sums<P, M>(gb + packed_header_bytes<P>(), x, isum);
+    const __m256 d = load_halves8(gb);
+    const __m256 mins = P::kHasMin ? load_halves8(gb + 2 * kPackRows) : _mm256_setzero_ps();
+    for (int m = 0; m < M; ++m) {
+      const int64_t blk = (m0 + m) * a.blocks + b;
+      __m256i s = isum[m];
+      if constexpr (sum_offset<P>() != 0) s = _mm256_sub_epi32(s, _mm256_set1_epi32(static_cast<int32_t>(sum_offset<P>()) * a.qsum[blk]));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(a.d[blk])), acc[m]);
+      if constexpr (P::kHasMin) macc[m] = _mm256_fmadd_ps(mins, _mm256_set1_ps(a.s[blk]), macc[m]);
+    }
+  }
+  store_group<M>(acc, macc, bias, out, os, accumulate, n);
+}
+
+// Q4_K's 8 rows' scale (d * sc) and negated min (-(dmin * m)) of each sub-block j into scale[j],
+// minv[j], from the 12 scale bytes (byte i of every row at sb + 8 i), as q4k_scale_min in quant.cpp
+// unpacks them.
+inline void q4k_scales8(const uint8_t* sb, __m256 d, __m256 dmin, __m256* scale, __m256* minv) {
+  __m256i b[12];
+  for (int i = 0; i < 12; ++i) b[i] = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb + 8 * i)));
+  const __m256i m6 = _mm256_set1_epi32(63), m4 = _mm256_set1_epi32(15);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int j = 0; j < 8; ++j) {
+    __m256i sc, m;
+    if (j < 4) {
+      sc = _mm256_and_si256(b[j], m6);
+      m = _mm256_and_si256(b[j + 4], m6);
+    } else {
+      sc = _mm256_or_si256(_mm256_and_si256(b[j + 4], m4), _mm256_slli_epi32(_mm256_srli_epi32(b[j - 4], 6), 4));
+      m = _mm256_or_si256(_mm256_srli_epi32(b[j + 4], 4), _mm256_slli_epi32(_mm256_srli_epi32(b[j], 6), 4));
+    }
+    scale[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+    minv[j] = _mm256_xor_ps(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m)), sign);
+  }
+}
+
+// Output rows [n, n + 8) of M activation rows from m0 for a packed Q4_K group `wg`.
+template <int M>
+inline void packed_dot_group_q4k(const uint8_t* wg, int64_t nblocks, const QuantizedActivations& a, int64_t m0,
+                                 const float* bias, float* out, int64_t os, bool accumulate, int64_t n) {
+  __m256 acc[M], macc[M];
+  for (int m = 0; m < M; ++m) acc[m] = macc[m] = _mm256_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const uint8_t* gb = wg + b * kPackRows * PackQ4_K::kBytes;
+    prefetch_ahead(gb, kPackRows * PackQ4_K::kBytes);
+    __m256 scale[8], minv[8];
+    q4k_scales8(gb + 4 * kPackRows, load_halves8(gb), load_halves8(gb + 2 * kPackRows), scale, minv);
+    for (int c = 0; c < 4; ++c) {  // sub-blocks 2c (low nibbles) and 2c + 1 (high)
+      const uint8_t* chunks = gb + 16 * kPackRows + 32 * kPackRows * c;
+      NibbleDots lo_dots[M], hi_dots[M];
+      for (int k = 0; k < 8; ++k) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + 4 * kPackRows * k));
+        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        for (int m = 0; m < M; ++m) {
+          const int8_t* x = a.q.data() + (m0 + m) * a.K + 256 * b + 64 * c;
+          lo_dots[m].add(k, lo, broadcast4(x + 4 * k));
+          hi_dots[m].add(k, hi, broadcast4(x + 32 + 4 * k));
+        }
+      }
+      for (int m = 0; m < M; ++m) {
+        const int64_t blk = (m0 + m) * a.blocks + 8 * b + 2 * c;
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo_dots[m].sum()), _mm256_mul_ps(scale[2 * c], _mm256_set1_ps(a.d[blk])), acc[m]);
+        macc[m] = _mm256_fmadd_ps(minv[2 * c], _mm256_set1_ps(a.s[blk]), macc[m]);
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hi_dots[m].sum()), _mm256_mul_ps(scale[2 * c + 1], _mm256_set1_ps(a.d[blk + 1])), acc[m]);
+        macc[m] = _mm256_fmadd_ps(minv[2 * c + 1], _mm256_set1_ps(a.s[blk + 1]), macc[m]);
+      }
+    }
+  }
+  store_group<M>(acc, macc, bias, out, os, accumulate, n);
+}
+
+// Q6_K's 8 rows' int8 scales of sub-block j's two halves of 16 values (a: the first, b: the
+// second), as vpmaddwd takes them: each row's scale in both int16 of its lane (dup_a, dup_b: against
+// pairs of products), and the two in one lane (pair: against the activation's two half sums).
+struct Q6Scales {
+  __m256i dup_a, dup_b, pair;
+};
+
+inline Q6Scales q6k_scales8(const uint8_t* sb, int j) {
+  const __m256i a = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb + kPackRows * 2 * j)));
+  const __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb + kPackRows * (2 * j + 1))));
+  const __m256i low = _mm256_set1_epi32(0xFFFF);
+  const __m256i a_low = _mm256_and_si256(a, low);
+  return {_mm256_or_si256(a_low, _mm256_slli_epi32(a, 16)),
+          _mm256_or_si256(_mm256_and_si256(b, low), _mm256_slli_epi32(b, 16)), _mm256_or_si256(a_low, _mm256_slli_epi32(b, 16))};
+}
+
+// 32 bytes of 6-bit values (0..63), 8 rows x 4: sub-block s (of its half) from a chunk of ql (low
+// nibbles for s < 2, high ones above) and the matching chunk of qh (bits 2s).
+inline __m256i q6k_values(const uint8_t* ql, const uint8_t* qh, int s) {
+  const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+  const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
+  const __m256i low4 = _mm256_and_si256(s < 2 ? lo : _mm256_srli_epi16(lo, 4), _mm256_set1_epi8(0x0F));
+  const __m256i high2 = _mm256_and_si256(_mm256_srli_epi16(hi, 2 * s), _mm256_set1_epi8(0x03));
+  return _mm256_or_si256(low4, _mm256_slli_epi16(high2, 4));
+}
+
+// Output rows [n, n + 8) of M activation rows from m0 for a packed Q6_K group `wg`: per 16 values
+// sum(sc * (q - 32) * x) = sum(sc * q * x) - 32 * sc * sum(x), the first from vpmaddubsw's int16
+// pairs (at most 2 x 63 x 127; two chunks' summed: 32004 < 2^15) scaled by vpmaddwd, the second from
+// the activation's half sums. The VNNI builds take the same path: vpdpbusd's int32 sums would need
+// the scales of 16 values applied in int32 or float, one step more than vpmaddwd's.
+template <int M>
+inline void packed_dot_group_q6k(const uint8_t* wg, int64_t nblocks, const QuantizedActivations& a, int64_t m0,
+                                 const float* bias, float* out, int64_t os, bool accumulate, int64_t n) {
+  constexpr int64_t R = kPackRows;
+  __m256 acc[M], none[M];
+  for (int m = 0; m < M; ++m) acc[m] = none[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const uint8_t* gb = wg + b * R * PackQ6_K::kBytes;
+    prefetch_ahead(gb, R * PackQ6_K::kBytes);
+    const __m256 d = load_halves8(gb);
+    for (int j = 0; j < 8; ++j) {
+      const int h = j / 4, s = j % 4;
+      const uint8_t* ql = gb + 18 * R + 32 * R * (2 * h + s % 2);
+      const uint8_t* qh = gb + 146 * R + 32 * R * h;
+      const Q6Scales sc = q6k_scales8(gb + 2 * R, j);
+      __m256i isum[M];
+      for (int m = 0; m < M; ++m) isum[m] = _mm256_setzero_si256();
+      for (int k = 0; k < 8; k += 2) {
+        const __m256i q0 = q6k_values(ql + 4 * R * k, qh + 4 * R * k, s);
+        const __m256i q1 = q6k_values(ql + 4 * R * (k + 1), qh + 4 * R * (k + 1), s);
+        for (int m = 0; m < M; ++m) {
+          const int8_t* x = a.q.data() + (m0 + m) * a.K + 256 * b + 32 * j + 4 * k;
+          const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(q0, broadcast4(x)), _mm256_maddubs_epi16(q1, broadcast4(x + 4)));
+          isum[m] = pinned(_mm256_add_epi32(isum[m], _mm256_madd_epi16(p, k < 4 ? sc.dup_a : sc.dup_b)));
+        }
+      }
+      for (int m = 0; m < M; ++m) {
+        const int64_t blk = (m0 + m) * a.blocks + 8 * b + j;
+        const __m256i offset = _mm256_madd_epi16(sc.pair, _mm256_set1_epi32(a.qhalves[blk]));
+        const __m256i sum = _mm256_sub_epi32(isum[m], _mm256_slli_epi32(offset, 5));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(a.d[blk])), acc[m]);
+      }
+    }
+  }
+  store_group<M>(acc, none, bias, out, os, accumulate, n);
+}
+
+// One group through the kernel of its layout.
+template <class P, int M>
+inline void dot_group(const uint8_t* wg, int64_t nblocks, const QuantizedActivations& a, int64_t m0, const float* bias,
+                      float* out, int64_t os, bool accumulate, int64_t n) {
+  if constexpr (std::is_same_v<P, PackQ4_K>) packed_dot_group_q4k<M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
+  else if constexpr (std::is_same_v<P, PackQ6_K>) packed_dot_group_q6k<M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
+  else packed_dot_group<P, M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
+}
+
+// Activation rows a pass: 16 ymm registers hold the accumulators of 4 rows beside a chunk's values.
+constexpr int64_t kPackPassRows = 4;
+// Output rows a tile: two groups, so that each output row's 16 floats of a tile fill a 64-byte line
+// (a long prefill's output does not fit L2; half lines were written twice).
+constexpr int64_t kTileGroups = 2;
+
+// out [M, N] (+)= a @ W^T (+ bias) for a packed weight wp [N, row_bytes].
+template <class P>
+inline void packed_matmul_of(const QuantizedActivations& a, int64_t M, const uint8_t* wp, int64_t N, int64_t row_bytes,
+                             const float* bias, float* out, int64_t os, bool accumulate) {
+  const int64_t nblocks = row_bytes / P::kBytes;
+  for_each_tile(N, M, kTileGroups * kPackRows, [&](int64_t n0, int64_t n1, int64_t m, int64_t rows) {
+    float* om = out + m * os;
+    for (int64_t n = n0; n < n1; n += kPackRows) {
+      const uint8_t* wg = wp + n * row_bytes;
+      switch (rows) {
+        case 1: dot_group<P, 1>(wg, nblocks, a, m, bias, om, os, accumulate, n); break;
+        case 2: dot_group<P, 2>(wg, nblocks, a, m, bias, om, os, accumulate, n); break;
+        case 3: dot_group<P, 3>(wg, nblocks, a, m, bias, om, os, accumulate, n); break;
+        default: dot_group<P, 4>(wg, nblocks, a, m, bias, om, os, accumulate, n); break;
+      }
+    }
+  }, kPackPassRows, activation_chunk_rows(a.K, kPackPassRows));
+}
+
+}  // namespace
+
+void packed_matmul(const QuantizedActivations& a, int64_t M, const Weight& w, Out out, bool accumulate) {
+  with_packed_type(unpacked_type(w.qtype), [&](auto pack) {
+    packed_matmul_of<decltype(pack)>(a, M, static_cast<const uint8_t*>(w.data), w.rows, w.cols, w.bias, out.data,
+                                     out.stride, accumulate);
+  });
+}
+
+const char* packed_path() {
+#if defined(__AVXVNNI__)
+  return "avxvnni-packed8";
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return "avx512vnni-packed8";
+#else
+  return "avx2-packed8";
+#endif
+}
+
+}  // namespace cadenza
+
+#endif  // CADENZA_PACK_ROWS == 8
