@@ -41,7 +41,8 @@ def decisions(kind: str) -> tuple:
     try:
         from cadenza.kernels import cpu
 
-        return (cpu.isa(), cpu_features.cpu_has_native_bf16())
+        # AMX decides where packed weights take the de-quantized GEMM (models/quantized_linear.py).
+        return (cpu.isa(), cpu_features.cpu_has_native_bf16(), cpu_features.AMX_FLAGS <= cpu_features.cpu_flags())
     finally:
         del os.environ[environment.CPU.name]
 
@@ -50,8 +51,8 @@ def _layout(decided: tuple) -> tuple:
     """The decisions but the packed products' instructions: the packed layout and the bf16 choice."""
     from cadenza.kernels import cpu
 
-    isa, bf16 = decided
-    return (cpu.PACK_ROWS[isa], bf16)
+    isa, bf16, amx = decided
+    return (cpu.PACK_ROWS[isa], bf16, amx)
 
 
 def kinds_to_run() -> list[tuple[str, list[str]]]:
