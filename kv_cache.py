@@ -106,22 +106,6 @@ def size_cache(
     return CacheSize(wanted, per_block, reason)
 
 
-def choose_num_blocks(
-    arch: ModelArchConfig,
-    block_size: int,
-    dtype: torch.dtype,
-    *,
-    num_blocks: int | None,
-    memory_budget: int | None,
-    max_num_seqs: int,
-    max_model_len: int,
-    available: int | None = None,
-) -> int:
-    """`size_cache(...).num_blocks`."""
-    return size_cache(arch, block_size, dtype, num_blocks=num_blocks, memory_budget=memory_budget,
-                      max_num_seqs=max_num_seqs, max_model_len=max_model_len, available=available).num_blocks  # fmt: skip
-
-
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Zeros of `shape`: on the CPU in an anonymous mapping (the kernel's zero pages, made resident
     as they are written), elsewhere `torch.zeros`."""

@@ -19,7 +19,7 @@ from cadenza.attention_backends.torch_sdpa import TorchSDPABackend
 from cadenza.config.errors import ConfigError
 from cadenza.engine import AsyncEngine
 from cadenza.plugins.hookspecs import hookimpl
-from cadenza.kv_cache import allocate_kv_caches, bytes_per_block, choose_num_blocks
+from cadenza.kv_cache import allocate_kv_caches, bytes_per_block, size_cache
 
 
 def empty_int8_cache(num_blocks=NUM_BLOCKS, block=BLOCK, heads=KV_HEADS, dim=DIM) -> Int8KVCache:
@@ -145,7 +145,7 @@ def test_same_budget_holds_about_twice_bfloat16_and_four_times_float32():
     arch = SimpleNamespace(num_layers=30, num_kv_heads=3, head_dim=64)
     budget = 256 << 20
     blocks = {
-        dtype: choose_num_blocks(arch, 16, dtype, num_blocks=None, memory_budget=budget, max_num_seqs=1, max_model_len=1)
+        dtype: size_cache(arch, 16, dtype, num_blocks=None, memory_budget=budget, max_num_seqs=1, max_model_len=1).num_blocks
         for dtype in (torch.float32, torch.bfloat16, torch.int8)
     }
     assert blocks[torch.int8] >= 1.9 * blocks[torch.bfloat16]

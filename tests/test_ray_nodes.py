@@ -16,18 +16,15 @@ import tempfile
 import threading
 import time
 
-import anyio
 import httpx
 import psutil
 import pytest
 from server_process import ServerProcess
+from single_engine import greedy_texts
 from tiny_models import build_tiny_model
 
-from cadenza.config import ConfigError, load_config
-from cadenza.engine import AsyncEngine
+from cadenza.config import ConfigError
 from cadenza.parallel.placement import RAY_STRATEGIES, check_bundles_fit
-from cadenza.runtime import build_runtime
-from cadenza.sampling_params import SamplingParams
 
 SECOND_NODE_IP = "127.0.0.2"  # loopback too, but not the head's address: "another machine" to Ray
 PROMPTS = [[5, 6, 7, 8, 9], [30, 31, 32], list(range(100, 121)), [40, 41]]
@@ -167,24 +164,7 @@ def single_engine_completions(model) -> list[str]:
     """The same prompts, greedy, on one engine in this process, configured as each replica is."""
     values = {"model.path": str(model), "model.dtype": "float32", "model.cpu_kernels": "off", "model.num_threads": 1,
               "cache.num_blocks": 160}  # fmt: skip
-    runtime = build_runtime(load_config(None, overrides=values, env={}))
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-
-    async def run() -> list[str]:
-        texts = []
-        async with AsyncEngine.serve(runtime) as engine:
-            for prompt in PROMPTS:
-                text = ""
-                async for out in engine.generate(prompt, params):
-                    assert out.finish_reason != "error", out.error
-                    text += out.text
-                texts.append(text)
-        return texts
-
-    try:
-        return anyio.run(run)
-    finally:
-        runtime.close()
+    return greedy_texts(values, PROMPTS, MAX_TOKENS)
 
 
 def replica_gauge(url: str, name: str) -> dict[str, float]:

@@ -15,16 +15,12 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-import anyio
 import httpx
 import psutil
 import pytest
+from single_engine import greedy_texts
 
-from cadenza.config import load_config
-from cadenza.engine import AsyncEngine
 from cadenza.parallel.groups import free_port
-from cadenza.runtime import build_runtime
-from cadenza.sampling_params import SamplingParams
 
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 PROMPTS = [[5, 6, 7, 8, 9], [30, 31, 32], list(range(100, 121))]
@@ -103,24 +99,7 @@ def children(pid: int) -> list[psutil.Process]:
 def single_process_completions(model: Path) -> list[str]:
     """The same prompts, greedy, on one engine in this process (TP=1)."""
     values = {"model.path": str(model), "model.dtype": "float32", "cache.num_blocks": 64}
-    runtime = build_runtime(load_config(None, overrides=values, env={}))
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-
-    async def run() -> list[str]:
-        texts = []
-        async with AsyncEngine.serve(runtime) as engine:
-            for prompt in PROMPTS:
-                text = ""
-                async for out in engine.generate(prompt, params):
-                    assert out.finish_reason != "error", out.error
-                    text += out.text
-                texts.append(text)
-        return texts
-
-    try:
-        return anyio.run(run)
-    finally:
-        runtime.close()
+    return greedy_texts(values, PROMPTS, MAX_TOKENS)
 
 
 @pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed beside this Python")
