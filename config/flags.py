@@ -49,6 +49,13 @@ CONFIG_FLAGS: tuple[ConfigFlag, ...] = (
     ConfigFlag("--tensor-parallel-size", "parallel.tensor_parallel_size", int),
     ConfigFlag("--data-parallel-size", "parallel.data_parallel_size", int),
     ConfigFlag("--router", "parallel.router"),
+    ConfigFlag("--launcher", "parallel.launcher"),
+    ConfigFlag("--ray-placement", "parallel.ray_placement"),
+    ConfigFlag("--prefill-replicas", "parallel.disaggregation.prefill", int),
+    ConfigFlag("--decode-replicas", "parallel.disaggregation.decode", int),
+    ConfigFlag("--kv-connector", "parallel.disaggregation.connector"),
+    ConfigFlag("--speculative-method", "speculative.method"),
+    ConfigFlag("--num-speculative-tokens", "speculative.num_tokens", int),
 )
 BY_FLAG = {f.flag: f for f in CONFIG_FLAGS}
 

@@ -371,5 +371,14 @@ def test_the_common_flags_come_from_the_schema_and_show_their_yaml_key(capsys):
     args = parser.parse_args(["serve", "--block-size", "32", "--max-model-len", "2048", "--kv-cache-dtype", "int8"])
     config = load_config(None, overrides=cli._overrides(args), env=NO_ENV)
     assert (config.cache.block_size, config.model.max_model_len, config.cache.dtype) == (32, 2048, "int8")
+    args = parser.parse_args(["serve", "--data-parallel-size", "3", "--launcher", "ray", "--ray-placement", "pack",
+                              "--prefill-replicas", "1", "--decode-replicas", "2", "--speculative-method", "ngram",
+                              "--num-speculative-tokens", "4"])  # fmt: skip
+    config = load_config(None, overrides=cli._overrides(args), env=NO_ENV)
+    parallel = config.parallel
+    assert (parallel.launcher, parallel.ray_placement, parallel.disaggregation.prefill, parallel.disaggregation.decode) == ("ray", "pack", 1, 2)
+    assert (config.speculative.method, config.speculative.num_tokens) == ("ngram", 4)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--ray-placement", "everywhere"])  # the key's literal values are the choices
     with pytest.raises(KeyError, match="no.such"):
         schema_field("cache.no.such")
