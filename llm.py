@@ -47,6 +47,8 @@ _OVERRIDES = {
     "sampler": "sampling.sampler",
     "logits_processors": "sampling.logits_processors",
     "plugins": "plugins",
+    "plugin_options": "plugin_options",
+    "speculative_config": "speculative",  # vLLM's name: {"method": "ngram", "num_tokens": 8}
 }
 
 

@@ -160,3 +160,16 @@ def test_sampling_params_validation_names_the_field():
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
     assert SamplingParams(stop="x").stop == ["x"]
+
+
+def test_keyword_arguments_reach_plugin_options_and_speculation():
+    from cadenza.config import load_config
+    from cadenza.llm import config_overrides
+
+    dotted = config_overrides("m.gguf", {"plugin_options": {"ngram": {"min_n": 3}}, "num_blocks": 8,
+                                         "speculative_config": {"method": "suffix", "num_tokens": 4}})  # fmt: skip
+    config = load_config(None, overrides=dotted, env={})
+    assert config.plugin_options == {"ngram": {"min_n": 3}} and config.cache.num_blocks == 8
+    assert (config.speculative.method, config.speculative.num_tokens, config.model.path) == ("suffix", 4, "m.gguf")
+    with pytest.raises(TypeError, match="plugin_options"):  # the message lists the known names
+        config_overrides(None, {"plugin_option": {}})
