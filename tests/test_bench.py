@@ -227,3 +227,11 @@ def test_llama_server_runs_the_workload_and_is_stopped():
     assert run.engine == "llama.cpp Q4_1 (llama-server, 2 parallel)"
     with pytest.raises(ProcessLookupError):  # stopped, and reaped
         os.kill(engine.last_pid, 0)
+
+
+def test_step_rows_times_each_chunk_size(tiny_model_dir, capsys):
+    from cadenza.bench import step_rows
+
+    assert step_rows.main(["--model", str(tiny_model_dir("llama3")), "--sizes", "1", "3", "--context", "20", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "context 20 tokens" in out and "1: " in out and "3: " in out and "(1.00x)" in out
