@@ -8,10 +8,11 @@ Measured here (2-core Xeon, AVX-512 VNNI; within 3 MiB as an AVX2 CPU): load add
 peaks about 11 MiB above that; the bfloat16 KV cache (22.5 MiB) becomes resident as it is written.
 llguidance's view of the vocabulary (~24 MiB) is built by the first structured request, not here.
 Before the weights went from the file straight into their arena (packed there a slice at a time), a
-load added 290 MiB and peaked at 314. CI's Zen 4 measured a load of 170 MiB and a prompt's whole
-resident growth of 89 MiB (50 here): more library code paged in and more left on glibc's free
-lists, neither held by the engine; so the prompt's growth is counted as anonymous memory after
-`malloc_trim`, the cache's own pages by `mincore`.
+load added 290 MiB and peaked at 314. One CI machine measured a load of 170 MiB and a prompt's
+whole resident growth of 89 MiB (50-62 here): resident size counts library code paged in and
+what glibc keeps on its free lists, which vary from machine to machine and are not the engine's;
+so the prompt's growth is counted as anonymous memory after `malloc_trim`, the cache's own pages
+by `mincore`.
 """
 
 from __future__ import annotations
