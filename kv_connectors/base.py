@@ -114,5 +114,13 @@ class KVConnector(ABC):
         blocks; returns the bytes received. Raises `KVTransferError` (the blocks' contents are
         then undefined: the caller frees them unhashed)."""
 
+    def abort(self, transfer_id: int) -> None:
+        """Decode side: the sender of transfer `transfer_id` is known to be dead (the front-end saw
+        its replica die). A `receive` of it under way, or called later, raises `KVTransferError`
+        now instead of at the timeout, so its blocks go back at once. Called from another thread
+        than the receive's. The default does nothing, which suits a connector whose receive fails
+        as soon as its peer dies (gloo's connection closes); one that waits for a message a dead
+        peer never sends (nixl's notification) overrides it."""
+
     def close(self) -> None:
         """Release the connector's resources (process group, registered memory)."""

@@ -10,7 +10,9 @@ decode side ("cadenza-kv <id> ok", or "failed" when the write did not complete),
 
 `nixl` is imported only when this connector is built; selected where it is not installed, start-up
 fails with `KVConnectorUnavailableError` naming the package. A prefill side that dies sends no
-notification: the decode side's `receive` then waits out the timeout before it gives its blocks back.
+notification; the front-end, which sees its replica die, `abort`s the decode side's receive, which
+then fails at once and gives its blocks back (a sender that hangs alive is waited for up to the
+timeout).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class NixlConnector(KVConnector):
         self.timeout = 60.0
         self._remote: dict[int, tuple[str, list[dict]]] = {}  # rank -> (agent name, its cache regions)
         self._notes: dict[int, str] = {}  # transfer id -> "ok" / "failed", as they arrive
+        self._aborted: set[int] = set()  # transfers whose sender died (`abort`)
         self._lock = threading.Lock()  # one thread drains NIXL's notifications at a time
 
     def join(self, peers: ConnectorPeers) -> None:
@@ -118,6 +121,11 @@ class NixlConnector(KVConnector):
                             transfer_id, status = rest.split(" ", 1)
                             self._notes[int(transfer_id)] = status
                 status = self._notes.pop(transfer.transfer_id, None)
+                aborted = transfer.transfer_id in self._aborted
+                self._aborted.discard(transfer.transfer_id)
+            if aborted and status != "ok":
+                raise KVTransferError(f"transfer {transfer.transfer_id}: replica {transfer.source} died before "
+                                      "its blocks arrived")
             if status == "ok":
                 regions = _regions(_layout(self.tensors), transfer.destination_blocks)
                 return sum(size for _, size, _ in regions)
@@ -127,6 +135,10 @@ class NixlConnector(KVConnector):
                 raise KVTransferError(f"transfer {transfer.transfer_id}: nothing from replica {transfer.source} "
                                       f"in {self.timeout:.0f}s")
             time.sleep(POLL_SECONDS)
+
+    def abort(self, transfer_id: int) -> None:
+        with self._lock:
+            self._aborted.add(transfer_id)
 
     def close(self) -> None:
         self.agent = None

@@ -13,6 +13,8 @@ router connection; each answers ("kv", request_id, kind, ...) or ("kv", request_
                                        blocks; answers "sent" with bytes and seconds
     ("kv_receive", id, transfer, hashes)  decode side: the connector's `receive`; the blocks then
                                        enter the prefix cache under `hashes`; answers "received"
+    ("kv_abort", id, transfer_id)      decode side: the transfer's sender died; the connector's
+                                       `abort` ends its receive now (no answer)
     ("kv_release", id)                 let go of whatever `id` holds (no answer)
     ("kv_audit", token)                answers "audit": blocks in use, requests holding, and
                                        whether the block accounting holds (no block leaked)
@@ -59,6 +61,9 @@ class KVTransferAgent:
         request_id = message[1]
         if message[0] == "kv_release":
             self.release(request_id)
+            return
+        if message[0] == "kv_abort":
+            self.connector.abort(message[2])
             return
         self._active[request_id] = self._active.get(request_id, 0) + 1
         try:

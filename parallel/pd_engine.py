@@ -18,7 +18,8 @@ first token there with the request's own sampling state), are the blocks a trans
 A replica that dies during 1-4 ends the request with `REPLICA_FAILED` (and, being local, the
 engine turns unhealthy, as any dead replica does); a step that fails on a live replica (a prefill
 refused, a transfer that timed out) falls back to the decode replica computing the whole prompt.
-Either way both sides let go of what they held. Transfers between one pair of replicas run one
+Either way both sides let go of what they held (a receive whose sender died is aborted, so its
+blocks go back at once, whatever the connector waits for). Transfers between one pair of replicas run one
 at a time, so a connector never sees two of a pair's transfers interleave. A pair whose transfer
 failed with both replicas alive is not used again (a gloo group whose wait timed out has closed
 that connection for good): its decode replica then computes its prompts itself, or takes them
@@ -161,6 +162,8 @@ class DisaggregatedEngine(DataParallelEngine):
                 outcomes[name] = exc
                 if isinstance(exc, ReplicaFailedError):
                     tg.cancel_scope.cancel()  # no use waiting for the other half: the request is lost
+                    if name == "send":  # a receive waiting on a dead sender ends now, not at its timeout
+                        await self._abort_receive(target, request_id, transfer)
 
         lock = self._pairs.setdefault((transfer.source, transfer.destination), anyio.Lock())
         async with lock:
@@ -192,6 +195,15 @@ class DisaggregatedEngine(DataParallelEngine):
         stats.seconds += seconds
         log.debug("KV blocks transferred", request_id=request_id, blocks=transfer.num_blocks, bytes=nbytes,
                   ms=round(seconds * 1000, 2), source=transfer.source, destination=transfer.destination)  # fmt: skip
+
+    @staticmethod
+    async def _abort_receive(target: ReplicaClient, request_id: str, transfer: BlockTransfer) -> None:
+        with anyio.CancelScope(shield=True):
+            if target.failure is None:
+                try:
+                    await target.send(("kv_abort", request_id, transfer.transfer_id))
+                except Exception:
+                    pass  # its connection broke too: the replica lets go of everything
 
     async def audit(self, index: int) -> dict:
         """Replica `index`'s block accounting: blocks in use, requests holding blocks for a

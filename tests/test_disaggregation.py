@@ -140,6 +140,39 @@ def test_a_failed_receive_gives_its_blocks_back_unhashed():
     assert (target.num_free, target.num_cached_blocks) == (8, 0)
 
 
+def test_a_nixl_receive_ends_when_aborted_and_a_notification_wins_over_a_late_abort(monkeypatch):
+    """The receive loop alone, over a stand-in for NIXL's agent (no nixl package needed)."""
+    import threading
+    import time
+
+    import torch
+
+    from cadenza.kv_connectors.base import BlockTransfer, KVTransferError
+    from cadenza.kv_connectors.nixl import NixlConnector
+
+    class Agent:  # NIXL's notifications: what the test puts in `inbox`, drained once
+        def __init__(self):
+            self.inbox = []
+
+        def get_new_notifs(self):
+            messages, self.inbox = self.inbox, []
+            return {"peer": messages} if messages else {}
+
+    monkeypatch.setattr(NixlConnector, "check_available", classmethod(lambda cls: None))
+    connector = NixlConnector([torch.zeros(2, 4, 16, 1, 8)], block_size=16, device=torch.device("cpu"))
+    connector.agent, connector.timeout = Agent(), 60.0
+    first, second = BlockTransfer(7, 0, 1, (0,), (1,)), BlockTransfer(8, 0, 1, (2,), (3,))
+    threading.Timer(0.2, connector.abort, args=(7,)).start()
+    started = time.monotonic()
+    with pytest.raises(KVTransferError, match="replica 0 died"):
+        connector.receive(first)
+    assert time.monotonic() - started < 5  # the abort, not the 60 s timeout
+    connector.agent.inbox.append(b"cadenza-kv 8 ok")
+    connector.abort(8)  # the blocks had arrived: they count
+    assert connector.receive(second) == 2 * 16 * 8 * 4
+    assert not connector._aborted and not connector._notes
+
+
 # --- replicas --------------------------------------------------------------------------------------
 
 
@@ -259,14 +292,14 @@ def test_greedy_tokens_equal_one_engine_s_and_a_shared_prefix_is_not_sent_again(
         alone.close()
 
 
-def killed_mid_transfer(model_path, monkeypatch, victim: int) -> tuple[list, dict, str]:
+def killed_mid_transfer(model_path, monkeypatch, victim: int, connector: str = "slow_send_test") -> tuple[list, dict, str]:
     """Kill replica `victim` (0 prefill, 1 decode) while a transfer waits in its send (the test
-    connector sleeps 4 s first), beside a request already decoding on the decode replica.
+    connectors sleep 4 s first), beside a request already decoding on the decode replica.
     Returns each request's last output, the survivor's audit once it let go, and the engine's
     unhealthy reason."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
-    cfg = disaggregated(model_path, "slow_send_test", plugins=["disagg_test_plugins"],
-                        plugin_options={"slow_send_test": {"send_delay": 4.0}})  # fmt: skip
+    cfg = disaggregated(model_path, connector, plugins=["disagg_test_plugins"],
+                        plugin_options={connector: {"send_delay": 4.0}})  # fmt: skip
 
     async def scenario(runtime):
         outcomes = {}
@@ -317,6 +350,16 @@ def test_a_prefill_replica_that_dies_mid_transfer_fails_its_request_and_the_deco
     outcomes, audit, reason = killed_mid_transfer(model_path, monkeypatch, victim=0)
     out = outcomes["transferred"]
     assert (out.finish_reason, out.error_code) == ("error", "engine_failed"), out
+    assert "replica 0" in reason
+    assert audit["problem"] is None and audit["holding"] == 0 and audit["used"] == 0, audit
+
+
+def test_a_receive_that_waits_on_a_dead_sender_is_aborted_not_timed_out(model_path, monkeypatch):
+    """nixl's receive waits for a notification a dead sender never sends: the front-end, which sees
+    the prefill replica die, aborts it, so the decode side lets go within seconds, not at the
+    60 s timeout (the scenario's 15 s bound fails without the abort)."""
+    outcomes, audit, reason = killed_mid_transfer(model_path, monkeypatch, victim=0, connector="deaf_receive_test")
+    assert (outcomes["transferred"].finish_reason, outcomes["transferred"].error_code) == ("error", "engine_failed")
     assert "replica 0" in reason
     assert audit["problem"] is None and audit["holding"] == 0 and audit["used"] == 0, audit
 
