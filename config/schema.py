@@ -376,7 +376,8 @@ class ParallelConfig(_Section):
     max_restarts: int = Field(
         3, ge=0, description="launcher ray: how many times Ray restarts a replica that died after it "
         "served (its open requests end with engine_failed; the others serve meanwhile). 0: a dead "
-        "replica stays dead and the engine turns unhealthy, as with local replicas.",
+        "replica stays dead and the engine turns unhealthy, as with local replicas. Under "
+        "disaggregation replicas are not restarted (unset means 0; above 0 is refused).",
     )
     ray_placement: Literal["spread", "pack", "strict_spread"] = Field(
         "spread", description="launcher ray: how replicas spread over the cluster's nodes (a Ray "

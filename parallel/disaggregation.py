@@ -44,9 +44,10 @@ def plan_disaggregation(config: CadenzaConfig) -> Roles | None:
     if prefill + decode != replicas:
         problems.append(f"parallel.disaggregation: prefill {prefill} + decode {decode} = {prefill + decode} replicas, "
                         f"but parallel.data_parallel_size is {replicas}; set data_parallel_size: {prefill + decode}")
-    if parallel.launcher != "local":
-        problems.append(f"parallel.disaggregation: not with launcher {parallel.launcher!r} yet (the replicas meet in "
-                        "a store the server hosts on this machine); use launcher: local")
+    if parallel.launcher == "ray" and parallel.max_restarts > 0 and "max_restarts" in parallel.model_fields_set:
+        problems.append(f"parallel.disaggregation: parallel.max_restarts {parallel.max_restarts} with launcher ray: a "
+                        "restarted replica cannot rejoin its KV connectors' group; set max_restarts: 0 (left unset, "
+                        "a disaggregated deployment's replicas are not restarted)")
     if parallel.tensor_parallel_size != 1:
         problems.append(f"parallel.disaggregation: tensor_parallel_size {parallel.tensor_parallel_size}: a replica's "
                         "KV cache must be whole in one process to be sent; use tensor_parallel_size: 1")

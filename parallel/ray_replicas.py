@@ -105,11 +105,19 @@ class ReplicaSupervisor:
     that dies after it served (so that Ray restarts both). One that never got ready is not
     restarted: it would fail again. Methods answer plain tuples, never raise across Ray."""
 
-    def __init__(self, config_json: str, index: int, server_ip: str) -> None:
+    def __init__(self, config_json: str, index: int, server_ip: str, kv_peer: tuple[int, int, int] | None = None) -> None:
+        """`kv_peer`: (connector rank, world size, store port) in a disaggregated deployment, whose
+        store the server hosts at `server_ip`."""
+        from cadenza.parallel.kv_transfer import peer_flag
         from cadenza.parallel.replica_server import READY, replica_command
 
         # Decided here, on the node Ray placed (or, after a lost node, placed again) this actor.
-        argv, env = replica_command(config_json, index, host=replica_host(server_ip), lifeline=True)
+        host = replica_host(server_ip)
+        flag = None
+        if kv_peer is not None:  # the server's store: over loopback from its own machine
+            rank, world_size, port = kv_peer
+            flag = peer_flag(rank, world_size, LOOPBACK if host == LOOPBACK else server_ip, port)
+        argv, env = replica_command(config_json, index, host=host, lifeline=True, kv_peer=flag)
         self.replica = LocalProcess(f"data-parallel replica {index}", argv, env, ready=READY, error=ReplicaFailedError,
                                     lifeline=True)  # fmt: skip
         self.replica.start()
@@ -157,12 +165,15 @@ class ReplicaSupervisor:
 class RayReplica(ManagedProcess):
     """The server's handle on one replica under a Ray actor (see `ReplicaSupervisor`)."""
 
-    def __init__(self, index: int, config_json: str, group, bundle: dict[str, float], max_restarts: int, server_ip: str) -> None:
+    def __init__(self, index: int, config_json: str, group, bundle: dict[str, float], max_restarts: int, server_ip: str,
+                 kv_peer: tuple[int, int, int] | None = None) -> None:  # fmt: skip
         """`group`: the deployment's placement group, whose bundle `index` (`bundle`) this replica
-        takes; the group belongs to `start_ray_replicas`, which removes it after every replica stopped."""
+        takes; the group belongs to `start_ray_replicas`, which removes it after every replica
+        stopped. `kv_peer`: see `ReplicaSupervisor`."""
         self.name = f"data-parallel replica {index}"
         self.index = index
         self.config_json, self.bundle, self.max_restarts, self.server_ip = config_json, bundle, max_restarts, server_ip
+        self.kv_peer = kv_peer
         self.restarts = max_restarts > 0
         self.actor = None
         self.group = group
@@ -179,7 +190,7 @@ class RayReplica(ManagedProcess):
             max_task_retries=0, max_concurrency=4,  # address, watch and stop at once
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=self.index),
         )  # fmt: skip
-        self.actor = _supervisor_class().options(**options).remote(self.config_json, self.index, self.server_ip)
+        self.actor = _supervisor_class().options(**options).remote(self.config_json, self.index, self.server_ip, self.kv_peer)
 
     def wait_ready(self, timeout: float) -> Address:
         ray = _ray()
@@ -266,18 +277,24 @@ def _supervisor_class():
 
 
 def start_ray_replicas(
-    config: CadenzaConfig, one_replica: Callable[[ReplicaShape], CadenzaConfig]
+    config: CadenzaConfig, one_replica: Callable[[ReplicaShape], CadenzaConfig], kv_world: int | None = None
 ) -> tuple[list[RayReplica], Callable[[], None]]:
     """Start `data_parallel_size` replicas on Ray and wait for each; returns them and what closes
     the deployment's placement group and the Ray session. `one_replica(shape)`: the config each
-    replica runs."""
+    replica runs. `kv_world`: a disaggregated deployment's connector world (every replica): this
+    process then hosts the store the connectors meet in, and no replica is restarted (one could
+    not rejoin its connectors' group)."""
     parallel = config.parallel
     world = parallel.data_parallel_size * parallel.tensor_parallel_size
+    max_restarts = parallel.max_restarts if kv_world is None else 0
     session = connect_ray(max(os.cpu_count() or 1, world * (config.model.num_threads or 1)))
     replicas: list[RayReplica] = []
     group = None
+    store = port = None
 
     def close() -> None:
+        nonlocal store
+        store = None  # the connectors' store serves while referenced: after the replicas stopped
         if group is not None:
             from ray.util.placement_group import remove_placement_group
 
@@ -306,14 +323,19 @@ def start_ray_replicas(
         group = placement_group([bundle] * shape.replicas, strategy=RAY_STRATEGIES[parallel.ray_placement])
         server_ip = ray.util.get_node_ip_address()  # the replicas on this machine listen on loopback
         config_json = one_replica(shape).model_dump_json()
-        replicas = [RayReplica(i, config_json, group, bundle, parallel.max_restarts, server_ip) for i in range(shape.replicas)]
+        if kv_world is not None:
+            from cadenza.parallel.kv_transfer import host_store
+
+            store, port = host_store()  # it listens on every interface: replicas on other nodes reach server_ip
+        replicas = [RayReplica(i, config_json, group, bundle, max_restarts, server_ip,
+                               None if kv_world is None else (i, kv_world, port)) for i in range(shape.replicas)]  # fmt: skip
         for replica in replicas:
             replica.start()
         for replica in replicas:
             replica.wait_ready(START_SECONDS)
         log.info("Started replicas on Ray", replicas=len(replicas), bundle=bundle, placement=parallel.ray_placement,
                  nodes=_bundle_nodes(group), addresses=[f"{r.address.host}:{r.address.port}" for r in replicas],
-                 max_restarts=parallel.max_restarts)  # fmt: skip
+                 max_restarts=max_restarts)  # fmt: skip
     except BaseException:
         for replica in replicas:
             replica.stop(0)

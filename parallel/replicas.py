@@ -108,7 +108,8 @@ def start_replicas(config: CadenzaConfig) -> FrontendRuntime:
     if config.parallel.launcher == "ray":
         from cadenza.parallel.ray_replicas import start_ray_replicas
 
-        replicas, on_close = start_ray_replicas(config, lambda shape: _one_replica(config, shape))
+        replicas, on_close = start_ray_replicas(config, lambda shape: _one_replica(config, shape),
+                                                kv_world=None if roles is None else roles.world_size)
     else:
         replicas, on_close = _start_local(config, roles)
     try:

@@ -53,7 +53,8 @@ def disaggregated(model, connector="torch_distributed", **overrides):
         ({"parallel.data_parallel_size": 3}, "prefill 1 + decode 1 = 2 replicas, but parallel.data_parallel_size is 3; "
                                              "set data_parallel_size: 2"),
         ({"parallel.disaggregation.decode": 0, "parallel.data_parallel_size": 1}, "needs at least one prefill and one decode"),
-        ({"parallel.launcher": "ray"}, "not with launcher 'ray'"),
+        ({"parallel.launcher": "ray", "parallel.max_restarts": 2}, "max_restarts 2 with launcher ray: a restarted "
+                                                                    "replica cannot rejoin"),
         ({"parallel.tensor_parallel_size": 2}, "tensor_parallel_size 2: a replica's KV cache must be whole"),
         ({"cache.enable_prefix_caching": False}, "needs cache.enable_prefix_caching: true"),
     ],
@@ -65,8 +66,10 @@ def test_a_shape_that_cannot_work_is_refused_naming_the_problem(overrides, messa
 
 def test_every_problem_is_named_at_once_and_off_means_none():
     with pytest.raises(ConfigError) as caught:
-        plan_disaggregation(disaggregated("unused", **{"parallel.data_parallel_size": 4, "parallel.launcher": "ray"}))
+        plan_disaggregation(disaggregated("unused", **{"parallel.data_parallel_size": 4, "parallel.tensor_parallel_size": 2}))
     assert len(caught.value.problems) == 2
+    # Ray's default max_restarts (3) left unset: replicas are simply not restarted.
+    assert plan_disaggregation(disaggregated("unused", **{"parallel.launcher": "ray"})) is not None
     assert plan_disaggregation(config("unused")) is None
     roles = plan_disaggregation(disaggregated("unused", **{"parallel.data_parallel_size": 3, "parallel.disaggregation.decode": 2}))
     assert (roles.prefill, roles.decode, roles.role(0), roles.role(2)) == ((0,), (1, 2), "prefill", "decode")
@@ -290,6 +293,44 @@ def test_greedy_tokens_equal_one_engine_s_and_a_shared_prefix_is_not_sent_again(
         assert results == anyio.run(reference)
     finally:
         alone.close()
+
+
+def test_under_ray_the_replicas_meet_in_the_server_s_store_and_give_one_engine_s_tokens(model_path, colocated):
+    """`launcher: ray` on a local Ray instance cadenza starts: the connectors join through the store
+    this process hosts, blocks move, the tokens are one engine's, and no replica is restarted."""
+    ray = pytest.importorskip("ray")
+    saved = os.environ.pop("RAY_ADDRESS", None)
+    if ray.is_initialized():
+        ray.shutdown()
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    cfg = disaggregated(model_path, **{"parallel.launcher": "ray"})
+
+    async def scenario(runtime):
+        with anyio.fail_after(SCENARIO_SECONDS):
+            async with runtime.serve_engine(None) as engine:
+                got = [(await complete(engine, prompt))[0] for prompt in PROMPTS]
+                audits = [await engine.audit(i) for i in (0, 1)]
+                return got, engine.transfers.blocks_sent, audits
+
+    runtime = None
+    try:
+        runtime = start_replicas(cfg)
+        assert [r.max_restarts for r in runtime.replicas] == [0, 0]
+        got, blocks_sent, audits = anyio.run(scenario, runtime)
+    finally:
+        if runtime is not None:
+            runtime.close()
+        if ray.is_initialized():
+            ray.shutdown()
+        if saved is not None:
+            os.environ["RAY_ADDRESS"] = saved
+        started = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+        _, alive = psutil.wait_procs(started, timeout=15)
+        for process in alive:
+            process.kill()
+    assert got == colocated and blocks_sent == 3 + 1 + 3
+    for audit in audits:
+        assert audit["problem"] is None and audit["holding"] == 0 and audit["used"] == 0, audit
 
 
 def killed_mid_transfer(model_path, monkeypatch, victim: int, connector: str = "slow_send_test") -> tuple[list, dict, str]:
