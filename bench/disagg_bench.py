@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import random
 import re
-import statistics
 import time
-import urllib.request
 from dataclasses import dataclass, field
 
 import anyio
@@ -32,13 +30,13 @@ import anyio
 from cadenza.bench.quiet import QuietPolicy
 from cadenza.bench.report import table
 from cadenza.bench.serve import WARMUP_TIMEOUT, _run_async, arrival_offsets
+from cadenza.bench.serve_arms import ArmsCommand, ServerSpec, arm_order, medians, metrics_text, run_arm, wait_settled
 from cadenza.bench.serve_clients import RequestRecord, WebSocketClient
-from cadenza.bench.serve_process import LaunchedServer, run_quietly_here, wait_idle
+from cadenza.bench.serve_process import wait_idle
 from cadenza.bench.stats import Summary
 from cadenza.bench.workload import BenchRequest
 
 ARMS = ("colocated", "disaggregated")
-METRICS_SETTLE = 1.3  # replicas report their engine metrics every second (parallel/dp_engine.py)
 _TRANSFER = re.compile(r"^cadenza_kv_transfer_(\w+) (\S+)$", re.M)
 
 
@@ -107,8 +105,7 @@ def inter_token_latencies(records: list[TimedRecord], start: float, end: float) 
 
 
 def read_transfer_metrics(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
-        return {name: float(value) for name, value in _TRANSFER.findall(response.read().decode())}
+    return {name: float(value) for name, value in _TRANSFER.findall(metrics_text(url))}
 
 
 @dataclass(slots=True)
@@ -188,119 +185,94 @@ async def run_arm_load(client: WebSocketClient, workload: DisaggWorkload, max_du
     return decodes, longs, start, end or time.perf_counter()
 
 
-def run_arms(spec, make, arms, max_duration: float, repeats: int, policy: QuietPolicy, connector: str,
+def run_arms(spec: ServerSpec, make, arms, max_duration: float, repeats: int, policy: QuietPolicy, connector: str,
              log=print) -> list[ArmRun]:  # fmt: skip
     """Each arm `repeats` times (order reversed every other repeat), each on a server of its own."""
     runs = []
-    for repeat in range(repeats):
-        for arm in (arms if repeat % 2 == 0 else list(reversed(arms))):
-            env = {}
-            if arm == "disaggregated":
-                env = {"CADENZA_PARALLEL__DISAGGREGATION__PREFILL": "1", "CADENZA_PARALLEL__DISAGGREGATION__DECODE": "1",
-                       "CADENZA_PARALLEL__DISAGGREGATION__CONNECTOR": connector}  # fmt: skip
-            log(f"{arm} #{repeat}: starting cadenza serve --data-parallel-size 2 ...")
-            with LaunchedServer(model=spec.model, dtype=spec.dtype, config=spec.config, num_threads=spec.num_threads,
-                                seed=spec.seed, verbose=spec.verbose, start_timeout=spec.start_timeout,
-                                extra_args=("--data-parallel-size", "2"), extra_env=env) as server:  # fmt: skip
-                log(f"  listening on {server.url} (pid {server.pid})")
-                attempts = iter(range(1 << 30))
+    for arm, repeat in arm_order(arms, repeats):
+        env = {}
+        if arm == "disaggregated":
+            env = {"CADENZA_PARALLEL__DISAGGREGATION__PREFILL": "1", "CADENZA_PARALLEL__DISAGGREGATION__DECODE": "1",
+                   "CADENZA_PARALLEL__DISAGGREGATION__CONNECTOR": connector}  # fmt: skip
 
-                def once(url=server.url):
-                    attempt = next(attempts)
-                    load = make("0" if attempt == 0 else str(attempt))  # fresh prompts: nothing cached from before
-                    wait_idle(url)
-                    before: dict[str, float] = {}
-                    client = WebSocketClient(url, len(load.decode_prompts) + len(load.long_prompts), 0.0)
-                    records = _run_async(lambda: run_arm_load(client, load, max_duration,
-                                                              lambda: before.update(read_transfer_metrics(url))))
-                    wait_idle(url)
-                    time.sleep(METRICS_SETTLE)
-                    after = read_transfer_metrics(url)
-                    return records, {k: after[k] - before.get(k, 0.0) for k in after if k != "in_flight"}
+        def once(url: str, attempt: int):
+            load = make("0" if attempt == 0 else str(attempt))  # fresh prompts: nothing cached from before
+            wait_idle(url)
+            before: dict[str, float] = {}
+            client = WebSocketClient(url, len(load.decode_prompts) + len(load.long_prompts), 0.0)
+            records = _run_async(lambda: run_arm_load(client, load, max_duration,
+                                                      lambda: before.update(read_transfer_metrics(url))))
+            wait_settled(url)
+            after = read_transfer_metrics(url)
+            return records, {k: after[k] - before.get(k, 0.0) for k in after if k != "in_flight"}
 
-                ((decodes, longs, start, end), transfer), quiet = run_quietly_here(once, policy, server.pid)
-            done = [r for r in longs if r.status == "completed"]
-            gaps = inter_token_latencies(decodes, start, end)
-            run = ArmRun(arm, repeat, Summary.of(gaps), max(gaps, default=None),
-                         Summary.of([r.ttft for r in done if r.ttft is not None]), len(done),
-                         [f"l{r.index - len(decodes)}: {r.error}" for r in longs if r.status != "completed"],
-                         end - start, transfer, quiet, server.pid)  # fmt: skip
-            runs.append(run)
-            f = run.figures()
-            log(f"  {arm} #{repeat}: ITL p50 {f['itl_p50_ms'] or 0:.1f} ms, p99 {f['itl_p99_ms'] or 0:.1f} ms, max "
-                f"{f['itl_max_ms'] or 0:.0f} ms; long "
-                f"prompts {len(done)}/{len(longs)}, TTFT p50 {f['ttft_p50_ms'] or 0:.0f} ms ({quiet.describe()})")
+        ((decodes, longs, start, end), transfer), quiet, pid = run_arm(
+            spec, f"{arm} #{repeat}", once, policy, extra_args=("--data-parallel-size", "2"), extra_env=env, log=log)
+        done = [r for r in longs if r.status == "completed"]
+        gaps = inter_token_latencies(decodes, start, end)
+        run = ArmRun(arm, repeat, Summary.of(gaps), max(gaps, default=None),
+                     Summary.of([r.ttft for r in done if r.ttft is not None]), len(done),
+                     [f"l{r.index - len(decodes)}: {r.error}" for r in longs if r.status != "completed"],
+                     end - start, transfer, quiet, pid)  # fmt: skip
+        runs.append(run)
+        f = run.figures()
+        log(f"  {arm} #{repeat}: ITL p50 {f['itl_p50_ms'] or 0:.1f} ms, p99 {f['itl_p99_ms'] or 0:.1f} ms, max "
+            f"{f['itl_max_ms'] or 0:.0f} ms; long "
+            f"prompts {len(done)}/{len(longs)}, TTFT p50 {f['ttft_p50_ms'] or 0:.0f} ms ({quiet.describe()})")
     return runs
 
 
-def render(runs: list[ArmRun]) -> str:
-    headers = ["arm", "repeat", "ITL p50 ms", "ITL p99 ms", "ITL max ms", "TTFT p50 ms", "TTFT p99 ms", "long done",
-               "bytes/token", "transfer ms/token", "blocks sent", "blocks skipped", "seconds", "machine"]
-    rows = []
-    for r in runs:
-        f = r.figures()
-        rows.append([r.arm, r.repeat, f["itl_p50_ms"], f["itl_p99_ms"], f["itl_max_ms"], f["ttft_p50_ms"], f["ttft_p99_ms"],
-                     r.long_completed, f["bytes_per_token"], f["transfer_ms_per_token"], f["blocks_sent"],
-                     f["blocks_skipped"], r.seconds, r.quiet.describe() if r.quiet else "-"])  # fmt: skip
-    lines = [table(headers, rows)]
-    for arm in ARMS:
-        p99 = [r.figures()["itl_p99_ms"] for r in runs if r.arm == arm and r.itl]
-        if p99:
-            lines.append(f"  {arm}: ITL p99 median over repeats {statistics.median(p99):.1f} ms")
-    for r in runs:
-        lines += [f"  {r.arm} #{r.repeat}: {failure}" for failure in r.long_failed[:3]]
-    return "\n".join(lines)
+@dataclass(slots=True)
+class DisaggResult:
+    """What the command prints and writes: every arm's runs, of the workload made with salt "0"."""
+
+    workload: DisaggWorkload
+    connector: str
+    runs: list[ArmRun]
+
+    def render(self) -> str:
+        headers = ["arm", "repeat", "ITL p50 ms", "ITL p99 ms", "ITL max ms", "TTFT p50 ms", "TTFT p99 ms", "long done",
+                   "bytes/token", "transfer ms/token", "blocks sent", "blocks skipped", "seconds", "machine"]
+        rows = []
+        for r in self.runs:
+            f = r.figures()
+            rows.append([r.arm, r.repeat, f["itl_p50_ms"], f["itl_p99_ms"], f["itl_max_ms"], f["ttft_p50_ms"],
+                         f["ttft_p99_ms"], r.long_completed, f["bytes_per_token"], f["transfer_ms_per_token"],
+                         f["blocks_sent"], f["blocks_skipped"], r.seconds,
+                         r.quiet.describe() if r.quiet else "-"])  # fmt: skip
+        lines = [table(headers, rows)]
+        for arm in ARMS:
+            p99 = medians([r.figures() for r in self.runs if r.arm == arm]).get("itl_p99_ms")
+            if p99:
+                lines.append(f"  {arm}: ITL p99 median over repeats {p99['median']:.1f} ms")
+        for r in self.runs:
+            lines += [f"  {r.arm} #{r.repeat}: {failure}" for failure in r.long_failed[:3]]
+        return "\n".join(lines)
+
+    def as_dict(self) -> dict:
+        return {"workload": self.workload.as_dict(), "connector": self.connector,
+                "runs": [r.as_dict() for r in self.runs]}
+
+    @property
+    def failed(self) -> bool:
+        """A long prompt did not complete."""
+        return any(r.long_failed for r in self.runs)
 
 
 def serve_disaggregation(args) -> int:
     """`cadenza bench serve --workload disaggregation`."""
-    import shlex
-    import sys
+    from cadenza.bench.serve_process import model_vocab_size
 
-    from cadenza.bench.cli import _setup_process
-    from cadenza.bench.report import environment, write_json
-    from cadenza.bench.router_bench import ServerSpec
-    from cadenza.bench.serve_process import model_vocab_size, sigterm_raises
-
-    if args.url:
-        raise ValueError("--workload disaggregation launches a server per arm; leave out --url")
-    rates = args.request_rates or [0.5]
-    if len(rates) != 1 or not 0 < rates[0] < float("inf"):
-        raise ValueError(f"--workload disaggregation takes one finite positive --request-rates, got {rates}")
-    for flag, value in (("--max-duration", args.max_duration), ("--repeats", args.repeats)):
-        if value <= 0:
-            raise ValueError(f"{flag} must be positive, got {value}")
-    policy = _setup_process(args)
+    command = ArmsCommand.start(args, "disaggregation", "arm", 0.5)
     vocab = args.vocab_size or model_vocab_size(args.model, args.config)
 
     def make(salt: str) -> DisaggWorkload:
         return make_disagg_workload(args.decodes, args.decode_prompt_len, args.decode_tokens, args.long_prompts,
-                                    args.long_prompt_len, args.long_tokens, rates[0], seed=args.seed, salt=salt,
+                                    args.long_prompt_len, args.long_tokens, command.rate, seed=args.seed, salt=salt,
                                     vocab_size=vocab)  # fmt: skip
 
     workload = make("0")  # refuses bad sizes before any server starts
-    env = environment(args.num_threads)
-    command = shlex.join(getattr(args, "argv", None) or ["cadenza", *sys.argv[1:]])
-    print(f"cadenza bench serve --workload disaggregation: 1 prefill + 1 decode replica ({args.connector}) against "
-          f"2 colocated replicas ({args.dtype}), {env['machine']}, cadenza {env['cadenza_revision']}")
-    print(f"command: {command}")
-    print(f"workload: {workload.describe()}")
-    spec = ServerSpec(args.model, args.dtype, args.config, args.num_threads, args.seed, args.verbose,
-                      args.server_start_timeout)
-    try:
-        with sigterm_raises():
-            runs = run_arms(spec, make, ARMS, args.max_duration, args.repeats, policy, args.connector)
-    except (RuntimeError, OSError) as exc:
-        print(f"cadenza bench serve: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("cadenza bench serve: interrupted (the server was stopped)", file=sys.stderr)
-        return 130
-    print()
-    print(render(runs))
-    if args.json:
-        write_json(args.json, {"bench": "serve", "workload_kind": "disaggregation", "command": command,
-                               "model": args.model, "dtype": args.dtype, "config": args.config, "environment": env,
-                               "workload": workload.as_dict(), "connector": args.connector,
-                               "runs": [r.as_dict() for r in runs]})  # fmt: skip
-    return 1 if any(r.long_failed for r in runs) else 0
+    command.announce(f"1 prefill + 1 decode replica ({args.connector}) against 2 colocated replicas",
+                     workload.describe())
+    return command.finish(lambda: DisaggResult(workload, args.connector, run_arms(
+        command.spec, make, ARMS, args.max_duration, args.repeats, command.policy, args.connector)))

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import random
 import re
-import statistics
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -29,13 +27,22 @@ import anyio
 from cadenza.bench.quiet import QuietPolicy
 from cadenza.bench.report import table
 from cadenza.bench.serve import WARMUP_TIMEOUT, _run_async, arrival_offsets
+from cadenza.bench.serve_arms import (
+    METRICS_SETTLE,
+    ArmsCommand,
+    ServerSpec,
+    arm_order,
+    medians,
+    metrics_text,
+    run_arm,
+    wait_settled,
+)
 from cadenza.bench.serve_clients import RequestRecord, WebSocketClient
-from cadenza.bench.serve_process import LaunchedServer, run_quietly_here, wait_idle
+from cadenza.bench.serve_process import wait_idle
 from cadenza.bench.stats import ServeRun, rate_label
 from cadenza.bench.workload import BenchRequest
 
 ROUTERS = ("prefix", "round_robin", "least_loaded")
-METRICS_SETTLE = 1.3  # replicas report their engine metrics every second (parallel/dp_engine.py)
 SGLANG_NOTE = "SGLang reports its cache-aware router at 1.9x throughput and 75% against 20% cache hits"
 
 
@@ -164,8 +171,7 @@ _PROMPT = re.compile(r"^cadenza_prompt_tokens_total (\S+)$", re.M)
 def read_replica_metrics(url: str) -> dict:
     """From /metrics: per replica `routed`, `prefix_cached_tokens`, `generation_tokens`, and the
     server's `prompt_tokens` (of finished requests)."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
-        text = response.read().decode()
+    text = metrics_text(url)
     replicas: dict[int, dict[str, float]] = {}
     for name, replica, value in _REPLICA.findall(text):
         replicas.setdefault(int(replica), {})[name] = float(value)
@@ -225,12 +231,7 @@ class RouterResult:
 
     def medians(self, router: str) -> dict:
         """Each figure's median over the router's repeats (and its spread: min..max)."""
-        runs = [r.figures() for r in self.runs if r.router == router]
-        out = {}
-        for key in runs[0] if runs else ():
-            values = [f[key] for f in runs if f[key] is not None]
-            out[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else None
-        return out
+        return medians([r.figures() for r in self.runs if r.router == router])
 
     def ratios(self) -> dict | None:
         """The first router's medians over the second's (prefix / round_robin by default)."""
@@ -271,18 +272,10 @@ class RouterResult:
                 "medians": {router: self.medians(router) for router in self.routers},
                 "ratios": self.ratios(), "runs": [r.as_dict() for r in self.runs], "notes": self.notes}
 
-
-@dataclass(slots=True)
-class ServerSpec:
-    """How each arm's `cadenza serve` starts (LaunchedServer's arguments but the router)."""
-
-    model: str | None
-    dtype: str
-    config: str | None
-    num_threads: int | None
-    seed: int
-    verbose: bool = False
-    start_timeout: float = 600.0
+    @property
+    def failed(self) -> bool:
+        """A request failed (a cancelled one, unfinished at --max-duration, is no failure)."""
+        return any(r.run.of_status("failed") for r in self.runs)
 
 
 def run_routers(spec: ServerSpec, make: Callable[[str], MultiTurnWorkload], routers: Sequence[str],
@@ -294,65 +287,44 @@ def run_routers(spec: ServerSpec, make: Callable[[str], MultiTurnWorkload], rout
     workload = make("0")
     result = RouterResult(workload, tuple(routers), data_parallel_size, rate, max_duration)
     offsets = arrival_offsets(workload.num_requests, rate, spec.seed)
-    for repeat in range(repeats):
-        for router in (routers if repeat % 2 == 0 else list(reversed(routers))):
-            log(f"{router} #{repeat}: starting cadenza serve --data-parallel-size {data_parallel_size} ...")
-            with LaunchedServer(model=spec.model, dtype=spec.dtype, config=spec.config, num_threads=spec.num_threads,
-                                seed=spec.seed, verbose=spec.verbose, start_timeout=spec.start_timeout,
-                                extra_args=("--data-parallel-size", str(data_parallel_size)),
-                                extra_env={"CADENZA_PARALLEL__ROUTER": router}) as server:
-                log(f"  listening on {server.url} (pid {server.pid})")
-                attempts = iter(range(1 << 30))
+    for router, repeat in arm_order(routers, repeats):
 
-                def once(url=server.url):
-                    attempt = next(attempts)
-                    load = workload if attempt == 0 else make(str(attempt))
-                    if not wait_idle(url):
-                        result.notes.append(f"{router} #{repeat}: the server was still busy before attempt {attempt}")
-                    before: dict = {}
+        def once(url: str, attempt: int, router=router, repeat=repeat):
+            load = workload if attempt == 0 else make(str(attempt))
+            if not wait_idle(url):
+                result.notes.append(f"{router} #{repeat}: the server was still busy before attempt {attempt}")
+            before: dict = {}
 
-                    def snapshot_before() -> None:
-                        time.sleep(METRICS_SETTLE)  # the warm-up's counts reach /metrics
-                        before.update(read_replica_metrics(url))
+            def snapshot_before() -> None:
+                time.sleep(METRICS_SETTLE)  # the warm-up's counts reach /metrics
+                before.update(read_replica_metrics(url))
 
-                    client = WebSocketClient(url, load.num_conversations, load.temperature)
-                    records, seconds = _run_async(lambda: run_conversations(
-                        client, load, offsets, max_duration, data_parallel_size, snapshot_before))
-                    wait_idle(url)
-                    time.sleep(METRICS_SETTLE)
-                    return records, seconds, metrics_delta(before, read_replica_metrics(url))
+            client = WebSocketClient(url, load.num_conversations, load.temperature)
+            records, seconds = _run_async(lambda: run_conversations(
+                client, load, offsets, max_duration, data_parallel_size, snapshot_before))
+            wait_settled(url)
+            return records, seconds, metrics_delta(before, read_replica_metrics(url))
 
-                (records, seconds, metrics), quiet = run_quietly_here(once, policy, server.pid)
-            run = RouterRun(router, repeat, ServeRun("ws", rate, records, seconds, quiet), metrics, server.pid)
-            result.runs.append(run)
-            f = run.figures()
-            log(f"  {router} #{repeat}: {len(run.run.completed)}/{len(records)} completed in {seconds:.1f}s, "
-                f"TTFT p50 {f['ttft_p50_ms'] or 0:.0f} ms, {f['output_tokens_per_s'] or 0:.1f} output tok/s, "
-                f"hit rate {f['prefix_hit_rate'] or 0:.2f}, routed {metrics['routed']} ({quiet.describe()})")
+        (records, seconds, metrics), quiet, pid = run_arm(
+            spec, f"{router} #{repeat}", once, policy, extra_args=("--data-parallel-size", str(data_parallel_size)),
+            extra_env={"CADENZA_PARALLEL__ROUTER": router}, log=log)
+        run = RouterRun(router, repeat, ServeRun("ws", rate, records, seconds, quiet), metrics, pid)
+        result.runs.append(run)
+        f = run.figures()
+        log(f"  {router} #{repeat}: {len(run.run.completed)}/{len(records)} completed in {seconds:.1f}s, "
+            f"TTFT p50 {f['ttft_p50_ms'] or 0:.0f} ms, {f['output_tokens_per_s'] or 0:.1f} output tok/s, "
+            f"hit rate {f['prefix_hit_rate'] or 0:.2f}, routed {metrics['routed']} ({quiet.describe()})")
     result.notes.append(SGLANG_NOTE + f" (not this workload nor this machine); rate {rate_label(rate)}")
     return result
 
 
 def serve_multi_turn(args) -> int:
     """`cadenza bench serve --workload multi-turn`: every router on its own launched server."""
-    import shlex
-    import sys
+    from cadenza.bench.serve_process import model_vocab_size
 
-    from cadenza.bench.cli import _setup_process
-    from cadenza.bench.report import environment, write_json
-    from cadenza.bench.serve_process import model_vocab_size, sigterm_raises
-
-    if args.url:
-        raise ValueError("--workload multi-turn launches a server per router; leave out --url")
-    rates = args.request_rates or [2.0]
-    if len(rates) != 1 or not 0 < rates[0] < float("inf"):
-        raise ValueError(f"--workload multi-turn takes one finite positive --request-rates, got {rates}")
-    for flag, value in (("--max-duration", args.max_duration), ("--repeats", args.repeats),
-                        ("--data-parallel-size", args.data_parallel_size)):
-        if value <= 0:
-            raise ValueError(f"{flag} must be positive, got {value}")
+    command = ArmsCommand.start(args, "multi-turn", "router", 2.0,
+                                (("--data-parallel-size", args.data_parallel_size),))
     routers = tuple(dict.fromkeys(args.routers))
-    policy = _setup_process(args)
     vocab = args.vocab_size or model_vocab_size(args.model, args.config)
 
     def make(salt: str) -> MultiTurnWorkload:
@@ -361,27 +333,7 @@ def serve_multi_turn(args) -> int:
                                temperature=args.temperature)
 
     workload = make("0")  # refuses bad sizes before any server starts
-    env = environment(args.num_threads)
-    command = shlex.join(getattr(args, "argv", None) or ["cadenza", *sys.argv[1:]])
-    print(f"cadenza bench serve --workload multi-turn: routers {', '.join(routers)} on --data-parallel-size "
-          f"{args.data_parallel_size} ({args.dtype}), {env['machine']}, cadenza {env['cadenza_revision']}")
-    print(f"command: {command}")
-    print(f"workload: {workload.describe()}; {rate_label(rates[0])} Poisson")
-    spec = ServerSpec(args.model, args.dtype, args.config, args.num_threads, args.seed, args.verbose,
-                      args.server_start_timeout)
-    try:
-        with sigterm_raises():
-            result = run_routers(spec, make, routers, args.data_parallel_size, rates[0], args.max_duration,
-                                 args.repeats, policy)
-    except (RuntimeError, OSError) as exc:
-        print(f"cadenza bench serve: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("cadenza bench serve: interrupted (the server was stopped)", file=sys.stderr)
-        return 130
-    print()
-    print(result.render())
-    if args.json:
-        write_json(args.json, {"bench": "serve", "workload_kind": "multi-turn", "command": command, "model": args.model,
-                               "dtype": args.dtype, "config": args.config, "environment": env, **result.as_dict()})
-    return 1 if any(r.run.of_status("failed") for r in result.runs) else 0
+    command.announce(f"routers {', '.join(routers)} on --data-parallel-size {args.data_parallel_size}",
+                     f"{workload.describe()}; {rate_label(command.rate)} Poisson")
+    return command.finish(lambda: run_routers(command.spec, make, routers, args.data_parallel_size, command.rate,
+                                              args.max_duration, args.repeats, command.policy))
