@@ -69,7 +69,10 @@ def create_app(runtime: Runtime, *, shutdown_grace: float = 10.0) -> FastAPI:
             extra_params = getattr(runtime, "extra_params", None)
             names = tuple(extra_params.names) if extra_params is not None else None
             limits = ServedLimits(arch.vocab_size, arch.hidden_size, names)
-            schemas = openapi_schemas(served_model_name(config), limits)
+            from cadenza.api.openai_ws.responses_protocol import ResponseCreateRequest
+            from cadenza.api.tokenizer import REQUEST_MODELS as TOKENIZER_MODELS
+
+            schemas = openapi_schemas(served_model_name(config), limits, (*TOKENIZER_MODELS, ResponseCreateRequest))
             document.setdefault("components", {}).setdefault("schemas", {}).update(schemas)
             document["info"]["description"] = API_DESCRIPTION
             # FastAPI documents a 422 for routes with path parameters; this server answers its

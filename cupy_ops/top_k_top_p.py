@@ -3,7 +3,7 @@
 samplers/logits_processors.py's `TopKTopPProcessor` calls `top_k_top_p` for CUDA logits. The
 kernel sorts nothing: one block a row finds the k-th largest logit, then the nucleus' smallest,
 by radix select over the floats' bits (a few histogram passes over the row), and masks below it.
-The torch fallback is the processor's own `TopKTopPProcessor.filter`.
+The torch fallback is the processor's own implementation (samplers/top_k_top_p.py).
 
 CUDA graphs: `top_k_top_p_cuda` (parameters already on the device) is one launch on torch's
 current stream with no host sync, so it can be captured once compiled. `top_k_top_p` copies its
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from cadenza.cupy_ops import loader
-from cadenza.samplers.logits_processors import TopKTopPProcessor
+from cadenza.samplers.top_k_top_p import mask_top_k_top_p
 
 SOURCE = "top_k_top_p.cu"
 KERNEL = "top_k_top_p_f32"
@@ -36,7 +36,7 @@ def top_k_top_p(logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[floa
     lists (`_row_params`) are what this takes.
 
     The kernel runs for float32 CUDA logits where cupy's kernels are available (cupy_ops.loader),
-    else `TopKTopPProcessor.filter`. The two agree except at the nucleus' edge: the kernel keeps
+    else `mask_top_k_top_p` (the processor's torch path). The two agree except at the nucleus' edge: the kernel keeps
     logits tied there together, and its float sums round otherwise than torch's sort and cumsum,
     so a logit whose preceding mass equals top_p within rounding may go either way.
     """
@@ -45,7 +45,7 @@ def top_k_top_p(logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[floa
         return logits
     kernels = _kernels(logits)
     if kernels is None:
-        return TopKTopPProcessor.filter(logits, list(top_k), list(top_p))
+        return mask_top_k_top_p(logits, list(top_k), list(top_p))
     ks = torch.tensor(list(top_k), dtype=torch.int32, device=logits.device)
     ps = torch.tensor(list(top_p), dtype=torch.float32, device=logits.device)
     _launch(kernels, logits, ks, ps)

@@ -10,14 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from cadenza.samplers.base import LogitsProcessor, SamplingBatch
-
-_NEG_INF = float("-inf")
-
-
-def row_column(values: list[float], logits: torch.Tensor) -> torch.Tensor:
-    """One value per row, shaped [B, 1] to broadcast over the vocabulary."""
-    return torch.tensor(values, dtype=logits.dtype, device=logits.device).unsqueeze(1)
+from cadenza.samplers.base import LogitsProcessor, SamplingBatch, row_column
+from cadenza.samplers.top_k_top_p import NEG_INF as _NEG_INF
+from cadenza.samplers.top_k_top_p import mask_top_k_top_p
 
 
 def _index(rows: list[int], cols: list[int], device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -151,37 +146,9 @@ class TopKTopPProcessor(LogitsProcessor):
             return top_k_top_p(logits, ks, ps)
         return self.filter(logits, ks, ps)
 
-    @classmethod
-    def filter(cls, logits: torch.Tensor, ks: list[int], ps: list[float]) -> torch.Tensor:
-        """The torch implementation: row i of `logits` keeps its `ks[i]` largest (V: off), then
-        the nucleus reaching `ps[i]` (1: off); the rest become -inf, in place."""
-        vocab = logits.shape[-1]
-        if all(p >= 1.0 for p in ps):
-            if all(k >= vocab for k in ks):
-                return logits
-            return cls._top_k_only(logits, ks)
-
-        # Ascending sort, as HF and vLLM do: the kept tokens are those whose ascending cumulative
-        # probability exceeds 1 - top_p, which is exactly "the smallest set reaching top_p".
-        sorted_logits, order = logits.sort(dim=-1, descending=False)
-        if any(k < vocab for k in ks):
-            # The k-th largest logit sits at ascending position V - k.
-            kth_pos = torch.tensor([vocab - k for k in ks], device=logits.device).unsqueeze(1)
-            kth = sorted_logits.gather(1, kth_pos)
-            sorted_logits.masked_fill_(sorted_logits < kth, _NEG_INF)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum_(dim=-1)
-        drop = cumulative <= 1.0 - row_column(ps, logits)
-        drop[:, -1] = False  # the top token always survives, whatever rounding did to the sum
-        # Rows with top_p == 1 compare against 0: they only re-mask tokens already at zero mass.
-        sorted_logits.masked_fill_(drop, _NEG_INF)
-        return logits.scatter_(1, order, sorted_logits)
-
     @staticmethod
-    def _top_k_only(logits: torch.Tensor, ks: list[int]) -> torch.Tensor:
-        max_k = max(k for k in ks if k < logits.shape[-1])
-        top = logits.topk(max_k, dim=-1).values
-        # Rows without top-k compare against -inf, which masks nothing.
-        pos = torch.tensor([min(k, max_k) - 1 for k in ks], device=logits.device).unsqueeze(1)
-        kth = top.gather(1, pos)
-        kth[torch.tensor([k >= logits.shape[-1] for k in ks], device=logits.device)] = _NEG_INF
-        return logits.masked_fill_(logits < kth, _NEG_INF)
+    def filter(logits: torch.Tensor, ks: list[int], ps: list[float]) -> torch.Tensor:
+        """The torch implementation (`samplers/top_k_top_p.py`): row i of `logits` keeps its
+        `ks[i]` largest (V: off), then the nucleus reaching `ps[i]` (1: off); the rest become
+        -inf, in place."""
+        return mask_top_k_top_p(logits, ks, ps)

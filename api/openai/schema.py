@@ -32,14 +32,13 @@ class _OpenAPIJsonSchema(GenerateJsonSchema):
         return json_schema
 
 
-def openapi_schemas(model_name: str, limits: ServedLimits) -> dict[str, dict[str, Any]]:
+def openapi_schemas(model_name: str, limits: ServedLimits,
+                    optional_model: tuple[type[BaseModel], ...] = ()) -> dict[str, dict[str, Any]]:  # fmt: skip
     """The request models and every model they use, as OpenAPI components (what `$ref`s point to);
-    `model` is the one model this server serves (any other is a 404). The rules beyond the
-    fields' types, and the served model's bounds, are written in (`request_rules.py`)."""
-    from cadenza.api.openai_ws.responses_protocol import ResponseCreateRequest  # imports this module
-    from cadenza.api.tokenizer import REQUEST_MODELS as TOKENIZER_MODELS
-
-    optional_model = (*TOKENIZER_MODELS, ResponseCreateRequest)
+    `model` is the one model this server serves (any other is a 404); `optional_model`: the other
+    routes' request models, whose `model` may also be null (the tokenizer's, the Responses API's).
+    The rules beyond the fields' types, and the served model's bounds, are written in
+    (`request_rules.py`)."""
     pairs = [(m, "validation") for m in (*REQUEST_MODELS, *optional_model)]
     _, document = models_json_schema(pairs, ref_template=_REF, schema_generator=_OpenAPIJsonSchema)
     schemas = document["$defs"]
