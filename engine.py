@@ -44,6 +44,7 @@ from cadenza.pooling_params import PoolingParams
 from cadenza.sampling_params import SamplingParams
 from cadenza.speculative.setup import built_methods
 from cadenza.streams import GenerationOutput, RequestStream
+from cadenza.thread_governor import thread_governor
 
 log = structlog.get_logger(__name__)
 
@@ -117,7 +118,7 @@ class AsyncEngine:
                 metrics=self.metrics,
             ),
             CacheManagerActor(cache_rx, self.cache_core, self.metrics),
-            RunnerActor(runner_rx, rt.runner, scheduler_tx.clone(), self.metrics),
+            RunnerActor(runner_rx, rt.runner, scheduler_tx.clone(), self.metrics, governor=thread_governor(rt)),
             DetokenizerActor(detok_rx, IncrementalDetokenizer(rt.tokenizer), self._deliver, scheduler_tx.clone(), self.metrics),
         ]
         detok_tx.close()  # only the clones held by actors stay open

@@ -26,11 +26,14 @@ from cadenza.outputs import TokenLogprob
 class RunnerActor(Actor[RunnerMessage]):
     name = "runner"
 
-    def __init__(self, inbox, runner: ModelRunner, scheduler: MemoryObjectSendStream[SchedulerMessage], metrics: EngineMetrics):
+    def __init__(self, inbox, runner: ModelRunner, scheduler: MemoryObjectSendStream[SchedulerMessage], metrics: EngineMetrics,
+                 governor=None):  # fmt: skip
+        """`governor`: a `ThreadGovernor` sizing the compute thread's team before each step, or None."""
         super().__init__(inbox)
         self.runner = runner
         self.scheduler = scheduler
         self.metrics = metrics
+        self.governor = governor
 
     async def handle(self, message: RunnerMessage) -> None:
         match message:
@@ -43,6 +46,8 @@ class RunnerActor(Actor[RunnerMessage]):
                 raise UnexpectedMessageError(self.name, message)
 
     def _run_step(self, message: ExecuteStep) -> StepResult:
+        if self.governor is not None:
+            self.governor.before_step()
         # Departures first: a request that left is in no step from now on.
         self.runner.finish_requests(message.finished_request_ids)
         return self.runner.execute(message.chunks)

@@ -38,6 +38,7 @@ CONFIG_FLAGS: tuple[ConfigFlag, ...] = (
     ConfigFlag("--load-format", "model.load_format"),
     ConfigFlag("--max-model-len", "model.max_model_len", int),
     ConfigFlag("--num-threads", "model.num_threads", int),
+    ConfigFlag("--thread-policy", "model.thread_policy"),
     ConfigFlag("--quantization", "model.quantization"),
     ConfigFlag("--cuda-graphs", "model.cuda_graphs"),
     ConfigFlag("--attention-backend", "attention_backend"),

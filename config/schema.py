@@ -81,6 +81,12 @@ class ModelConfig(_Section):
         "OMP_NUM_THREADS narrow it), shared out among tensor-parallel ranks. Set it to keep cadenza "
         "to fewer cores than the machine has, beside other busy processes: see docs/cpu-threads.md.",
     )
+    thread_policy: Literal["fixed", "adaptive"] = Field(
+        "fixed", description="fixed: the team keeps num_threads (or its default) threads. adaptive: "
+        "every half second the compute thread measures how many cores other processes keep busy and "
+        "runs its steps on the cores they leave (at least 1 thread), for a machine shared with busy "
+        "neighbours; one engine on the CPU only. See docs/cpu-threads.md.",
+    )
     seed: int = Field(0, ge=0, description="Seed for torch's global random generator.")
     cpu_kernels: Literal["auto", "on", "off"] = Field(
         "auto", description="cadenza's compiled CPU kernels (x86-64 with AVX2/FMA; built on first "

@@ -106,3 +106,62 @@ def test_an_idle_engine_uses_no_cpu(model_path):
     # Nothing polls while no request runs: the event loop, the actors and the compute thread wait
     # on their queues, OpenMP's threads sleep. A bound of 10% of one core, for a noisy machine.
     assert got["cpu"] < 0.2, got
+
+
+# --- model.thread_policy: adaptive (thread_governor.py) ---------------------------------------------
+
+
+def test_the_team_gives_back_the_cores_others_keep_busy():
+    from cadenza.thread_governor import team_size
+
+    assert [team_size(2, others) for others in (0.0, 0.3, 0.6, 1.0, 1.4, 2.0)] == [2, 2, 1, 1, 1, 1]
+    assert [team_size(8, others) for others in (0.1, 0.7, 2.6, 9.0)] == [8, 7, 5, 1]
+
+
+def test_the_governor_resizes_from_the_cpu_others_used_and_comes_back():
+    from cadenza.thread_governor import ThreadGovernor
+
+    now, ticks, calls = [0.0], [(0, 0)], []
+    governor = ThreadGovernor(2, interval=0.5, clock=lambda: now[0], sample=lambda: ticks[0],
+                              set_threads=calls.append, ticks_per_second=100)  # fmt: skip
+
+    def step_after(seconds: float, machine_busy: int, ours: int) -> None:
+        now[0] += seconds
+        ticks[0] = (ticks[0][0] + machine_busy, ticks[0][1] + ours)
+        governor.before_step()
+
+    governor.before_step()  # the first look only takes a sample
+    step_after(1.0, 200, 100)  # we used 1 core of 2 busy ones: others kept 1 core busy
+    assert (calls, governor.current, governor.others) == ([1], 1, 1.0)
+    step_after(0.2, 40, 10)  # within the interval: no look
+    step_after(0.4, 120, 60)  # others still at ~1 core: no change
+    assert calls == [1]
+    step_after(1.0, 100, 100)  # the neighbour stopped: all the busy time is ours
+    assert (calls, governor.current) == ([1, 2], 2)
+
+
+def test_cpu_ticks_reads_the_machine_s_busy_time_and_its_own(tmp_path):
+    from cadenza.thread_governor import cpu_ticks
+
+    stat, own = tmp_path / "stat", tmp_path / "self_stat"
+    stat.write_text("cpu  100 5 30 900 7 1 2 3 0 0\ncpu0 50 2 15 450 3 0 1 1 0 0\n")
+    own.write_text("4242 (a (strange) name) S 1 4242 4242 0 -1 4194560 100 0 0 0 17 4 0 0 20 0 3 0\n")
+    assert cpu_ticks(stat, own) == (100 + 5 + 30 + 1 + 2 + 3, 17 + 4)
+    assert cpu_ticks()[0] > 0  # this machine's own /proc
+
+
+def test_an_adaptive_engine_builds_its_governor_and_gives_the_same_tokens(model_path):
+    from cadenza import compute_thread
+    from cadenza.llm import LLM
+    from cadenza.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outputs = {}
+    for policy in ("fixed", "adaptive"):
+        with LLM(str(model_path), **{"logging.level": "warning", "model.thread_policy": policy}) as llm:
+            runner = next(a for a in llm.engine.actors if a.name == "runner")
+            assert (runner.governor is None) == (policy == "fixed")
+            outputs[policy] = [o.token_ids for o in llm.generate(["hello", "world"], params)]
+            if runner.governor is not None:
+                compute_thread.run_sync(lambda: runner.governor.set_threads(runner.governor.threads))
+    assert outputs["fixed"] == outputs["adaptive"]
