@@ -16,26 +16,17 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 from typing import Callable
 
 import structlog
+
+from cadenza.cpu_time import CpuSnapshot, take_snapshot
 
 log = structlog.get_logger(__name__)
 
 INTERVAL = 0.5  # seconds between looks: long enough to average a scheduler's slices, short enough to follow a neighbour
 QUIET_BELOW = 0.5  # others' cores under this count as none (kernel threads, a shell, a light neighbour)
 TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def cpu_ticks(stat: Path = Path("/proc/stat"), own: Path = Path("/proc/self/stat")) -> tuple[int, int]:
-    """(the machine's busy CPU time, this process's CPU time), in clock ticks."""
-    fields = [int(x) for x in stat.read_text().split("\n", 1)[0].split()[1:]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
-    # /proc/self/stat: the command may hold spaces, so count from the ')' that ends it.
-    after = own.read_text().rsplit(")", 1)[1].split()
-    utime, stime = int(after[11]), int(after[12])
-    return user + nice + system + irq + softirq + steal, utime + stime
 
 
 def team_size(threads: int, others: float) -> int:
@@ -50,7 +41,7 @@ class ThreadGovernor:
     `before_step` runs on the compute thread, before each model step."""
 
     def __init__(self, threads: int, *, interval: float = INTERVAL, clock: Callable[[], float] = time.monotonic,
-                 sample: Callable[[], tuple[int, int]] = cpu_ticks, set_threads: Callable[[int], None] | None = None,
+                 sample: Callable[[], CpuSnapshot | None] = take_snapshot, set_threads: Callable[[int], None] | None = None,
                  ticks_per_second: float = TICKS) -> None:  # fmt: skip
         if set_threads is None:
             import torch
@@ -59,27 +50,27 @@ class ThreadGovernor:
         self.threads = self.current = threads
         self.interval, self.clock, self.sample, self.set_threads = interval, clock, sample, set_threads
         self.ticks_per_second = ticks_per_second
-        self._last: tuple[float, int, int] | None = None
+        self._last: tuple[float, CpuSnapshot] | None = None
         self.others = 0.0  # cores the other processes kept busy over the last interval
 
     def before_step(self) -> None:
         now = self.clock()
         if self._last is not None and now - self._last[0] < self.interval:
             return
-        try:
-            busy, own = self.sample()
-        except (OSError, ValueError, IndexError):
+        snapshot = self.sample()
+        if snapshot is None:
             return  # no /proc here: the team stays as it is
         if self._last is not None:
-            then, busy0, own0 = self._last
-            self.others = max(0.0, (busy - busy0) - (own - own0)) / self.ticks_per_second / (now - then)
+            then, before = self._last
+            others = (snapshot.busy - before.busy) - (snapshot.own - before.own)
+            self.others = max(0.0, others) / self.ticks_per_second / (now - then)
             wanted = team_size(self.threads, self.others)
             if wanted != self.current:
                 self.set_threads(wanted)
                 log.info("Threads resized to the cores other processes leave", threads=wanted,
                          configured=self.threads, others_busy_cores=round(self.others, 2))  # fmt: skip
                 self.current = wanted
-        self._last = (now, busy, own)
+        self._last = (now, snapshot)
 
 
 def thread_governor(runtime) -> ThreadGovernor | None:

@@ -1,55 +1,21 @@
 """Is the machine quiet? Other processes' share of the CPU, read from /proc, before and during a run.
 
-On a small shared machine another process can slow a run 4-20x. `other_cpu_share` is the busy
-jiffies of the whole machine minus this process's own (all its threads), over the interval, as a
-fraction of all CPUs' time: 0.5 on two cores means another process kept one core busy.
+On a small shared machine another process can slow a run 4-20x. `other_cpu_share` (cpu_time.py)
+is the busy jiffies of the whole machine minus this process's own (all its threads), over the
+interval, as a fraction of all CPUs' time: 0.5 on two cores means another process kept one core busy.
 """
 
 from __future__ import annotations
-
-from cadenza import compute_thread
 
 import os
 import time
 from dataclasses import dataclass, field
 from typing import Callable, TypeVar
 
+from cadenza import compute_thread
+from cadenza.cpu_time import CpuSnapshot, other_cpu_share, take_snapshot  # noqa: F401 (the bench's names)
+
 T = TypeVar("T")
-
-_PROC_STAT = "/proc/stat"
-_PROC_SELF_STAT = "/proc/self/stat"
-
-
-@dataclass(frozen=True, slots=True)
-class CpuSnapshot:
-    total: int  # jiffies of all CPUs, idle included
-    busy: int  # jiffies of all CPUs spent running anything
-    own: int  # jiffies this process (every thread) and its waited-for children have run
-
-
-def take_snapshot() -> CpuSnapshot | None:
-    """None where /proc is not there (not Linux): the quiet check then reports 'unknown'."""
-    try:
-        with open(_PROC_STAT) as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-        with open(_PROC_SELF_STAT) as f:
-            own_fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, ValueError, IndexError):
-        return None
-    # user nice system idle iowait irq softirq steal (guest time is already inside user).
-    user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
-    busy = user + nice + system + irq + softirq + steal
-    # After the ")" of comm: field 3 is the state, so utime and stime are the 12th and 13th, and
-    # cutime and cstime (children waited for: a peer's binary the bench ran) the 14th and 15th.
-    own = sum(int(own_fields[i]) for i in (11, 12, 13, 14))
-    return CpuSnapshot(total=busy + idle + iowait, busy=busy, own=own)
-
-
-def other_cpu_share(before: CpuSnapshot | None, after: CpuSnapshot | None) -> float | None:
-    if before is None or after is None or after.total <= before.total:
-        return None
-    others = (after.busy - before.busy) - (after.own - before.own)
-    return max(0.0, others / (after.total - before.total))
 
 
 def measure_other_cpu(seconds: float) -> float | None:

@@ -119,15 +119,17 @@ def test_the_team_gives_back_the_cores_others_keep_busy():
 
 
 def test_the_governor_resizes_from_the_cpu_others_used_and_comes_back():
+    from cadenza.cpu_time import CpuSnapshot
     from cadenza.thread_governor import ThreadGovernor
 
-    now, ticks, calls = [0.0], [(0, 0)], []
+    now, ticks, calls = [0.0], [CpuSnapshot(0, 0, 0)], []
     governor = ThreadGovernor(2, interval=0.5, clock=lambda: now[0], sample=lambda: ticks[0],
                               set_threads=calls.append, ticks_per_second=100)  # fmt: skip
 
     def step_after(seconds: float, machine_busy: int, ours: int) -> None:
         now[0] += seconds
-        ticks[0] = (ticks[0][0] + machine_busy, ticks[0][1] + ours)
+        last = ticks[0]
+        ticks[0] = CpuSnapshot(last.total + 200, last.busy + machine_busy, last.own + ours)
         governor.before_step()
 
     governor.before_step()  # the first look only takes a sample
@@ -140,14 +142,16 @@ def test_the_governor_resizes_from_the_cpu_others_used_and_comes_back():
     assert (calls, governor.current) == ([1, 2], 2)
 
 
-def test_cpu_ticks_reads_the_machine_s_busy_time_and_its_own(tmp_path):
-    from cadenza.thread_governor import cpu_ticks
+def test_a_cpu_snapshot_reads_the_machine_s_busy_time_and_its_own(tmp_path):
+    from cadenza.cpu_time import CpuSnapshot, take_snapshot
 
     stat, own = tmp_path / "stat", tmp_path / "self_stat"
     stat.write_text("cpu  100 5 30 900 7 1 2 3 0 0\ncpu0 50 2 15 450 3 0 1 1 0 0\n")
-    own.write_text("4242 (a (strange) name) S 1 4242 4242 0 -1 4194560 100 0 0 0 17 4 0 0 20 0 3 0\n")
-    assert cpu_ticks(stat, own) == (100 + 5 + 30 + 1 + 2 + 3, 17 + 4)
-    assert cpu_ticks()[0] > 0  # this machine's own /proc
+    own.write_text("4242 (a (strange) name) S 1 4242 4242 0 -1 4194560 100 0 0 0 17 4 2 1 20 0 3 0\n")
+    busy = 100 + 5 + 30 + 1 + 2 + 3
+    assert take_snapshot(str(stat), str(own)) == CpuSnapshot(total=busy + 900 + 7, busy=busy, own=17 + 4 + 2 + 1)
+    assert take_snapshot(str(tmp_path / "absent"), str(own)) is None
+    assert take_snapshot().busy > 0  # this machine's own /proc
 
 
 def test_an_adaptive_engine_builds_its_governor_and_gives_the_same_tokens(model_path):
