@@ -126,13 +126,9 @@ class DisaggregatedEngine(DataParallelEngine):
         finally:
             # Nothing stays held for it: the prefill side lets go now; the decode side once the
             # request runs there (serve_router), or now when it will not be sent there.
-            with anyio.CancelScope(shield=True):
-                for index in (prefill, None if sent_on else decode):
-                    if index is not None and self.clients[index].failure is None:
-                        try:
-                            await self.clients[index].send(("kv_release", request_id))
-                        except Exception:
-                            pass  # its connection broke: the replica lets go of everything
+            for index in (prefill, None if sent_on else decode):
+                if index is not None:
+                    await _tell(self.clients[index], ("kv_release", request_id))
 
     async def _prefill_and_send(self, request_id: str, ids: list[int], hashes: list[bytes], have: tuple[bytes, ...],
                                 prefill: int, decode: int) -> None:  # fmt: skip
@@ -163,7 +159,7 @@ class DisaggregatedEngine(DataParallelEngine):
                 if isinstance(exc, ReplicaFailedError):
                     tg.cancel_scope.cancel()  # no use waiting for the other half: the request is lost
                     if name == "send":  # a receive waiting on a dead sender ends now, not at its timeout
-                        await self._abort_receive(target, request_id, transfer)
+                        await _tell(target, ("kv_abort", request_id, transfer.transfer_id))
 
         lock = self._pairs.setdefault((transfer.source, transfer.destination), anyio.Lock())
         async with lock:
@@ -196,15 +192,6 @@ class DisaggregatedEngine(DataParallelEngine):
         log.debug("KV blocks transferred", request_id=request_id, blocks=transfer.num_blocks, bytes=nbytes,
                   ms=round(seconds * 1000, 2), source=transfer.source, destination=transfer.destination)  # fmt: skip
 
-    @staticmethod
-    async def _abort_receive(target: ReplicaClient, request_id: str, transfer: BlockTransfer) -> None:
-        with anyio.CancelScope(shield=True):
-            if target.failure is None:
-                try:
-                    await target.send(("kv_abort", request_id, transfer.transfer_id))
-                except Exception:
-                    pass  # its connection broke too: the replica lets go of everything
-
     async def audit(self, index: int) -> dict:
         """Replica `index`'s block accounting: blocks in use, requests holding blocks for a
         transfer, and `problem` (None when every block is free, evictable or referenced once)."""
@@ -229,3 +216,14 @@ class DisaggregatedEngine(DataParallelEngine):
                     yield family
 
         registry.register(_Collector())
+
+
+async def _tell(client: ReplicaClient, message: tuple) -> None:
+    """Send `message` (one that has no answer) to a live replica, even from a cancelled scope;
+    a broken connection needs none: the replica lets go of everything its connection held."""
+    with anyio.CancelScope(shield=True):
+        if client.failure is None:
+            try:
+                await client.send(message)
+            except Exception:
+                pass
