@@ -44,6 +44,7 @@ from cadenza.pooling_params import PoolingParams
 from cadenza.sampling_params import SamplingParams
 from cadenza.speculative.setup import built_methods
 from cadenza.streams import GenerationOutput, RequestStream
+from cadenza.thread_binding import bind_compute_team
 from cadenza.thread_governor import thread_governor
 
 log = structlog.get_logger(__name__)
@@ -100,6 +101,7 @@ class AsyncEngine:
             extra_params=rt.extra_params,
             speculative_methods=built_methods(rt.runner),
         )
+        bind_compute_team(rt)
         self.actors: list[Actor] = [
             IngressActor(
                 ingress_rx,

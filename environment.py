@@ -50,7 +50,13 @@ GOMP_SPINCOUNT = EnvVar(
     "unless this or OMP_WAIT_POLICY is set; libgomp's own default is 300000.",
     "10000",
 )
+# OpenMP's thread binding: where any is set, `model.thread_binding: auto` pins nothing and leaves
+# placement to the OpenMP runtime (thread_binding.py).
+OMP_PROC_BIND = EnvVar("OMP_PROC_BIND", "OpenMP's own thread binding (true, spread, close); when set, thread_binding auto pins nothing.", "false")
+OMP_PLACES = EnvVar("OMP_PLACES", "OpenMP's places for bound threads (cores, threads); when set, thread_binding auto pins nothing.", "cores")
+GOMP_CPU_AFFINITY = EnvVar("GOMP_CPU_AFFINITY", "libgomp's CPU list for its threads; when set, thread_binding auto pins nothing.", "0")
+KMP_AFFINITY = EnvVar("KMP_AFFINITY", "Intel OpenMP's thread binding; when set, thread_binding auto pins nothing.", "disabled")
 
 ALL: tuple[EnvVar, ...] = (CONFIG, PLUGINS, CPU, CPU_ISA, LLAMACPP_HOME, PARALLEL_CONFIG, REPLICA_CONFIG, REPLICA_INDEX, REPLICA_HOST,
-                           OMP_WAIT_POLICY, GOMP_SPINCOUNT)
+                           OMP_WAIT_POLICY, GOMP_SPINCOUNT, OMP_PROC_BIND, OMP_PLACES, GOMP_CPU_AFFINITY, KMP_AFFINITY)
 NAMES = frozenset(v.name for v in ALL)

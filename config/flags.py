@@ -39,6 +39,7 @@ CONFIG_FLAGS: tuple[ConfigFlag, ...] = (
     ConfigFlag("--max-model-len", "model.max_model_len", int),
     ConfigFlag("--num-threads", "model.num_threads", int),
     ConfigFlag("--thread-policy", "model.thread_policy"),
+    ConfigFlag("--thread-binding", "model.thread_binding"),
     ConfigFlag("--quantization", "model.quantization"),
     ConfigFlag("--cuda-graphs", "model.cuda_graphs"),
     ConfigFlag("--attention-backend", "attention_backend"),

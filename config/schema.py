@@ -53,6 +53,20 @@ def parse_memory_size(value: str | int) -> int:
     return size
 
 
+def parse_cpu_list(text: str) -> list[int]:
+    """CPU numbers from Linux's list syntax ("0-3,8,10-11"), in the order written, each once."""
+    cpus: list[int] = []
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
+            raise ValueError(f"not a CPU list: {text!r} (write it as 0-3,8)")
+        low, high = int(first), int(last or first)
+        if high < low:
+            raise ValueError(f"not a CPU list: {text!r} ({part.strip()} runs backwards)")
+        cpus.extend(cpu for cpu in range(low, high + 1) if cpu not in cpus)
+    return cpus
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -87,6 +101,21 @@ class ModelConfig(_Section):
         "runs its steps on the cores they leave (at least 1 thread), for a machine shared with busy "
         "neighbours; one engine on the CPU only. See docs/cpu-threads.md.",
     )
+    thread_binding: str = Field(
+        "auto", description="Where the team's threads run. auto: one thread a core, pinned, when this "
+        "engine's team covers exactly the cores it may run on (one engine, thread_policy fixed, no OpenMP "
+        "binding variable set); none: wherever the OS puts them; a CPU list such as 0-3 or 0,2,4,6: thread i on the "
+        "i-th CPU. Pinned, a team beside a busy neighbour never ends up sharing one core with itself. "
+        "See docs/cpu-threads.md.",
+    )
+
+    @field_validator("thread_binding")
+    @classmethod
+    def _cpu_list(cls, value: str) -> str:
+        if value not in ("auto", "none"):
+            parse_cpu_list(value)  # raises, naming the problem
+        return value
+
     seed: int = Field(0, ge=0, description="Seed for torch's global random generator.")
     cpu_kernels: Literal["auto", "on", "off"] = Field(
         "auto", description="cadenza's compiled CPU kernels (x86-64 with AVX2/FMA; built on first "
