@@ -7,6 +7,7 @@ scheduler's and cache manager's business. Synchronous; the runner actor calls it
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
@@ -92,6 +93,7 @@ class ModelRunner:
     def execute(self, chunks: Sequence[ScheduledChunk], return_logits: bool = False) -> StepResult:
         if not chunks:
             raise ValueError("a step needs at least one chunk")
+        started = time.perf_counter()
         chunks, unresolved = self._resolve_pending(chunks)
         failed = [(c.request_id, "the step that was to produce its input token failed") for c in unresolved]
         if not chunks:
@@ -113,11 +115,14 @@ class ModelRunner:
         result.failed[:0] = failed
         if result.sampled is not None:
             result = replace(result, sampled=self._host_outputs.fetch(result.sampled))
-        if len(self._methods) > len(guesses):  # asked, found nothing: the scheduler's policy counts those too
-            sampled_ids = set(result.request_ids)
+        if len(self._methods) > len(guesses):  # asked, none verified: the scheduler's policy counts those too
+            sampled_ids, sized = set(result.request_ids), self.speculator.sized
             result.speculated.extend(
-                Speculation(r, m, 0, 0) for r, m in self._methods.items() if r not in guesses and r in sampled_ids
+                Speculation(r, m, 0, 0, r in sized) for r, m in self._methods.items() if r not in guesses and r in sampled_ids
             )
+        if self.speculator is not None:
+            self.speculator.learn(result.speculated)
+            self.speculator.observe_step(sum(len(c.token_ids) for c in chunks), time.perf_counter() - started)
         self._last_sampled = {}
         if result.sampled is not None:
             self._last_sampled = dict(zip(result.request_ids, result.sampled.token_ids.tolist()))
@@ -255,11 +260,14 @@ class ModelRunner:
                                f"built: {', '.join(sorted(speculator.proposers)) or 'none'}"))
                 continue
             record = self._record(chunk)  # cut back first: a proposer reads committed tokens only
-            wanted.append((chunk.request_id, method, [*record.prompt_token_ids, *record.output_token_ids], chunk.num_speculative))
+            tokens = [*record.prompt_token_ids, *record.output_token_ids]
+            greedy = (chunk.params or SamplingParams()).is_greedy
+            wanted.append((chunk.request_id, method, tokens, chunk.num_speculative, greedy))
             out.append(chunk)
-        guesses = speculator.propose(wanted) if wanted else {}
+        # Sized proposals are trimmed to what pays in a step of this many rows (see sizing.py).
+        guesses = speculator.propose(wanted, sum(len(c.token_ids) for c in out)) if wanted else {}
         out = [replace(c, token_ids=[*c.token_ids, *guesses[c.request_id]]) if c.request_id in guesses else c for c in out]
-        self._methods = {request_id: method for request_id, method, _, _ in wanted}
+        self._methods = {entry[0]: entry[1] for entry in wanted}
         return out, guesses
 
     def _verify(self, result: StepResult, chunks, guess_logits: torch.Tensor, offset: dict[str, int],
@@ -315,7 +323,10 @@ class ModelRunner:
         keep = [row for row, r in enumerate(result.request_ids) if r not in drop]
         sampled = _select_rows(result.sampled, keep) if drop else result.sampled
         sampled = replace(sampled, token_ids=torch.tensor([finals[i] for i in keep], dtype=sampled.token_ids.dtype))
-        speculated = [Speculation(r, self._methods[r], len(guesses[r]), len(accepted[r])) for r in accepted if r not in drop]
+        sized = self.speculator.sized
+        speculated = [
+            Speculation(r, self._methods[r], len(guesses[r]), len(accepted[r]), r in sized) for r in accepted if r not in drop
+        ]
         return StepResult(
             [result.request_ids[i] for i in keep], sampled, result.logits, result.failed + failed,
             {r: a for r, a in accepted.items() if r not in drop}, speculated,

@@ -65,12 +65,17 @@ class ScheduledChunk:
 @dataclass(frozen=True, slots=True)
 class Speculation:
     """What one request's speculative step did: the `method` that guessed, how many tokens it
-    `proposed`, and how many of them the model `accepted` (they lead the request's sampled tokens)."""
+    `proposed`, and how many of them the model `accepted` (they lead the request's sampled tokens).
+
+    `sized`: the runner chose how many to propose itself, from the proposer's match length
+    (`cadenza.speculative.sizing`); `proposed` 0 then means it judged none worth verifying, not
+    that the proposer found nothing."""
 
     request_id: str
     method: str
     proposed: int
     accepted: int
+    sized: bool = False
 
 
 @dataclass(frozen=True, slots=True)

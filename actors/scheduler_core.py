@@ -287,7 +287,7 @@ class SchedulerCore:
         for outcome in speculated:
             request = self.requests.get(outcome.request_id)
             if self.speculation is not None and request is not None and (plan is None or self._is_current(request, plan)):
-                self.speculation.record(request, outcome.proposed, outcome.accepted)
+                self.speculation.record(request, outcome.proposed, outcome.accepted, outcome.sized)
         for token in sampled:
             request = self.requests.get(token.request_id)
             if request is None or request not in self.running:

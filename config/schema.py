@@ -442,7 +442,8 @@ class SpeculativeConfig(_Section):
         "(SamplingParams.speculative).",
     )
     num_tokens: int = Field(
-        16, ge=1, le=16, description="Most tokens proposed for a request in one step; adapted per "
+        16, ge=1, le=16, description="Most tokens proposed for a request in one step. Lookups (ngram, "
+        "suffix) are trimmed each step from how long their match is; other proposers' counts adapt per "
         "request from its recent acceptance, between 1 and this.",
     )
     max_batch_size: int = Field(

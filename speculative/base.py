@@ -5,6 +5,10 @@ point masses (the proposer is deterministic): the runner verifies them by sampli
 model at each guessed position exactly as it would without speculation and keeping a guess only
 while the sampled token equals it (see `cadenza.speculative.verify`), so any guess, however bad,
 leaves the output distribution unchanged; a good guess only saves steps.
+
+A proposer that copies its guess from an earlier match may say how long that match is
+(`Proposal.match_length`): the runner then sizes the guess itself, from how often guesses behind
+matches of each length were kept (`cadenza.speculative.sizing`), and trims it, to nothing maybe.
 """
 
 from __future__ import annotations
@@ -44,6 +48,17 @@ class ProposalRequest:
     num_tokens: int
 
 
+@dataclass(frozen=True, slots=True)
+class Proposal:
+    """A guess and how long the match it was copied from is: the number of tokens that end the
+    request's tokens and also occurred earlier, just before the copied ones (None: the proposer
+    does not say; the guess is taken whole). A longer match is a surer guess; the runner trims the
+    guess to the length that pays (`cadenza.speculative.sizing`)."""
+
+    token_ids: Sequence[int]
+    match_length: int | None = None
+
+
 class Proposer(ABC):
     """Guesses the next tokens of decoding requests. Called on the compute thread, once a step,
     for the requests that speculate in it; never concurrently with itself.
@@ -64,10 +79,13 @@ class Proposer(ABC):
         self.options = options
 
     @abstractmethod
-    def propose(self, requests: Sequence[ProposalRequest]) -> list[Sequence[int]]:
-        """Up to `num_tokens` guessed token ids per request, in order (empty: no guess).
+    def propose(self, requests: Sequence[ProposalRequest]) -> list[Sequence[int] | Proposal]:
+        """Up to `num_tokens` guessed token ids per request, in order (empty: no guess), each a
+        plain sequence or a `Proposal` that also gives its match length.
 
         Guesses beyond `num_tokens`, or ids outside the vocabulary, are cut off by the runner.
+        A guess with a match length may be trimmed further: the runner keeps the number of tokens
+        that pays, judged from the match length and the step's cost.
         Raising fails no request: the runner logs it and the step decodes without guesses.
         """
 

@@ -13,15 +13,18 @@ from typing import Sequence
 import numpy as np
 from pydantic import BaseModel, Field, model_validator
 
-from cadenza.speculative.base import ProposalRequest, Proposer
+from cadenza.speculative.base import Proposal, ProposalRequest, Proposer
+from cadenza.speculative.sizing import MAX_MATCH
 
 
 class NgramOptions(BaseModel):
     """`plugin_options.ngram`: the n-gram lengths matched, the longest found winning. A longer
     match is a more specific one: edits and code repeat short n-grams everywhere, so max_n 8
-    keeps about 5% more guesses than 4 on the bench's edit workload."""
+    keeps about 5% more guesses than 4 on the bench's edit workload. A one-token match is worth
+    proposing: the runner judges it by its length (speculative/sizing.py) and verifies its guess
+    only where such guesses have paid."""
 
-    min_n: int = Field(2, ge=1, le=16, description="Shortest suffix matched.")
+    min_n: int = Field(1, ge=1, le=16, description="Shortest suffix matched.")
     max_n: int = Field(8, ge=1, le=16, description="Longest suffix matched: the longest match found wins.")
     window: int = Field(4096, ge=16, description="Only the last this many tokens are searched.")
 
@@ -32,19 +35,30 @@ class NgramOptions(BaseModel):
         return self
 
 
+# How far back the chosen match is followed to judge it (past `max_n`): the runner's acceptance
+# table has no rows beyond this length, a copy that long being near sure.
+CONFIDENCE_LENGTH = MAX_MATCH
+
+
 def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, num_tokens: int) -> list[int]:
     """The tokens after the latest earlier occurrence of `tokens`' longest suffix of `min_n` to
     `max_n` tokens (the longest length found wins); [] when no suffix of those lengths occurred
-    before.
+    before."""
+    return ngram_match(tokens, min_n, max_n, num_tokens)[0]
+
+
+def ngram_match(tokens: np.ndarray, min_n: int, max_n: int, num_tokens: int) -> tuple[list[int], int]:
+    """`ngram_lookup`'s guess and how long the match it copies from is: the chosen occurrence's
+    match followed back past `max_n`, up to `CONFIDENCE_LENGTH` (0: no match).
 
     One pass, whatever `max_n`: every earlier position holding the last token is a candidate end,
     and each candidate's match is grown backwards while it lasts."""
     length = tokens.shape[0]
     if length < 2:
-        return []
+        return [], 0
     ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])  # ends before the suffix's own
     if ends.size == 0:
-        return []
+        return [], 0
     matched = np.ones(ends.size, dtype=np.int64)
     alive = np.ones(ends.size, dtype=bool)
     for back in range(1, min(max_n, length - 1)):
@@ -56,20 +70,22 @@ def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, num_tokens: int) ->
         matched += alive
     best = int(matched.max())
     if best < min_n:
-        return []
+        return [], best
     end = int(ends[np.flatnonzero(matched == best)[-1]])
-    return copy_forward(tokens.tolist(), end + 1, num_tokens)
+    span = min(CONFIDENCE_LENGTH, end + 1)
+    differ = np.flatnonzero(tokens[end + 1 - span : end + 1] != tokens[length - span :])
+    match_length = span - 1 - int(differ[-1]) if differ.size else span
+    return copy_forward(tokens[end + 1 : end + 1 + num_tokens].tolist(), 0, num_tokens), match_length
 
 
-def copy_forward(tokens: list[int], start: int, num_tokens: int) -> list[int]:
+def copy_forward(tokens: Sequence[int], start: int, num_tokens: int) -> list[int]:
     """`num_tokens` tokens copied from `start` on, reading past the end into the copy itself (as
     LZ77 does): a match close behind the end is a repeating loop, and this continues the loop
     instead of stopping at the end."""
-    out: list[int] = []
-    length = len(tokens)
-    for i in range(start, start + num_tokens):
-        out.append(tokens[i] if i < length else out[i - length])
-    return out
+    run = list(tokens[start : start + num_tokens])
+    if run and len(run) < num_tokens:  # the run reached the end: it repeats with its own length
+        run = (run * (num_tokens // len(run) + 1))[:num_tokens]
+    return run
 
 
 class NgramProposer(Proposer):
@@ -78,10 +94,11 @@ class NgramProposer(Proposer):
     name = "ngram"
     options_model = NgramOptions
 
-    def propose(self, requests: Sequence[ProposalRequest]) -> list[Sequence[int]]:
+    def propose(self, requests: Sequence[ProposalRequest]) -> list[Proposal]:
         options = self.options
         guesses = []
         for request in requests:
             tokens = np.asarray(request.token_ids[-options.window :], dtype=np.int64)
-            guesses.append(ngram_lookup(tokens, options.min_n, options.max_n, request.num_tokens))
+            guess, match_length = ngram_match(tokens, options.min_n, options.max_n, request.num_tokens)
+            guesses.append(Proposal(guess, match_length))
         return guesses

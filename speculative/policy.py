@@ -15,6 +15,15 @@ nothing for several steps in a row skips two decodes, then four, up to `cooldown
 keeps finding nothing: a lookup is cheap, and a run worth copying may start at any token. A step decoding more than `max_batch_size` requests
 speculates for none: a big batch is compute-bound. A request whose acceptance falls below
 `min_acceptance` pauses whatever the cost says.
+
+A proposer that gives its match length (`ngram`, `suffix`: `Proposal.match_length`) is sized by
+the runner instead, guess by guess, from how long the match is (speculative/sizing.py): outcomes
+the runner marks `sized` teach the policy that the method sizes itself, and from then on its
+requests are given their whole cap (room permitting), with no acceptance estimate, pause or probe:
+a lookup is cheap, and the runner trims a guess it does not trust, to nothing maybe. A proposal
+trimmed to nothing is neither an empty proposal nor a rejection; but each ask gives up the step's
+async overlap, so a request whose proposals were trimmed to nothing four times in a row skips one
+decode, then two, then four while they keep being trimmed (sampled text that never repeats).
 """
 
 from __future__ import annotations
@@ -28,6 +37,11 @@ _EMPTY_LIMIT = 4  # proposals in a row that found nothing before a request stops
 _EMPTY_PAUSE = 2  # ...for this many decodes, doubling while it keeps finding nothing (up to
 # cooldown_steps): asking costs a lookup and the step's async overlap, but missing the start of a
 # run the proposer could copy costs whole steps (edits, quotes)
+_TRIMMED_LIMIT = 4  # sized proposals in a row trimmed to nothing before a request stops asking...
+_TRIMMED_PAUSE = 4  # ...for 1, then 2, then up to this many decodes while they keep being trimmed:
+# each ask gives up the step's async overlap; a copy found a few tokens late costs little, as the
+# match found then is longer and its guess surer (no effect on the edit workload, where a one-token
+# match's guess of one token already pays)
 _MAX_BACKOFF = 16
 _DECAY = 0.7  # weight of the past in the running sums
 _PRIOR = (1.5, 0.5)  # (accepted, rejected) pseudo-counts of a fresh request: a = 0.75
@@ -47,6 +61,8 @@ class SpeculationState:
     probe: bool = False  # the next decode after a pause tries one guess, whatever the estimate
     probe_after_pause: bool = False  # set by an acceptance pause; an empty-proposal pause needs no probe
     empty_pause: int = _EMPTY_PAUSE  # the next pause for finding nothing
+    trimmed_in_a_row: int = 0  # sized proposals the runner trimmed to nothing, in a row
+    trimmed_pause: int = 1  # the next pause for those
 
     @property
     def acceptance(self) -> float:
@@ -125,6 +141,7 @@ class SpeculationPolicy:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.config = config
         self.cost = StepCost()
+        self.sizing_methods: set[str] = set()  # methods whose proposals the runner sizes itself
 
     def method_of(self, params) -> str:
         override = params.speculative
@@ -156,6 +173,9 @@ class SpeculationPolicy:
             return 0
         if num_running > self.config.max_batch_size:
             return 0
+        if self.method_of(request.params) in self.sizing_methods:
+            state.num_tokens = cap
+            return cap
         if state.probe:  # one guess, so its estimate can recover when the text turns repetitive
             state.probe = False
             state.num_tokens = 1
@@ -175,11 +195,27 @@ class SpeculationPolicy:
         if num_tokens > 0 and seconds > 0:
             self.cost.observe(num_tokens, seconds)
 
-    def record(self, request, proposed: int, accepted: int) -> None:
-        """A speculative step of `request` came back: `proposed` guesses, `accepted` kept."""
+    def record(self, request, proposed: int, accepted: int, sized: bool = False) -> None:
+        """A speculative step of `request` came back: `proposed` guesses, `accepted` kept;
+        `sized`: the runner chose `proposed` from the proposer's match length."""
         state = request.speculation
         if state is None:
             return
+        method = self.method_of(request.params)
+        if sized:
+            self.sizing_methods.add(method)
+            state.empty_in_a_row = 0
+            state.empty_pause = _EMPTY_PAUSE
+            if proposed:
+                state.trimmed_in_a_row, state.trimmed_pause = 0, 1
+                return
+            state.trimmed_in_a_row += 1
+            if state.trimmed_in_a_row >= _TRIMMED_LIMIT:  # asks again after the pause, pausing longer if trimmed again
+                state.paused_for, state.probe_after_pause = state.trimmed_pause, False
+                state.trimmed_pause = min(2 * state.trimmed_pause, _TRIMMED_PAUSE)
+            return
+        if proposed:
+            self.sizing_methods.discard(method)  # this proposal came whole: today's estimate sizes them
         if proposed == 0:
             state.empty_in_a_row += 1
             if state.empty_in_a_row >= _EMPTY_LIMIT:  # a pause, not counted as a failure

@@ -30,7 +30,7 @@ def build_speculator(config, plugins, loaded, device) -> Speculator:
         model_path=config.model.path,
     )
     proposers = {cls.name: plugins.build(cls, context) for cls in proposer_classes(config, plugins.registries)}
-    return Speculator(proposers, config.speculative.method, loaded.arch.vocab_size)
+    return Speculator(proposers, config.speculative.method, loaded.arch.vocab_size, config.speculative.token_cost)
 
 
 def built_methods(runner) -> frozenset[str] | None:

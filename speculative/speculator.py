@@ -2,7 +2,9 @@
 
 The scheduler reserves room for `ScheduledChunk.num_speculative` guesses after a decode's token;
 this asks the request's proposer (its own pick, else the deployment's) for at most that many and
-the runner appends them to the chunk, so the model scores them all in the one pass.
+the runner appends them to the chunk, so the model scores them all in the one pass. A proposal
+that gives its match length (`Proposal`) is first trimmed to the length that pays
+(`cadenza.speculative.sizing`), learned from what the step's verification kept.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from typing import Mapping, Sequence
 
 import structlog
 
-from cadenza.speculative.base import ProposalRequest, Proposer
+from cadenza.speculative.base import Proposal, ProposalRequest, Proposer
+from cadenza.speculative.sizing import GuessSizer
+from cadenza.step import Speculation
 
 log = structlog.get_logger(__name__)
 
@@ -23,12 +27,17 @@ class UnknownProposerError(ValueError):
 class Speculator:
     """The deployment's proposers by name, and which one requests get by default."""
 
-    def __init__(self, proposers: Mapping[str, Proposer], default_method: str, vocab_size: int) -> None:
+    def __init__(self, proposers: Mapping[str, Proposer], default_method: str, vocab_size: int,
+                 token_cost: float | None = None) -> None:  # fmt: skip
+        """`token_cost`: `speculative.token_cost`, pinning the step cost sized guesses are judged by."""
         if default_method != "none" and default_method not in proposers:
             raise UnknownProposerError(f"speculative.method {default_method!r} was not built; built: {sorted(proposers)}")
         self.proposers = dict(proposers)
         self.default_method = default_method
         self.vocab_size = vocab_size
+        self.sizer = GuessSizer(token_cost)
+        # This step's proposals that gave a match length: request id -> (table key, match length).
+        self.sized: dict[str, tuple[tuple[str, bool], int]] = {}
 
     def method_of(self, params) -> str:
         override = params.speculative if params is not None else None
@@ -36,26 +45,49 @@ class Speculator:
             return override.method
         return self.default_method
 
-    def propose(self, wanted: Sequence[tuple[str, str, Sequence[int], int]]) -> dict[str, list[int]]:
-        """Guesses by request id, for (request id, method, tokens so far, most guesses) entries;
-        requests whose method was not built raise `UnknownProposerError` in their entry's place
-        (returned in `errors`)."""
-        by_method: dict[str, list[ProposalRequest]] = {}
-        for request_id, method, tokens, num_tokens in wanted:
-            by_method.setdefault(method, []).append(ProposalRequest(request_id, tokens, num_tokens))
+    def propose(self, wanted: Sequence[tuple[str, str, Sequence[int], int, bool]], num_rows: int = 1) -> dict[str, list[int]]:
+        """Guesses by request id, for (request id, method, tokens so far, most guesses, greedy)
+        entries, in a step of `num_rows` rows before guesses. A proposal with a match length is
+        trimmed to what pays (`sized` names those, trimmed to nothing included); a request whose
+        proposer found nothing, or failed, has no entry."""
+        by_method: dict[str, list[tuple[ProposalRequest, bool]]] = {}
+        for request_id, method, tokens, num_tokens, greedy in wanted:
+            by_method.setdefault(method, []).append((ProposalRequest(request_id, tokens, num_tokens), greedy))
         guesses: dict[str, list[int]] = {}
-        for method, requests in by_method.items():
+        self.sized = {}
+        for method, entries in by_method.items():
             proposer = self.proposers[method]
             try:
-                found = proposer.propose(requests)
+                found = proposer.propose([request for request, _ in entries])
             except Exception as exc:  # a guess is an optimisation: the step decodes without it
                 log.warning("Proposer failed", proposer=method, error=repr(exc))
                 continue
-            for request, tokens in zip(requests, found):
-                clean = [int(t) for t in list(tokens)[: request.num_tokens]]
-                if clean and all(0 <= t < self.vocab_size for t in clean):
+            for (request, greedy), proposal in zip(entries, found):
+                match_length = None
+                if isinstance(proposal, Proposal):
+                    proposal, match_length = proposal.token_ids, proposal.match_length
+                clean = [int(t) for t in list(proposal)[: request.num_tokens]]
+                if not clean or not all(0 <= t < self.vocab_size for t in clean):
+                    continue
+                if match_length is not None:
+                    key = (method, greedy)
+                    clean = clean[: self.sizer.size(key, match_length, len(clean), num_rows)]
+                    self.sized[request.request_id] = (key, match_length)
+                    num_rows += len(clean)
+                if clean:
                     guesses[request.request_id] = clean
         return guesses
+
+    def learn(self, outcomes: Sequence[Speculation]) -> None:
+        """What verification kept of this step's sized proposals."""
+        for outcome in outcomes:
+            entry = self.sized.get(outcome.request_id)
+            if entry is not None:
+                self.sizer.record(*entry, outcome.proposed, outcome.accepted)
+
+    def observe_step(self, num_rows: int, seconds: float) -> None:
+        """A step ran `num_rows` rows, guesses included, in `seconds` (the sizing's step cost)."""
+        self.sizer.observe_step(num_rows, seconds)
 
     def reset(self, request_id: str) -> None:
         for proposer in self.proposers.values():

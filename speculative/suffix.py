@@ -13,14 +13,15 @@ from typing import Sequence
 
 from pydantic import BaseModel, Field
 
-from cadenza.speculative.base import ProposalRequest, Proposer
+from cadenza.speculative.base import Proposal, ProposalRequest, Proposer
 from cadenza.speculative.ngram import copy_forward
 
 
 class SuffixOptions(BaseModel):
     """`plugin_options.suffix`."""
 
-    min_match: int = Field(2, ge=1, le=64, description="Shortest repeated suffix worth guessing from.")
+    min_match: int = Field(1, ge=1, le=64, description="Shortest repeated suffix worth guessing from "
+                           "(the runner trims the guesses of short matches that do not pay).")
 
 
 @dataclass(slots=True)
@@ -73,11 +74,16 @@ class SuffixAutomaton:
     def continuation(self, min_match: int, num_tokens: int) -> list[int]:
         """The tokens after the first occurrence of the longest suffix that occurred before (at
         least `min_match` long); [] if there is none."""
+        return self.match(min_match, num_tokens)[0]
+
+    def match(self, min_match: int, num_tokens: int) -> tuple[list[int], int]:
+        """`continuation` and the length of that suffix (0: none occurred before)."""
         state = self.link[self.last]  # the longest suffix occurring at least twice
-        if state <= 0 or self.length[state] < min_match:
-            return []
+        length = self.length[state] if state > 0 else 0
+        if length < max(min_match, 1):
+            return [], length
         start = self.first_end[state] + 1  # < len(tokens): that occurrence ended earlier
-        return copy_forward(self.tokens, start, num_tokens)
+        return copy_forward(self.tokens, start, num_tokens), length
 
 
 class SuffixProposer(Proposer):
@@ -90,7 +96,7 @@ class SuffixProposer(Proposer):
         super().__init__(context, options)
         self._automata: dict[str, SuffixAutomaton] = {}
 
-    def propose(self, requests: Sequence[ProposalRequest]) -> list[Sequence[int]]:
+    def propose(self, requests: Sequence[ProposalRequest]) -> list[Proposal]:
         guesses = []
         for request in requests:
             automaton = self._automata.get(request.request_id)
@@ -99,7 +105,7 @@ class SuffixProposer(Proposer):
                 automaton = self._automata[request.request_id] = SuffixAutomaton()
             for token in tokens[len(automaton.tokens) :]:
                 automaton.extend(token)
-            guesses.append(automaton.continuation(self.options.min_match, request.num_tokens))
+            guesses.append(Proposal(*automaton.match(self.options.min_match, request.num_tokens)))
         return guesses
 
     def on_request_finished(self, request_id: str) -> None:

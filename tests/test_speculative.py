@@ -13,7 +13,7 @@ import pytest
 
 from cadenza.plugins.hookspecs import hookimpl
 from cadenza.sampling_params import SamplingParams
-from cadenza.speculative.base import ProposalRequest, Proposer
+from cadenza.speculative.base import Proposal, ProposalRequest, Proposer
 from cadenza.speculative.ngram import NgramProposer
 from cadenza.speculative.suffix import SuffixProposer
 from plugin_contracts import covers
@@ -288,10 +288,13 @@ async def test_sampled_distribution_unchanged_chi_square(model_path):
 def test_ngram_finds_the_latest_earlier_match():
     proposer = NgramProposer(None, NgramProposer.options_model(min_n=2, max_n=3))
     tokens = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
-    assert proposer.propose([ProposalRequest("a", tokens, 2)]) == [[7, 8]]
-    assert proposer.propose([ProposalRequest("a", [1, 2, 3, 4], 3)]) == [[]]
+    assert proposer.propose([ProposalRequest("a", tokens, 2)]) == [Proposal([7, 8], 3)]
+    assert [p.token_ids for p in proposer.propose([ProposalRequest("a", [1, 2, 3, 4], 3)])] == [[]]
     # A match just behind the end is a loop: the guess goes on around it.
-    assert proposer.propose([ProposalRequest("a", [4, 5, 4, 5], 5)]) == [[4, 5, 4, 5, 4]]
+    assert proposer.propose([ProposalRequest("a", [4, 5, 4, 5], 5)]) == [Proposal([4, 5, 4, 5, 4], 2)]
+    # The match length judged goes on past max_n (the chosen occurrence followed back).
+    long = [7, 1, 2, 3, 4, 5, 6, 8, 9, 1, 2, 3, 4, 5, 6]
+    assert proposer.propose([ProposalRequest("a", long, 2)]) == [Proposal([8, 9], 6)]
     with pytest.raises(ValueError, match="min_n"):
         NgramProposer.options_model(min_n=4, max_n=2)
 
@@ -331,6 +334,11 @@ def brute_force_continuation(tokens, min_match, k):
     return []
 
 
+def longest_repeated_suffix(tokens) -> int:
+    n = len(tokens)
+    return max((m for m in range(1, n) if any(tokens[s : s + m] == tokens[n - m :] for s in range(n - m))), default=0)
+
+
 def test_suffix_automaton_matches_brute_force_as_tokens_grow():
     rng = random.Random(0)
     proposer = SuffixProposer(None)
@@ -338,11 +346,12 @@ def test_suffix_automaton_matches_brute_force_as_tokens_grow():
         tokens = [rng.randrange(4) for _ in range(rng.randint(1, 10))]
         for _ in range(25):
             got = proposer.propose([ProposalRequest(str(trial), tokens, 3)])[0]
-            assert list(got) == brute_force_continuation(tokens, 2, 3), tokens
+            assert list(got.token_ids) == brute_force_continuation(tokens, 1, 3), tokens
+            assert got.match_length == longest_repeated_suffix(tokens), tokens
             tokens = tokens + [rng.randrange(4)]
     proposer.propose([ProposalRequest("x", [1, 2, 3, 1, 2, 4, 4], 2)])
     # Cut back (a preemption): rebuilt from the shorter tokens, not confused by the old ones.
-    assert proposer.propose([ProposalRequest("x", [1, 2, 3, 1, 2], 4)]) == [[3, 1, 2, 3]]
+    assert proposer.propose([ProposalRequest("x", [1, 2, 3, 1, 2], 4)]) == [Proposal([3, 1, 2, 3], 2)]
     for trial in range(30):
         proposer.on_request_finished(str(trial))
     proposer.on_request_finished("x")
