@@ -53,10 +53,16 @@ class Proposal:
     """A guess and how long the match it was copied from is: the number of tokens that end the
     request's tokens and also occurred earlier, just before the copied ones (None: the proposer
     does not say; the guess is taken whole). A longer match is a surer guess; the runner trims the
-    guess to the length that pays (`cadenza.speculative.sizing`)."""
+    guess to the length that pays (`cadenza.speculative.sizing`).
+
+    `agreed` (optional, one flag a guessed token): whether every earlier occurrence of the match
+    that still led to this point continued with this token. A guess on which the occurrences split
+    is kept far less often (on the bench's edit workload, a one-token match's first guess 17% of
+    the time against 62% when they agree)."""
 
     token_ids: Sequence[int]
     match_length: int | None = None
+    agreed: Sequence[bool] | None = None
 
 
 class Proposer(ABC):

@@ -47,18 +47,19 @@ def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, num_tokens: int) ->
     return ngram_match(tokens, min_n, max_n, num_tokens)[0]
 
 
-def ngram_match(tokens: np.ndarray, min_n: int, max_n: int, num_tokens: int) -> tuple[list[int], int]:
-    """`ngram_lookup`'s guess and how long the match it copies from is: the chosen occurrence's
-    match followed back past `max_n`, up to `CONFIDENCE_LENGTH` (0: no match).
+def ngram_match(tokens: np.ndarray, min_n: int, max_n: int, num_tokens: int) -> tuple[list[int], int, list[bool]]:
+    """`ngram_lookup`'s guess, how long the match it copies from is (the chosen occurrence's match
+    followed back past `max_n`, up to `CONFIDENCE_LENGTH`; 0: no match), and for each guessed token
+    whether every occurrence of the longest match that still led there continued with it.
 
     One pass, whatever `max_n`: every earlier position holding the last token is a candidate end,
     and each candidate's match is grown backwards while it lasts."""
     length = tokens.shape[0]
     if length < 2:
-        return [], 0
+        return [], 0, []
     ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])  # ends before the suffix's own
     if ends.size == 0:
-        return [], 0
+        return [], 0, []
     matched = np.ones(ends.size, dtype=np.int64)
     alive = np.ones(ends.size, dtype=bool)
     for back in range(1, min(max_n, length - 1)):
@@ -70,12 +71,28 @@ def ngram_match(tokens: np.ndarray, min_n: int, max_n: int, num_tokens: int) -> 
         matched += alive
     best = int(matched.max())
     if best < min_n:
-        return [], best
-    end = int(ends[np.flatnonzero(matched == best)[-1]])
+        return [], best, []
+    occurrences = ends[matched == best]
+    end = int(occurrences[-1])
     span = min(CONFIDENCE_LENGTH, end + 1)
     differ = np.flatnonzero(tokens[end + 1 - span : end + 1] != tokens[length - span :])
     match_length = span - 1 - int(differ[-1]) if differ.size else span
-    return copy_forward(tokens[end + 1 : end + 1 + num_tokens].tolist(), 0, num_tokens), match_length
+    guess = copy_forward(tokens[end + 1 : end + 1 + num_tokens].tolist(), 0, num_tokens)
+    return guess, match_length, agreement(tokens, occurrences, guess)
+
+
+def agreement(tokens: np.ndarray, occurrences: np.ndarray, guess: list[int]) -> list[bool]:
+    """For each guessed token, whether the occurrences (match ends) that continued as the guess so
+    far all continue with it; occurrences that reach the end of `tokens` stop voting."""
+    agreed, live = [], occurrences
+    for j, token in enumerate(guess):
+        at = live + 1 + j
+        live, at = live[at < tokens.shape[0]], at[at < tokens.shape[0]]
+        following = tokens[at]
+        same = following == token
+        agreed.append(bool(same.all()))
+        live = live[same]
+    return agreed
 
 
 def copy_forward(tokens: Sequence[int], start: int, num_tokens: int) -> list[int]:
@@ -99,6 +116,5 @@ class NgramProposer(Proposer):
         guesses = []
         for request in requests:
             tokens = np.asarray(request.token_ids[-options.window :], dtype=np.int64)
-            guess, match_length = ngram_match(tokens, options.min_n, options.max_n, request.num_tokens)
-            guesses.append(Proposal(guess, match_length))
+            guesses.append(Proposal(*ngram_match(tokens, options.min_n, options.max_n, request.num_tokens)))
         return guesses

@@ -37,7 +37,7 @@ class Speculator:
         self.vocab_size = vocab_size
         self.sizer = GuessSizer(token_cost)
         # This step's proposals that gave a match length: request id -> (table key, match length).
-        self.sized: dict[str, tuple[tuple[str, bool], int]] = {}
+        self.sized: dict[str, tuple[tuple[str, bool], int, Sequence[bool] | None]] = {}
 
     def method_of(self, params) -> str:
         override = params.speculative if params is not None else None
@@ -63,16 +63,16 @@ class Speculator:
                 log.warning("Proposer failed", proposer=method, error=repr(exc))
                 continue
             for (request, greedy), proposal in zip(entries, found):
-                match_length = None
+                match_length = agreed = None
                 if isinstance(proposal, Proposal):
-                    proposal, match_length = proposal.token_ids, proposal.match_length
+                    proposal, match_length, agreed = proposal.token_ids, proposal.match_length, proposal.agreed
                 clean = [int(t) for t in list(proposal)[: request.num_tokens]]
                 if not clean or not all(0 <= t < self.vocab_size for t in clean):
                     continue
                 if match_length is not None:
                     key = (method, greedy)
-                    clean = clean[: self.sizer.size(key, match_length, len(clean), num_rows)]
-                    self.sized[request.request_id] = (key, match_length)
+                    clean = clean[: self.sizer.size(key, match_length, len(clean), num_rows, agreed)]
+                    self.sized[request.request_id] = (key, match_length, agreed)
                     num_rows += len(clean)
                 if clean:
                     guesses[request.request_id] = clean
@@ -83,7 +83,8 @@ class Speculator:
         for outcome in outcomes:
             entry = self.sized.get(outcome.request_id)
             if entry is not None:
-                self.sizer.record(*entry, outcome.proposed, outcome.accepted)
+                key, match_length, agreed = entry
+                self.sizer.record(key, match_length, outcome.proposed, outcome.accepted, agreed)
 
     def observe_step(self, num_rows: int, seconds: float) -> None:
         """A step ran `num_rows` rows, guesses included, in `seconds` (the sizing's step cost)."""

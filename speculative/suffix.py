@@ -76,14 +76,22 @@ class SuffixAutomaton:
         least `min_match` long); [] if there is none."""
         return self.match(min_match, num_tokens)[0]
 
-    def match(self, min_match: int, num_tokens: int) -> tuple[list[int], int]:
-        """`continuation` and the length of that suffix (0: none occurred before)."""
+    def match(self, min_match: int, num_tokens: int) -> tuple[list[int], int, list[bool]]:
+        """`continuation`, the length of that suffix (0: none occurred before), and for each
+        guessed token whether every earlier occurrence that led there continued with it: the
+        state reached has that one transition (its end positions' next tokens)."""
         state = self.link[self.last]  # the longest suffix occurring at least twice
         length = self.length[state] if state > 0 else 0
         if length < max(min_match, 1):
-            return [], length
+            return [], length, []
         start = self.first_end[state] + 1  # < len(tokens): that occurrence ended earlier
-        return copy_forward(self.tokens, start, num_tokens), length
+        guess = copy_forward(self.tokens, start, num_tokens)
+        agreed = []
+        for token in guess:  # past the last occurrence (a loop read into its own copy) none disagree
+            following = self.next[state] if state >= 0 else {}
+            agreed.append(len(following) <= 1)
+            state = following.get(token, -1)
+        return guess, length, agreed
 
 
 class SuffixProposer(Proposer):

@@ -288,13 +288,13 @@ async def test_sampled_distribution_unchanged_chi_square(model_path):
 def test_ngram_finds_the_latest_earlier_match():
     proposer = NgramProposer(None, NgramProposer.options_model(min_n=2, max_n=3))
     tokens = [1, 2, 3, 9, 9, 1, 2, 3, 7, 8, 5, 1, 2, 3]
-    assert proposer.propose([ProposalRequest("a", tokens, 2)]) == [Proposal([7, 8], 3)]
+    assert proposer.propose([ProposalRequest("a", tokens, 2)]) == [Proposal([7, 8], 3, [False, True])]  # "1 2 3" went on as 9, then 7
     assert [p.token_ids for p in proposer.propose([ProposalRequest("a", [1, 2, 3, 4], 3)])] == [[]]
     # A match just behind the end is a loop: the guess goes on around it.
-    assert proposer.propose([ProposalRequest("a", [4, 5, 4, 5], 5)]) == [Proposal([4, 5, 4, 5, 4], 2)]
+    assert proposer.propose([ProposalRequest("a", [4, 5, 4, 5], 5)]) == [Proposal([4, 5, 4, 5, 4], 2, [True] * 5)]
     # The match length judged goes on past max_n (the chosen occurrence followed back).
     long = [7, 1, 2, 3, 4, 5, 6, 8, 9, 1, 2, 3, 4, 5, 6]
-    assert proposer.propose([ProposalRequest("a", long, 2)]) == [Proposal([8, 9], 6)]
+    assert proposer.propose([ProposalRequest("a", long, 2)]) == [Proposal([8, 9], 6, [True, True])]
     with pytest.raises(ValueError, match="min_n"):
         NgramProposer.options_model(min_n=4, max_n=2)
 
@@ -339,6 +339,17 @@ def longest_repeated_suffix(tokens) -> int:
     return max((m for m in range(1, n) if any(tokens[s : s + m] == tokens[n - m :] for s in range(n - m))), default=0)
 
 
+def brute_force_agreement(tokens, length, guess):
+    """For each guessed token: every earlier occurrence of the matched suffix followed by the guess
+    so far, that has a next token, has that one."""
+    n, agreed = len(tokens), []
+    for j, token in enumerate(guess):
+        pattern = tokens[n - length :] + guess[:j]
+        nexts = {tokens[s + len(pattern)] for s in range(n) if tokens[s : s + len(pattern)] == pattern and s + len(pattern) < n}
+        agreed.append(nexts <= {token})
+    return agreed
+
+
 def test_suffix_automaton_matches_brute_force_as_tokens_grow():
     rng = random.Random(0)
     proposer = SuffixProposer(None)
@@ -348,10 +359,11 @@ def test_suffix_automaton_matches_brute_force_as_tokens_grow():
             got = proposer.propose([ProposalRequest(str(trial), tokens, 3)])[0]
             assert list(got.token_ids) == brute_force_continuation(tokens, 1, 3), tokens
             assert got.match_length == longest_repeated_suffix(tokens), tokens
+            assert list(got.agreed) == brute_force_agreement(tokens, got.match_length, list(got.token_ids)), tokens
             tokens = tokens + [rng.randrange(4)]
     proposer.propose([ProposalRequest("x", [1, 2, 3, 1, 2, 4, 4], 2)])
     # Cut back (a preemption): rebuilt from the shorter tokens, not confused by the old ones.
-    assert proposer.propose([ProposalRequest("x", [1, 2, 3, 1, 2], 4)]) == [Proposal([3, 1, 2, 3], 2)]
+    assert proposer.propose([ProposalRequest("x", [1, 2, 3, 1, 2], 4)]) == [Proposal([3, 1, 2, 3], 2, [True] * 4)]
     for trial in range(30):
         proposer.on_request_finished(str(trial))
     proposer.on_request_finished("x")

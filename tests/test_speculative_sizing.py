@@ -91,7 +91,7 @@ def test_speculator_trims_sized_proposals_and_takes_plain_ones_whole():
     wanted = [("a", "sized", [1, 2], 4, True), ("b", "plain", [1, 2], 4, True), ("c", "unsure", [1, 2], 3, True)]
     guesses = speculator.propose(wanted, num_rows=3)
     assert guesses == {"b": [5, 6, 7, 8], "c": [5, 6, 7]}  # "a" trimmed to nothing
-    assert speculator.sized == {"a": (("sized", True), 1)}
+    assert speculator.sized == {"a": (("sized", True), 1, None)}
     # Verification teaches the table: a sized proposal's outcome, nothing for the others.
     speculator.proposers["sized"].reply = Proposal([5, 6], 20)
     assert speculator.propose([("a", "sized", [1, 2], 4, True)]) == {"a": [5, 6]}
@@ -116,15 +116,23 @@ def test_ngram_match_length_follows_the_chosen_occurrence_back_past_max_n():
         base = [rng.randrange(3 if trial % 2 else 9) for _ in range(rng.randint(2, 50))]
         tokens = base + base[: rng.randint(0, len(base))]  # a copy in progress, often
         min_n, max_n = rng.randint(1, 3), 4
-        guess, length = ngram_match(np.asarray(tokens), min_n, max_n, 5)
+        guess, length, agreed = ngram_match(np.asarray(tokens), min_n, max_n, 5)
         ends = [e for e in range(len(tokens) - 1) if tokens[e] == tokens[-1]]
         best = max((min(matched(tokens, e), max_n) for e in ends), default=0)
         if best < min_n:
-            assert guess == [] and length == best
+            assert guess == [] and length == best and agreed == []
             continue
         chosen = max(e for e in ends if min(matched(tokens, e), max_n) == best)  # the latest longest
         assert guess == copy_forward(tokens, chosen + 1, 5) == ngram_lookup(np.asarray(tokens), min_n, max_n, 5)
         assert length == min(matched(tokens, chosen), CONFIDENCE_LENGTH), tokens
+        # Agreement, by brute force: the longest matches' occurrences that continued as the guess
+        # so far (and have a next token) all continue with the guessed one.
+        occurrences = [e for e in ends if min(matched(tokens, e), max_n) == best]
+        expected = []
+        for j, token in enumerate(guess):
+            live = [e for e in occurrences if e + 1 + j < len(tokens) and tokens[e + 1 : e + 1 + j] == guess[:j]]
+            expected.append(all(tokens[e + 1 + j] == token for e in live))
+        assert agreed == expected, tokens
 
 
 def test_proposers_report_their_match_lengths():
@@ -135,9 +143,32 @@ def test_proposers_report_their_match_lengths():
     tokens = [*passage, 7, *passage[:20]]  # a copy 20 tokens in
     (ngram,) = NgramProposer(None).propose([ProposalRequest("a", tokens, 4)])
     (suffix,) = SuffixProposer(None).propose([ProposalRequest("a", tokens, 4)])
-    assert ngram == suffix == Proposal([30, 31, 32, 33], 20)
+    assert ngram == suffix == Proposal([30, 31, 32, 33], 20, [True] * 4)  # one earlier occurrence: no split
     (far,) = NgramProposer(None).propose([ProposalRequest("a", [*passage, 7, *passage], 2)])
     assert far.match_length == CONFIDENCE_LENGTH  # judged no further back than the table's rows
+
+
+def test_proposers_say_where_the_earlier_occurrences_split():
+    from cadenza.speculative.ngram import NgramProposer
+    from cadenza.speculative.suffix import SuffixProposer
+
+    tokens = [1, 2, 5, 9, 1, 2, 6, 9, 3, 1, 2]  # "1 2" was followed by 5 once and by 6 once, then by 9 both times
+    (ngram,) = NgramProposer(None).propose([ProposalRequest("a", tokens, 3)])
+    (suffix,) = SuffixProposer(None).propose([ProposalRequest("a", tokens, 3)])
+    assert ngram == Proposal([6, 9, 3], 2, [False, True, True])  # the latest occurrence's guess
+    assert suffix == Proposal([5, 9, 1], 2, [False, True, True])  # the first occurrence's
+
+
+def test_guesses_on_which_the_occurrences_split_are_sized_apart():
+    table = MatchAcceptance()
+    for _ in range(50):
+        table.record(2, 4, 0, agreed=[False, True, True, True])  # split: never kept
+        table.record(2, 4, 4, agreed=[True] * 4)  # agreed: always
+    assert table.probability(2, agreed=False) < 0.1 < 0.9 < table.probability(2, agreed=True)
+    cheap = lambda k: 1 + 0.1 * k  # noqa: E731
+    assert best_length(table, 2, 4, cheap, agreed=[False, True, True, True]) == 0
+    assert best_length(table, 2, 4, cheap, agreed=[True] * 4) == 4
+    assert best_length(table, 2, 4, cheap) == 4  # a proposer that does not say counts as agreed
 
 
 # --- the scheduler's policy ----------------------------------------------------------------------
