@@ -44,7 +44,7 @@ from cadenza.pooling_params import PoolingParams
 from cadenza.sampling_params import SamplingParams
 from cadenza.speculative.setup import built_methods
 from cadenza.streams import GenerationOutput, RequestStream
-from cadenza.thread_binding import bind_compute_team
+from cadenza.thread_binding import bind_compute_team, release_compute_team
 from cadenza.thread_governor import thread_governor
 
 log = structlog.get_logger(__name__)
@@ -156,6 +156,7 @@ class AsyncEngine:
                 with anyio.CancelScope(shield=True):
                     await engine.shutdown(shutdown_grace)
                 tg.cancel_scope.cancel()
+        release_compute_team()  # pins would outlive the engine: in the team, and in what its thread starts next
         log.info("Engine stopped")
 
     async def _supervise(self, actor: Actor, *, task_status=anyio.TASK_STATUS_IGNORED) -> None:

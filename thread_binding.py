@@ -15,9 +15,11 @@ the thread governor does not resize (`thread_policy: fixed`: shrunk to one threa
 neighbour, a pinned thread would share its one core instead of taking two thirds of a core's
 time across both), and no OpenMP binding variable set by the user (OMP_PROC_BIND, OMP_PLACES, GOMP_CPU_AFFINITY,
 KMP_AFFINITY: theirs wins). `none` leaves placement to the OS. A CPU list ("0-3", "0,2,4,6")
-pins thread i to its i-th CPU whatever the team's size, as vLLM's `VLLM_CPU_OMP_THREADS_BIND` does.
-Pinning needs cadenza's CPU kernels (a thread can only pin itself; the kernels run the parallel
-region in which each team thread does).
+pins thread i to its i-th CPU whatever the team's size, as vLLM's `VLLM_CPU_OMP_THREADS_BIND` does
+(refused with `thread_policy: adaptive`: a team regrown after shrinking gets new threads, which
+inherit thread 0's one CPU). Pinning needs cadenza's CPU kernels (a thread can only set its own
+mask; the kernels run the parallel region in which each team thread does), and is undone when the
+engine stops (the compute thread outlives it, and what it starts next inherits its mask).
 """
 
 from __future__ import annotations
@@ -39,18 +41,17 @@ USER_BINDING = (environment.OMP_PROC_BIND, environment.OMP_PLACES, environment.G
 
 
 def one_cpu_per_core(cpus: list[int], sys_cpu: Path = SYS_CPU) -> list[int]:
-    """The first of `cpus` on each physical core (SMT siblings share one), in `cpus`' order; `cpus`
-    itself where the topology cannot be read."""
-    seen: set[tuple[str, str]] = set()
+    """The first of `cpus` on each physical core (SMT siblings share one: the same
+    `thread_siblings_list`), in `cpus`' order; `cpus` itself where the topology cannot be read."""
+    seen: set[str] = set()
     first: list[int] = []
     for cpu in cpus:
-        topology = sys_cpu / f"cpu{cpu}" / "topology"
         try:
-            core = ((topology / "physical_package_id").read_text().strip(), (topology / "core_id").read_text().strip())
+            siblings = (sys_cpu / f"cpu{cpu}" / "topology" / "thread_siblings_list").read_text().strip()
         except OSError:
             return list(cpus)
-        if core not in seen:
-            seen.add(core)
+        if siblings not in seen:
+            seen.add(siblings)
             first.append(cpu)
     return first
 
@@ -63,6 +64,8 @@ def plan_binding(setting: str, threads: int, allowed: list[int], cores: list[int
     if setting == "none":
         return None, "model.thread_binding is none"
     if setting != "auto":
+        if adaptive:  # a team regrown after shrinking gets new threads, which inherit thread 0's one CPU
+            raise ConfigError("model.thread_binding: a CPU list pins a fixed team; thread_policy adaptive resizes it")
         cpus = parse_cpu_list(setting)
         outside = [cpu for cpu in cpus if cpu not in allowed]
         if outside:
@@ -85,28 +88,59 @@ def plan_binding(setting: str, threads: int, allowed: list[int], cores: list[int
     return None, f"{threads} threads for {len(cores)} cores: the team does not cover this process's cores"
 
 
+# This process's pinned compute team: the kernels that pinned it and the CPUs to give back.
+_pinned: tuple[object, list[int]] | None = None
+
+
 def bind_compute_team(runtime) -> list[int] | None:
     """Pin the compute thread's team as `model.thread_binding` says; the CPUs, or None when the
-    threads stay where the OS puts them. One engine on the CPU only."""
+    threads stay where the OS puts them (a team an earlier engine pinned is released). One engine
+    on the CPU only."""
+    global _pinned
     config = runtime.config.model
-    if runtime.parallel is not None or runtime.runner.device.type != "cpu" or not hasattr(os, "sched_getaffinity"):
+    if runtime.runner.device.type != "cpu" or not hasattr(os, "sched_getaffinity"):
+        return None
+    listed = config.thread_binding not in ("auto", "none")
+    if runtime.parallel is not None:
+        if listed:
+            log.warning("Threads left to the OS", reason="model.thread_binding lists CPUs, but tensor-parallel ranks share them out")
         return None
     import torch
 
     from cadenza import compute_thread
     from cadenza.kernels import cpu as cpu_kernels
 
-    allowed = sorted(os.sched_getaffinity(0))
+    allowed = sorted(os.sched_getaffinity(os.getpid()))  # the main thread's: the process's own CPUs
     threads = compute_thread.run_sync(torch.get_num_threads)
     cpus, why = plan_binding(config.thread_binding, threads, allowed, one_cpu_per_core(allowed),
                              adaptive=config.thread_policy == "adaptive")  # fmt: skip
     if cpus is None:
+        release_compute_team()
         log.debug("Threads left to the OS", reason=why)
         return None
     kernels = cpu_kernels.configure(config.cpu_kernels)
     if kernels is None:
-        log.info("Threads left to the OS", reason="pinning them needs cadenza's CPU kernels")
+        (log.warning if listed else log.info)("Threads left to the OS", reason="pinning them needs cadenza's CPU kernels")
         return None
-    bound = compute_thread.run_sync(lambda: kernels.bind_team_threads(cpus))
-    log.info("Threads pinned", cpus=cpus, bound=bound, reason=why)
+    pinned = compute_thread.run_sync(lambda: kernels.set_team_affinity([[cpu] for cpu in cpus]))
+    _pinned = (kernels, allowed)
+    if pinned < len(cpus):
+        log.warning("Some threads could not be pinned", cpus=cpus, pinned=pinned)
+    log.info("Threads pinned", cpus=cpus, reason=why)
     return cpus
+
+
+def release_compute_team() -> None:
+    """Give the compute thread's team the process's CPUs back, if an engine pinned it: the compute
+    thread lives as long as the process, and a pin would outlive the engine, in the team and in
+    every thread and process the compute thread starts later (a tensor-parallel rank, say)."""
+    global _pinned
+    if _pinned is None:
+        return
+    import torch
+
+    from cadenza import compute_thread
+
+    kernels, allowed = _pinned
+    _pinned = None
+    compute_thread.run_sync(lambda: kernels.set_team_affinity([allowed] * torch.get_num_threads()))

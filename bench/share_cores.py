@@ -71,12 +71,19 @@ def _stop(process: subprocess.Popen) -> None:
     process.wait(timeout=30)
 
 
+def _without_openmp_binding() -> dict[str, str]:
+    """This environment less OpenMP's binding variables, under which `auto` would pin nothing."""
+    from cadenza.thread_binding import USER_BINDING
+
+    return {k: v for k, v in os.environ.items() if k not in {var.name for var in USER_BINDING}}
+
+
 def _runs(settings: list[str], processes: int, runs: int) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {s: [] for s in settings}
     for _ in range(processes):
         for setting in settings:
             done = subprocess.run([sys.executable, "-m", "cadenza.bench.share_cores", "--child", setting, "--runs", str(runs)],
-                                  capture_output=True, text=True, timeout=600, check=True)  # fmt: skip
+                                  env=_without_openmp_binding(), capture_output=True, text=True, timeout=600, check=True)  # fmt: skip
             times[setting] += json.loads(done.stdout.strip().splitlines()[-1])
     return times
 

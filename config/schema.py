@@ -53,9 +53,12 @@ def parse_memory_size(value: str | int) -> int:
     return size
 
 
+MAX_CPUS = 1024  # glibc's CPU_SETSIZE: the most CPUs one affinity mask names
+
+
 def parse_cpu_list(text: str) -> list[int]:
     """CPU numbers from Linux's list syntax ("0-3,8,10-11"), in the order written, each once."""
-    cpus: list[int] = []
+    cpus: dict[int, None] = {}  # insertion-ordered, each once
     for part in text.split(","):
         first, dash, last = part.strip().partition("-")
         if not first.isdigit() or (dash and not last.isdigit()):
@@ -63,8 +66,10 @@ def parse_cpu_list(text: str) -> list[int]:
         low, high = int(first), int(last or first)
         if high < low:
             raise ValueError(f"not a CPU list: {text!r} ({part.strip()} runs backwards)")
-        cpus.extend(cpu for cpu in range(low, high + 1) if cpu not in cpus)
-    return cpus
+        if high >= MAX_CPUS:
+            raise ValueError(f"not a CPU list: {text!r} (CPU numbers stop at {MAX_CPUS - 1})")
+        cpus.update(dict.fromkeys(range(low, high + 1)))
+    return list(cpus)
 
 
 class _Section(BaseModel):

@@ -477,24 +477,25 @@ void decode_stack_(const std::vector<const DecoderLayerKernel*>& layers, Tensor 
                         tables_of(row_tables, row_lens), scale, window);
 }
 
-// Pins each thread of the calling thread's OpenMP team (ATen's intra-op pool, the team every
-// kernel and torch op of this thread runs on) to one CPU: thread i to cpus[i]. Each thread sets its
-// own affinity, so this runs one parallel region of exactly the team's size; returns how many
-// threads took their CPU (a thread whose CPU the process may not use keeps its mask).
-int64_t bind_team_threads(const std::vector<int64_t>& cpus) {
+// Sets the CPU mask of each thread of the calling thread's OpenMP team (ATen's intra-op pool, the
+// team every kernel and torch op of this thread runs on): thread i to masks[i], a list of CPUs
+// (one CPU pins it; the process's CPUs release it). Each thread sets its own mask, so this runs one
+// parallel region of exactly the team's size; returns how many threads took theirs (a thread
+// whose CPUs the process may not use keeps its mask).
+int64_t set_team_affinity(const std::vector<std::vector<int64_t>>& masks) {
   const int64_t team = at::get_num_threads();
-  TORCH_CHECK(static_cast<int64_t>(cpus.size()) >= team, "bind_team_threads: ", cpus.size(), " CPUs for a team of ",
+  TORCH_CHECK(static_cast<int64_t>(masks.size()) >= team, "set_team_affinity: ", masks.size(), " masks for a team of ",
               team, " threads");
-  std::atomic<int64_t> bound{0};
+  std::atomic<int64_t> set_count{0};
   at::parallel_for(0, team, 1, [&](int64_t begin, int64_t end) {
-    const int64_t cpu = cpus[at::get_thread_num()];
-    if (cpu < 0 || cpu >= CPU_SETSIZE) return;
     cpu_set_t set;
     CPU_ZERO(&set);
-    CPU_SET(static_cast<int>(cpu), &set);
-    if (sched_setaffinity(0, sizeof(set), &set) == 0) bound.fetch_add(1);  // 0: the calling thread
+    for (const int64_t cpu : masks[at::get_thread_num()]) {
+      if (cpu >= 0 && cpu < CPU_SETSIZE) CPU_SET(static_cast<int>(cpu), &set);
+    }
+    if (CPU_COUNT(&set) > 0 && sched_setaffinity(0, sizeof(set), &set) == 0) set_count.fetch_add(1);  // 0: this thread
   });
-  return bound.load();
+  return set_count.load();
 }
 
 }  // namespace
@@ -533,7 +534,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("attention_input", &DecoderLayerKernel::attention_input,
            "(q, k, v) of h: input norm, fused projection, rotary", release())
       .def("finish_", &DecoderLayerKernel::finish_, "h += attention output and MLP, in place", release());
-  m.def("bind_team_threads", &bind_team_threads, "pin the calling thread's OpenMP team, thread i to cpus[i]", release());
+  m.def("set_team_affinity", &set_team_affinity, "the CPU mask of each thread of the calling thread's OpenMP team",
+        release());
   m.def("decode_stack_", &decode_stack_, "a decode step through every layer and its paged KV cache, h in place",
         release());
 }

@@ -136,7 +136,10 @@ def _one_replica(config: CadenzaConfig, shape: ReplicaShape) -> CadenzaConfig:
     rank (its part in disaggregation comes with its `--kv-peer`; the connector's name stays)."""
     alone = config.parallel.disaggregation.model_copy(update={"prefill": 0, "decode": 0})
     parallel = config.parallel.model_copy(update={"data_parallel_size": 1, "disaggregation": alone})
-    model = config.model.model_copy(update={"num_threads": shape.threads})
+    # Replicas share the machine's cores: each pinning "its" cores would pin them all to the same
+    # ones (auto picks the first cores the process may use); a listed binding is the user's.
+    binding = "none" if config.model.thread_binding == "auto" else config.model.thread_binding
+    model = config.model.model_copy(update={"num_threads": shape.threads, "thread_binding": binding})
     return config.model_copy(update={"parallel": parallel, "model": model})
 
 

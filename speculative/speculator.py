@@ -9,6 +9,7 @@ that gives its match length (`Proposal`) is first trimmed to the length that pay
 
 from __future__ import annotations
 
+import operator
 from typing import Mapping, Sequence
 
 import structlog
@@ -36,7 +37,7 @@ class Speculator:
         self.default_method = default_method
         self.vocab_size = vocab_size
         self.sizer = GuessSizer(token_cost)
-        # This step's proposals that gave a match length: request id -> (table key, match length).
+        # This step's proposals that gave a match length: request id -> (table key, match length, agreement).
         self.sized: dict[str, tuple[tuple[str, bool], int, Sequence[bool] | None]] = {}
 
     def method_of(self, params) -> str:
@@ -58,15 +59,16 @@ class Speculator:
         for method, entries in by_method.items():
             proposer = self.proposers[method]
             try:
-                found = proposer.propose([request for request, _ in entries])
+                found = list(proposer.propose([request for request, _ in entries]))
             except Exception as exc:  # a guess is an optimisation: the step decodes without it
                 log.warning("Proposer failed", proposer=method, error=repr(exc))
                 continue
             for (request, greedy), proposal in zip(entries, found):
-                match_length = agreed = None
-                if isinstance(proposal, Proposal):
-                    proposal, match_length, agreed = proposal.token_ids, proposal.match_length, proposal.agreed
-                clean = [int(t) for t in list(proposal)[: request.num_tokens]]
+                try:  # a malformed answer loses its own guess, never the step
+                    clean, match_length, agreed = _normalise(proposal, request.num_tokens)
+                except (TypeError, ValueError) as exc:
+                    log.warning("Proposer answered malformed", proposer=method, request_id=request.request_id, error=repr(exc))
+                    continue
                 if not clean or not all(0 <= t < self.vocab_size for t in clean):
                     continue
                 if match_length is not None:
@@ -105,3 +107,14 @@ class Speculator:
             hook(request_id)
         except Exception as exc:
             log.warning("Proposer failed in a request hook", proposer=proposer.name, request_id=request_id, error=repr(exc))
+
+
+def _normalise(proposal, num_tokens: int) -> tuple[list[int], int | None, tuple[bool, ...] | None]:
+    """A proposer's answer for one request as (token ids, match length, agreement); raises
+    TypeError or ValueError for one that is neither a sequence of ids nor a `Proposal`."""
+    match_length = agreed = None
+    if isinstance(proposal, Proposal):
+        proposal, match_length, agreed = proposal.token_ids, proposal.match_length, proposal.agreed
+        match_length = None if match_length is None else operator.index(match_length)
+        agreed = None if agreed is None else tuple(bool(flag) for flag in agreed)
+    return [operator.index(t) for t in list(proposal)[:num_tokens]], match_length, agreed

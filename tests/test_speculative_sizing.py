@@ -101,6 +101,24 @@ def test_speculator_trims_sized_proposals_and_takes_plain_ones_whole():
     assert set(speculator.sizer.tables) == {("sized", True)}
 
 
+def test_a_malformed_answer_loses_its_own_guess_and_nothing_else():
+    class Odd(Proposer):
+        name = "odd"
+
+        def propose(self, requests):
+            replies = {"none": None, "no-ids": Proposal(None, 2), "float-length": Proposal([5, 6], 2.5),
+                       "generator": Proposal([5, 6], 3, (flag for flag in (True, False))), "numpy": np.array([7, 8]),
+                       "good": Proposal([5, 6, 7], 2, [True, True, True])}  # fmt: skip
+            return [replies[r.request_id] for r in requests]
+
+    speculator = Speculator({"odd": Odd(None)}, "none", vocab_size=100, token_cost=0.0)
+    names = ["none", "no-ids", "float-length", "generator", "numpy", "good"]
+    guesses = speculator.propose([(name, "odd", [1, 2], 3, True) for name in names])
+    assert guesses["good"] == [5, 6, 7] and guesses["numpy"] == [7, 8]
+    assert guesses["generator"][:1] == [5] and speculator.sized["generator"][2] == (True, False)
+    assert not {"none", "no-ids", "float-length"} & set(guesses)
+
+
 # --- the proposers' match lengths ----------------------------------------------------------------
 
 

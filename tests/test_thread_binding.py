@@ -22,7 +22,8 @@ from cadenza.thread_binding import one_cpu_per_core, plan_binding
 def test_cpu_lists_read_as_linux_writes_them():
     assert parse_cpu_list("0-3,8,10-11") == [0, 1, 2, 3, 8, 10, 11]
     assert parse_cpu_list("2,0,2") == [2, 0]  # the order written, each once
-    for bad in ("", "a", "3-1", "1-", "-1", "0,,1"):
+    assert parse_cpu_list("0-1023")[-1] == 1023  # a whole mask, at once
+    for bad in ("", "a", "3-1", "1-", "-1", "0,,1", "0-999999"):
         with pytest.raises(ValueError, match="not a CPU list"):
             parse_cpu_list(bad)
 
@@ -34,21 +35,20 @@ def test_the_setting_is_checked_when_the_config_is_read():
         ModelConfig(thread_binding="3-1")
 
 
-def _topology(root, cores: dict[int, tuple[int, int]]):
-    for cpu, (package, core) in cores.items():
+def _topology(root, siblings: dict[int, str]):
+    for cpu, listed in siblings.items():
         folder = root / f"cpu{cpu}" / "topology"
         folder.mkdir(parents=True)
-        (folder / "physical_package_id").write_text(f"{package}\n")
-        (folder / "core_id").write_text(f"{core}\n")
+        (folder / "thread_siblings_list").write_text(f"{listed}\n")
     return root
 
 
 def test_one_cpu_per_physical_core(tmp_path):
-    smt = _topology(tmp_path / "smt", {0: (0, 0), 1: (0, 1), 2: (0, 0), 3: (0, 1)})  # 2 cores, 2 threads each
+    smt = _topology(tmp_path / "smt", {0: "0,2", 1: "1,3", 2: "0,2", 3: "1,3"})  # 2 cores, 2 threads each
     assert one_cpu_per_core([0, 1, 2, 3], smt) == [0, 1]
     assert one_cpu_per_core([2, 3], smt) == [2, 3]
-    two_packages = _topology(tmp_path / "pkg", {0: (0, 0), 1: (1, 0)})  # core 0 of each package
-    assert one_cpu_per_core([0, 1], two_packages) == [0, 1]
+    no_smt = _topology(tmp_path / "plain", {0: "0", 1: "1"})
+    assert one_cpu_per_core([0, 1], no_smt) == [0, 1]
     assert one_cpu_per_core([0, 1], tmp_path / "none") == [0, 1]  # no topology: every CPU
 
 
@@ -75,9 +75,21 @@ def test_plan(setting, threads, allowed, cores, environ, expected):
     assert why
 
 
-def test_an_adaptive_team_is_left_to_the_os_unless_listed():
+def test_an_adaptive_team_is_left_to_the_os_and_a_list_refused():
     assert plan_binding("auto", 2, [0, 1], [0, 1], {}, adaptive=True)[0] is None
-    assert plan_binding("0,1", 2, [0, 1], [0, 1], {}, adaptive=True)[0] == [0, 1]
+    with pytest.raises(ConfigError, match="thread_policy adaptive resizes it"):
+        plan_binding("0,1", 2, [0, 1], [0, 1], {}, adaptive=True)
+
+
+def test_data_parallel_replicas_never_pin_by_themselves():
+    from cadenza.config import CadenzaConfig
+    from cadenza.parallel.placement import ReplicaShape
+    from cadenza.parallel.replicas import _one_replica
+
+    shape = ReplicaShape(replicas=2, ranks=1, threads=1, gpus=False)
+    assert _one_replica(CadenzaConfig(), shape).model.thread_binding == "none"  # each would pin the same cores
+    listed = CadenzaConfig(model={"thread_binding": "1"})
+    assert _one_replica(listed, shape).model.thread_binding == "1"  # the user's list stands
 
 
 def test_a_list_that_cannot_hold_the_team_is_refused_by_name():
@@ -92,24 +104,30 @@ _ENGINE_THREADS = """
     import json, os
     from cadenza import LLM, SamplingParams
 
+    def masks():  # each live thread's CPU list (a thread may end while this reads)
+        found = []
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                lines = open(f"/proc/self/task/{tid}/status").read().splitlines()
+            except OSError:
+                continue
+            found += [line.split()[-1] for line in lines if line.startswith("Cpus_allowed_list")]
+        return found
+
     llm = LLM(**{"logging.level": "warning", **%s})
     llm.generate(["Hi"], SamplingParams(max_tokens=2), use_tqdm=False)
-    masks = []
-    for tid in os.listdir("/proc/self/task"):
-        for line in open(f"/proc/self/task/{tid}/status"):
-            if line.startswith("Cpus_allowed_list"):
-                masks.append(line.split()[-1])
+    during = masks()
     llm.close()
-    print(json.dumps({"masks": masks, "threads": llm.runtime.config.model.num_threads}))
+    print(json.dumps({"masks": during, "after": masks()}))  # after: once the engine has stopped
 """
 
 
-def _engine_masks(overrides: dict) -> list[str]:
+def _engine_masks(overrides: dict, when: str = "masks") -> list[str]:
     environ = {k: v for k, v in os.environ.items() if k not in {v.name for v in environment.ALL if v.name.startswith(("OMP_", "GOMP_", "KMP_"))}}
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(_ENGINE_THREADS % json.dumps(overrides))], env=environ,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])["masks"]
+    return json.loads(done.stdout.strip().splitlines()[-1])[when]
 
 
 def _pinned(masks: list[str]) -> list[str]:
@@ -123,9 +141,10 @@ needs_two_cpus = pytest.mark.skipif(
 
 
 @needs_two_cpus
-def test_an_engine_pins_its_team_one_thread_a_cpu():
+def test_an_engine_pins_its_team_one_thread_a_cpu_and_gives_them_back_when_it_stops():
     allowed = sorted(os.sched_getaffinity(0))
     assert _pinned(_engine_masks({})) == [str(cpu) for cpu in allowed]
+    assert _pinned(_engine_masks({}, when="after")) == []
 
 
 @needs_two_cpus
