@@ -76,15 +76,21 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return sum(acceptance**i for i in range(k + 1))
 
 
-def best_num_tokens(acceptance: float, cost: float | Callable[[int], float], cap: int) -> int:
+def best_num_tokens(acceptance: float | Callable[[int], float], cost: float | Callable[[int], float], cap: int) -> int:
     """The k in 0..cap with the most tokens per unit of step cost (0: plain decoding wins).
 
-    `cost`: what a step with k guesses costs relative to a plain decode, as a function of k, or
-    a number c for 1 + c*k."""
+    `acceptance`: the chance that a guess is kept once the guesses before it were, the same for
+    every guess, or as a function of the guess's index j (from 0; the runner's sizing reads it
+    from the match length). `cost`: what a step with k guesses costs relative to a plain decode,
+    as a function of k, or a number c for 1 + c*k."""
+    kept = acceptance if callable(acceptance) else (lambda j: acceptance)
     relative = cost if callable(cost) else (lambda k: 1 + cost * k)
     best, best_rate = 0, 1.0
+    survive = expected = 1.0  # the chance that guesses 0..k-1 are all kept; tokens expected from k guesses
     for k in range(1, cap + 1):
-        rate = expected_tokens(acceptance, k) / relative(k)
+        survive *= kept(k - 1)
+        expected += survive
+        rate = expected / relative(k)
         if rate > best_rate * 1.02:  # a clear win only: a tie is not worth the lost overlap
             best, best_rate = k, rate
     return best

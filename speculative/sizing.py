@@ -23,12 +23,11 @@ from __future__ import annotations
 
 from typing import Callable, Hashable, Sequence
 
-from cadenza.speculative.policy import StepCost
+from cadenza.speculative.policy import StepCost, best_num_tokens
 
 MAX_MATCH = 32  # matches at least this long share the table's last row
 _PRIOR = (1.5, 0.5)  # (kept, seen - kept) pseudo-counts of a fresh row: p = 0.75
 _DECAY = 0.995  # weight of the past at each new guess counted in a row
-_MARGIN = 1.02  # a longer guess must pay clearly: a tie is not worth verifying
 
 
 class MatchAcceptance:
@@ -63,16 +62,9 @@ def best_length(acceptance: MatchAcceptance, match_length: int, num_tokens: int,
                 agreed: Sequence[bool] | None = None) -> int:  # fmt: skip
     """The k in 0..num_tokens with the most expected tokens per unit of step cost, a guess behind
     a match of `match_length` tokens (`agreed`: per guessed token, see `Proposal`); `relative(k)`:
-    a step with k guesses over one without."""
-    best, best_rate = 0, 1.0
-    survive = expected = 1.0
-    for k in range(1, num_tokens + 1):
-        survive *= acceptance.probability(match_length + k - 1, _agreed(agreed, k - 1))
-        expected += survive
-        rate = expected / relative(k)
-        if rate > best_rate * _MARGIN:
-            best, best_rate = k, rate
-    return best
+    a step with k guesses over one without. The j-th guess stands behind a match of
+    `match_length + j` tokens."""
+    return best_num_tokens(lambda j: acceptance.probability(match_length + j, _agreed(agreed, j)), relative, num_tokens)
 
 
 class GuessSizer:
