@@ -14,8 +14,10 @@ same kind, where it runs before torch is imported.
 from __future__ import annotations
 
 import functools
+import getpass
 import os
 import platform
+import tempfile
 from pathlib import Path
 
 from cadenza import environment
@@ -51,8 +53,13 @@ _TORCH_ENV = {
 # a Sapphire Rapids Xeon, 512x576 @ 576x3072: 174 GFLOP/s unrestricted, 109 with AVX2), and the
 # crossover to the GEMM that prefill takes (models/quantized_linear.py) is measured wrong.
 _MKL_ENV = {"avx2": "AVX2", "avx2-vnni": "AVX2"}
+# Inductor's compiled kernels are cached on disk under keys that do not tell an AVX2 build from the
+# host's AVX-512 one: a graph compiled natively and loaded again under ATEN_CPU_CAPABILITY=avx2
+# returned NaN logits here (transformers' Llama under torch.compile, torch 2.13), so each kind that
+# is not the host's compiles into a cache of its own.
+INDUCTOR_CACHE_VAR = "TORCHINDUCTOR_CACHE_DIR"
 # Every variable `apply_cpu_kind_to_torch` may set: a child process of another kind drops them.
-TORCH_KIND_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+TORCH_KIND_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", INDUCTOR_CACHE_VAR)
 
 
 def _kind_gated(flag: str) -> bool:
@@ -126,6 +133,7 @@ def apply_cpu_kind_to_torch(environ=os.environ) -> None:
         aten, onednn = _TORCH_ENV[kind]
         environ.setdefault("ATEN_CPU_CAPABILITY", aten)
         environ.setdefault("ONEDNN_MAX_CPU_ISA", onednn)
+        environ.setdefault(INDUCTOR_CACHE_VAR, os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_cadenza-{kind}"))
     if kind in _MKL_ENV:
         environ.setdefault("MKL_ENABLE_INSTRUCTIONS", _MKL_ENV[kind])
 

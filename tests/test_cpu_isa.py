@@ -115,7 +115,10 @@ def test_the_kind_holds_pytorch_to_it_too(monkeypatch):
     monkeypatch.setenv(environment.CPU.name, "avx2")
     environ: dict[str, str] = {}
     cpu_features.apply_cpu_kind_to_torch(environ)
+    inductor_cache = environ.pop(cpu_features.INDUCTOR_CACHE_VAR)
     assert environ == {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+    # Inductor compiles into a cache of the kind's own: a native build loaded back as avx2 gave NaN.
+    assert inductor_cache.endswith("_cadenza-avx2")
     environ = {"ATEN_CPU_CAPABILITY": "default"}  # a value set by hand wins
     cpu_features.apply_cpu_kind_to_torch(environ)
     assert environ["ATEN_CPU_CAPABILITY"] == "default"
