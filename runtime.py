@@ -26,6 +26,7 @@ from cadenza.samplers.base import SamplingContext
 from cadenza.samplers.extra import ExtraParams
 from cadenza.samplers.pipeline import SamplingPipeline
 from cadenza.speculative.setup import build_speculator, proposer_classes
+from cadenza.thread_binding import TeamPlan, plan_compute_team
 
 log = structlog.get_logger(__name__)
 
@@ -122,6 +123,8 @@ class Runtime:
     extra_params: ExtraParams | None = None  # what `SamplingParams.extra` may name; for the ingress
     # Rank 0's handle on the tensor-parallel group (`parallel/launch.py`); None on one device.
     parallel: Any = None
+    # Where the compute thread's team runs (`model.thread_binding`), decided at build; the engine pins it.
+    team_plan: TeamPlan | None = None
 
     @property
     def tokenizer(self):
@@ -362,4 +365,4 @@ def _assemble(config: CadenzaConfig, plugins: Plugins, shard: ModelShard, group)
     )
     eviction_policy = functools.partial(plugins.build, plugins.eviction_policy)
     return Runtime(config, plugins.registries, loaded, runner, shard.num_blocks, block_size, eviction_policy,
-                   pipeline.extra_params, parallel=group)  # fmt: skip
+                   pipeline.extra_params, parallel=group, team_plan=plan_compute_team(config, group, device))  # fmt: skip

@@ -25,6 +25,7 @@ engine stops (the compute thread outlives it, and what it starts next inherits i
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
@@ -88,45 +89,61 @@ def plan_binding(setting: str, threads: int, allowed: list[int], cores: list[int
     return None, f"{threads} threads for {len(cores)} cores: the team does not cover this process's cores"
 
 
+@dataclass(frozen=True, slots=True)
+class TeamPlan:
+    """Where the compute thread's team goes, decided when the runtime is built: `cpus`, one a
+    thread (None: where the OS puts them), and why."""
+
+    cpus: tuple[int, ...] | None
+    reason: str
+    listed: bool  # the user listed the CPUs (a list that cannot be applied is worth a warning)
+
+
+def plan_compute_team(config, parallel, device) -> TeamPlan:
+    """`model.thread_binding` for the calling thread's team (the compute thread's, at build time),
+    so that a list it cannot hold is a config error before anything serves. One engine on the CPU
+    only: a tensor-parallel rank 0 (`parallel`) keeps the OS's placement."""
+    setting = config.model.thread_binding
+    listed = setting not in ("auto", "none")
+    if device.type != "cpu" or not hasattr(os, "sched_getaffinity"):
+        return TeamPlan(None, "not on the CPU", listed)
+    if parallel is not None:
+        return TeamPlan(None, "tensor-parallel ranks share the CPUs out", listed)
+    import torch
+
+    allowed = sorted(os.sched_getaffinity(os.getpid()))  # the main thread's: the process's own CPUs
+    cpus, why = plan_binding(setting, torch.get_num_threads(), allowed, one_cpu_per_core(allowed),
+                             adaptive=config.model.thread_policy == "adaptive")  # fmt: skip
+    return TeamPlan(None if cpus is None else tuple(cpus), why, listed)
+
+
 # This process's pinned compute team: the kernels that pinned it and the CPUs to give back.
 _pinned: tuple[object, list[int]] | None = None
 
 
-def bind_compute_team(runtime) -> list[int] | None:
-    """Pin the compute thread's team as `model.thread_binding` says; the CPUs, or None when the
-    threads stay where the OS puts them (a team an earlier engine pinned is released). One engine
-    on the CPU only."""
+def bind_compute_team(runtime) -> tuple[int, ...] | None:
+    """Pin the compute thread's team as the runtime's `team_plan` says; the CPUs, or None when the
+    threads stay where the OS puts them (a team an earlier engine pinned is released)."""
     global _pinned
-    config = runtime.config.model
-    if runtime.runner.device.type != "cpu" or not hasattr(os, "sched_getaffinity"):
+    plan = getattr(runtime, "team_plan", None)
+    if plan is None or plan.cpus is None:
+        release_compute_team()
+        if plan is not None:
+            (log.warning if plan.listed else log.debug)("Threads left to the OS", reason=plan.reason)
         return None
-    listed = config.thread_binding not in ("auto", "none")
-    if runtime.parallel is not None:
-        if listed:
-            log.warning("Threads left to the OS", reason="model.thread_binding lists CPUs, but tensor-parallel ranks share them out")
-        return None
-    import torch
-
     from cadenza import compute_thread
     from cadenza.kernels import cpu as cpu_kernels
 
-    allowed = sorted(os.sched_getaffinity(os.getpid()))  # the main thread's: the process's own CPUs
-    threads = compute_thread.run_sync(torch.get_num_threads)
-    cpus, why = plan_binding(config.thread_binding, threads, allowed, one_cpu_per_core(allowed),
-                             adaptive=config.thread_policy == "adaptive")  # fmt: skip
-    if cpus is None:
-        release_compute_team()
-        log.debug("Threads left to the OS", reason=why)
-        return None
-    kernels = cpu_kernels.configure(config.cpu_kernels)
+    kernels = cpu_kernels.configure(runtime.config.model.cpu_kernels)
     if kernels is None:
-        (log.warning if listed else log.info)("Threads left to the OS", reason="pinning them needs cadenza's CPU kernels")
+        (log.warning if plan.listed else log.info)("Threads left to the OS", reason="pinning them needs cadenza's CPU kernels")
         return None
+    cpus = plan.cpus
     pinned = compute_thread.run_sync(lambda: kernels.set_team_affinity([[cpu] for cpu in cpus]))
-    _pinned = (kernels, allowed)
+    _pinned = (kernels, sorted(os.sched_getaffinity(os.getpid())))
     if pinned < len(cpus):
-        log.warning("Some threads could not be pinned", cpus=cpus, pinned=pinned)
-    log.info("Threads pinned", cpus=cpus, reason=why)
+        log.warning("Some threads could not be pinned", cpus=list(cpus), pinned=pinned)
+    log.info("Threads pinned", cpus=list(cpus), reason=plan.reason)
     return cpus
 
 

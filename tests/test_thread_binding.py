@@ -152,3 +152,12 @@ def test_none_leaves_every_thread_to_the_os_and_a_list_pins_where_it_says():
     assert _pinned(_engine_masks({"model.thread_binding": "none"})) == []
     last = str(max(os.sched_getaffinity(0)))
     assert _pinned(_engine_masks({"model.num_threads": 1, "model.thread_binding": last})) == [last]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux's CPU masks")
+def test_a_list_the_process_cannot_use_fails_the_build_by_name():
+    from cadenza import LLM
+
+    outside = str(max(os.sched_getaffinity(0)) + 1)
+    with pytest.raises(ConfigError, match=rf"model.thread_binding: CPUs \[{outside}\] are not ones this process may run on"):
+        LLM(**{"logging.level": "warning", "model.num_threads": 1, "model.thread_binding": outside})
