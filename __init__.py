@@ -1,7 +1,7 @@
 """cadenza: an asyncio actor-based LLM inference engine."""
 
-from cadenza.compute_thread import apply_openmp_defaults
-from cadenza.models.cpu_features import apply_cpu_kind_to_torch
+from cadenza.threads.compute_thread import apply_openmp_defaults
+from cadenza.kernels.cpu.features import apply_cpu_kind_to_torch
 from cadenza.sampling_params import SamplingParams
 
 # Before torch loads, which reads both once: CADENZA_CPU's kind holds for PyTorch's kernels too,

@@ -28,7 +28,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
 def _serve(args: argparse.Namespace) -> int:
     from cadenza.api.server import run_server
     from cadenza.config import ConfigError, load_config
-    from cadenza.logging_setup import configure_logging
+    from cadenza.config.logging_setup import configure_logging
     from cadenza.parallel.groups import env_rank, launched_by_torchrun
 
     config = load_config(args.config, overrides=_overrides(args))
@@ -40,7 +40,7 @@ def _serve(args: argparse.Namespace) -> int:
         )
     if launched_by_torchrun() and env_rank()[0] != 0:
         # `torchrun ... -m cadenza serve`: rank 0 serves, every other rank runs its model shard.
-        from cadenza.parallel.worker import run_worker
+        from cadenza.runtime.worker import run_worker
 
         return run_worker(config, *env_rank())
     run_server(config, ask=args.ask)
@@ -87,9 +87,9 @@ def _generate(args: argparse.Namespace) -> int:
     import anyio
 
     from cadenza.config import load_config
-    from cadenza.engine import AsyncEngine
-    from cadenza.logging_setup import configure_logging
-    from cadenza.runtime import build_runtime
+    from cadenza.engine.async_engine import AsyncEngine
+    from cadenza.config.logging_setup import configure_logging
+    from cadenza.runtime.build import build_runtime
     from cadenza.sampling_params import SamplingParams
 
     config = load_config(args.config, overrides=_overrides(args))

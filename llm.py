@@ -17,12 +17,12 @@ import structlog
 from anyio.from_thread import BlockingPortal
 
 from cadenza.config import CadenzaConfig, load_config
-from cadenza.engine import AsyncEngine
+from cadenza.engine.async_engine import AsyncEngine
 from cadenza.models.loading import release_free_memory
-from cadenza.logging_setup import configure_logging
+from cadenza.config.logging_setup import configure_logging
 from cadenza.outputs import EmbeddingOutput, RequestOutput, TokenLogprob
-from cadenza.prompts import Prompt, PromptError, is_single_prompt, tokenize_prompt
-from cadenza.runtime import Runtime, build_runtime
+from cadenza.models.prompts import Prompt, PromptError, is_single_prompt, tokenize_prompt
+from cadenza.runtime.build import Runtime, build_runtime
 from cadenza.pooling_params import PoolingParams
 from cadenza.sampling_params import SamplingParams, completion_seed
 

@@ -6,7 +6,7 @@
 
 `TextDelta` is what the detokenizer produced since its last one; the stream merges the deltas its
 reader has not read yet into one `GenerationOutput` (defined beside `RequestStream` in
-`streams.py`), and adds running counts and, on the last, the `RequestTimings`. `LLM.generate`
+`engine/streams.py`), and adds running counts and, on the last, the `RequestTimings`. `LLM.generate`
 joins a request's `GenerationOutput`s into one `RequestOutput`.
 """
 

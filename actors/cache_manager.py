@@ -17,7 +17,7 @@ from typing import Sequence
 import structlog
 
 from cadenza.actors.base import Actor
-from cadenza.messages import (
+from cadenza.actors.messages import (
     AllocateStep,
     BlockGrant,
     BlockNeed,
@@ -30,7 +30,7 @@ from cadenza.messages import (
     UnexpectedMessageError,
 )
 from cadenza.metrics import EngineMetrics
-from cadenza.plugins.eviction import EvictionPolicy
+from cadenza.policies.eviction import EvictionPolicy
 
 log = structlog.get_logger(__name__)
 
@@ -223,7 +223,7 @@ class KVCacheManager:
     # --- blocks that move between replicas (prefill/decode disaggregation) ------------------------
     # A `holder` is a table like a request's, under an id of its own, released by `free(holder)`:
     # it keeps blocks from eviction while they are sent (prefill side) or received (decode side).
-    # The replica's transfer agent (parallel/kv_transfer.py) calls these on the event loop's thread
+    # The replica's transfer agent (cluster/kv_transfer.py) calls these on the event loop's thread
     # after `engine.settle()`, so they run between this actor's messages, never inside one.
 
     def hold_cached(self, holder: str, hashes: Sequence[bytes]) -> tuple[int, ...]:

@@ -15,7 +15,14 @@ from anyio.streams.memory import MemoryObjectSendStream
 from tokenizers.decoders import DecodeStream
 
 from cadenza.actors.base import Actor
-from cadenza.messages import AbortRequest, DetokenizerMessage, NewTokens, RequestFailed, TrackRequest, UnexpectedMessageError
+from cadenza.actors.messages import (
+    AbortRequest,
+    DetokenizerMessage,
+    NewTokens,
+    RequestFailed,
+    TrackRequest,
+    UnexpectedMessageError,
+)
 from cadenza.metrics import EngineMetrics
 from cadenza.models.tokenizer import Tokenizer
 from cadenza.outputs import TextDelta

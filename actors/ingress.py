@@ -8,7 +8,7 @@ import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
 from cadenza.actors.base import Actor
-from cadenza.messages import (
+from cadenza.actors.messages import (
     AdmitRequest,
     DetokenizerMessage,
     IngressMessage,
@@ -21,7 +21,7 @@ from cadenza.messages import (
 )
 from cadenza.metrics import EngineMetrics
 from cadenza.models.tokenizer import ChatTemplateError, Tokenizer
-from cadenza.prompts import PromptError, tokenize_prompt
+from cadenza.models.prompts import PromptError, tokenize_prompt
 from cadenza.samplers.extra import ExtraParams, ExtraParamsError
 from cadenza.sampling_params import SamplingParams
 

@@ -6,9 +6,9 @@ import time
 
 from anyio.streams.memory import MemoryObjectSendStream
 
-from cadenza import compute_thread
+from cadenza.threads import compute_thread
 from cadenza.actors.base import Actor
-from cadenza.messages import (
+from cadenza.actors.messages import (
     ExecuteStep,
     RequestsFinished,
     RunnerMessage,
@@ -19,7 +19,7 @@ from cadenza.messages import (
     UnexpectedMessageError,
 )
 from cadenza.metrics import EngineMetrics
-from cadenza.model_runner import ModelRunner, StepResult
+from cadenza.runner.model_runner import ModelRunner, StepResult
 from cadenza.outputs import TokenLogprob
 
 

@@ -19,7 +19,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 from cadenza.actors.base import Actor
 from cadenza.actors.request_state import Request
 from cadenza.actors.scheduler_core import QueueFullError, SchedulerCore, StepPlan
-from cadenza.messages import (
+from cadenza.actors.messages import (
     AbortRequest,
     AdmitRequest,
     AllocateStep,

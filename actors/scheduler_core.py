@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from cadenza.actors.request_state import Request
 from cadenza.config import SchedulerConfig
 from cadenza.config.schema import SpeculativeConfig
-from cadenza.messages import BlockNeed, Candidate, SampledToken, StepAllocation
+from cadenza.actors.messages import BlockNeed, Candidate, SampledToken, StepAllocation
 from cadenza.speculative.policy import SpeculationPolicy
 from cadenza.step import Pooled, PromptLogprobs, ScheduledChunk, Speculation
 

@@ -21,8 +21,8 @@ from cadenza.api.openai.request_rules import API_DESCRIPTION, ServedLimits
 from cadenza.api.openai.schema import ModelList, openapi_schemas
 from cadenza.api.sessions.core import ContextPlugins, SessionCore
 from cadenza.api.state import ServerState, check_api_key, served_model_name, server_state
-from cadenza.engine import AsyncEngine
-from cadenza.runtime import Runtime
+from cadenza.engine.async_engine import AsyncEngine
+from cadenza.runtime.build import Runtime
 
 log = structlog.get_logger("cadenza.api")
 
@@ -41,7 +41,7 @@ def create_app(runtime: Runtime, *, shutdown_grace: float = 10.0) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        # A data-parallel runtime serves its own engine (parallel/dp_engine.py), with the same interface.
+        # A data-parallel runtime serves its own engine (cluster/dp_engine.py), with the same interface.
         serve_engine = getattr(runtime, "serve_engine", None) or AsyncEngine.serve
         async with serve_engine(
             runtime, shutdown_grace=shutdown_grace, max_pending_tokens=config.server.max_pending_tokens

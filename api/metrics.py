@@ -41,7 +41,7 @@ class ServerMetrics:
         """Record a request whose stream ended, finished or not: one the client left (or whose
         connection dropped) before its last output counts as aborted, with no timings."""
         if last is None or not last.finished:
-            from cadenza.streams import GenerationOutput
+            from cadenza.engine.streams import GenerationOutput
 
             last = last or GenerationOutput(request_id, "", (), None, None, 0, 0, 0)
             last = dataclasses.replace(last, finish_reason="abort", timings=None)

@@ -21,8 +21,8 @@ import uvicorn
 from cadenza.api.app import create_app
 from cadenza.api.sessions.websocket import Sessions
 from cadenza.config import CadenzaConfig
-from cadenza.engine import SERVER_SHUTDOWN
-from cadenza.runtime import build_runtime
+from cadenza.engine.async_engine import SERVER_SHUTDOWN
+from cadenza.runtime.build import build_runtime
 
 log = structlog.get_logger("cadenza.api")
 
@@ -151,7 +151,7 @@ async def _ask_over_websocket(url: str, question: str, app) -> None:
 def run_server(config: CadenzaConfig, ask: str | None = None) -> None:
     """Load the model, then listen; the port opens only once the engine can serve."""
     if config.parallel.data_parallel_size > 1:
-        from cadenza.parallel.replicas import start_replicas
+        from cadenza.cluster.replicas import start_replicas
 
         runtime = start_replicas(config)
     else:

@@ -11,7 +11,7 @@ from starlette.requests import HTTPConnection
 from cadenza.api.errors import APIError
 from cadenza.api.metrics import ServerMetrics
 from cadenza.config import CadenzaConfig
-from cadenza.engine import AsyncEngine
+from cadenza.engine.async_engine import AsyncEngine
 from cadenza.models.default_model import DEFAULT_MODEL_NAME
 
 

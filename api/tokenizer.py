@@ -20,7 +20,7 @@ from cadenza.api.http_streaming import parse_body
 from cadenza.api.openai.protocol import ChatMessage, Tool, _Strict
 from cadenza.api.openai.schema import openapi_request_body
 from cadenza.api.state import ServerState, server_state
-from cadenza.prompts import ChatPrompt, PromptError, check_encodable
+from cadenza.models.prompts import ChatPrompt, PromptError, check_encodable
 
 router = APIRouter()
 

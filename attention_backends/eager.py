@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from cadenza.attention_backends.base import AttentionBackend, causal_mask, read_kv, write_kv
+from cadenza.attention_backends.base import AttentionBackend, causal_mask
+from cadenza.kernels.kv_layout import read_kv, write_kv
 
 
 class EagerBackend(AttentionBackend):

@@ -15,14 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from cadenza.attention_backends.base import (
-    AttentionBackend,
-    AttentionMetadata,
-    Int8KVCache,
-    causal_mask,
-    read_kv,
-    write_kv,
-)
+from cadenza.attention_backends.base import AttentionBackend, AttentionMetadata, causal_mask
+from cadenza.kernels.kv_layout import Int8KVCache, read_kv, write_kv
 
 
 @dataclass(slots=True)
@@ -78,7 +72,7 @@ class TorchSDPABackend(AttentionBackend):
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
-        from cadenza.models.cpu_features import cpu_has_native_bf16
+        from cadenza.kernels.cpu.features import cpu_has_native_bf16
 
         # Without native bf16, PyTorch's CPU attention kernels are several times slower in bf16
         # than in float32 (and the softmax is better in float32 anyway): compute there in float32.

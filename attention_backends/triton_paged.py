@@ -1,6 +1,6 @@
 """`triton`: paged attention kernels that read keys and values straight from the block table.
 
-On CUDA it runs the Triton kernels in `cadenza.triton_ops` (split-KV decode, prefill/extend over a
+On CUDA it runs the Triton kernels in `cadenza.kernels.triton` (split-KV decode, prefill/extend over a
 cached prefix, KV writes, bf16/fp16/fp32 and int8 caches). On the CPU it runs their torch
 references, which compute the same attention with no host sync and no data-dependent shape, so
 every path the GPU takes, the padded CUDA-graph decode included, also runs in the CPU tests (and
@@ -21,7 +21,8 @@ from typing import ClassVar, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from cadenza.attention_backends.base import AttentionBackend, AttentionMetadata, BackendUnavailableError, Int8KVCache
+from cadenza.attention_backends.base import AttentionBackend, AttentionMetadata, BackendUnavailableError
+from cadenza.kernels.kv_layout import Int8KVCache
 
 
 class TritonOptions(BaseModel):
@@ -66,11 +67,11 @@ class TritonPagedBackend(AttentionBackend):
             )
         self.implementation = choice
         if choice == "triton":
-            from cadenza.triton_ops import kv_cache_write, paged_attention
+            from cadenza.kernels.triton import kv_cache_write, paged_attention
 
             self._write, self._attend = kv_cache_write, paged_attention
         else:
-            from cadenza.triton_ops import reference
+            from cadenza.kernels.triton import reference
 
             self._write = self._attend = reference
         # Splits fill the SMs: a decode of B rows over H kv heads is B * H programs per split.

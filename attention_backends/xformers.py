@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from cadenza.attention_backends.base import AttentionBackend, AttentionMetadata, BackendUnavailableError, write_kv
+from cadenza.attention_backends.base import AttentionBackend, AttentionMetadata, BackendUnavailableError
+from cadenza.kernels.kv_layout import write_kv
 
 
 class XFormersBackend(AttentionBackend):

@@ -17,7 +17,7 @@ HF_VARIANTS = ("generate", "compiled", "continuous")  # what --compare hf runs
 SERVE_PROTOCOLS = ("ws", "http")
 WORKLOADS = ("nano-vllm",)
 SERVE_WORKLOADS = ("random", "multi-turn", "disaggregation")
-ROUTERS = ("prefix", "round_robin", "least_loaded")  # parallel.router's choices (parallel/router.py)
+ROUTERS = ("prefix", "round_robin", "least_loaded")  # parallel.router's choices (cluster/router.py)
 
 
 def _add_common(parser: argparse.ArgumentParser, peers: bool = True) -> None:
@@ -190,7 +190,7 @@ def _setup_process(args: argparse.Namespace):
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True)  # progress shows as it happens, even in a file
     from cadenza.bench.quiet import QuietPolicy
-    from cadenza.logging_setup import configure_logging
+    from cadenza.config.logging_setup import configure_logging
 
     configure_logging("info" if args.verbose else "warning", "console")
     return QuietPolicy(threshold=args.quiet_threshold / 100, max_repeats=args.max_repeats,

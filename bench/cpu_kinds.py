@@ -1,6 +1,6 @@
 """`python -m cadenza.bench.cpu_kinds`: cadenza against llama.cpp on each CPU kind this machine can act as.
 
-For each kind (`CADENZA_CPU`, models/cpu_features.py) it runs, in a child process with
+For each kind (`CADENZA_CPU`, kernels/cpu/features.py) it runs, in a child process with
 `CADENZA_CPU=<kind>`, the latency bench against llama.cpp's own binaries on the GGUF at its own
 precision and on a Q8_0 re-write (`cadenza bench latency --compare llamacpp --llamacpp-precisions
 file Q8_0`: batch-1 decode, prefill 512, batch-32 decode, best of `--repeats`, each measure under
@@ -32,9 +32,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from cadenza import environment
+from cadenza.config import environment
 from cadenza.bench import llamacpp_build
-from cadenza.models import cpu_features
+from cadenza.kernels.cpu import features as cpu_features
 
 TARGET_RATIO = 1.3  # issue 26: cadenza at least 1.3x llama.cpp on every measure
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "benchmarks" / "results"

@@ -119,7 +119,7 @@ def plan_engine(args: argparse.Namespace, config, arch, needs: WorkNeeds) -> Eng
     unless `--kv-cache-memory` or the config sizes the cache, `cache.num_blocks` holds the whole
     work at once (`kv_blocks_for`). On the CPU the cache keeps the engine's default size.
     """
-    from cadenza.runtime import resolve_device
+    from cadenza.runner.device import resolve_device
 
     device = resolve_device(config.model.device)
     plan = EnginePlan(device, {k: v for k, v in flag_overrides(args).items() if v is not None})
@@ -139,9 +139,9 @@ def plan_engine(args: argparse.Namespace, config, arch, needs: WorkNeeds) -> Eng
 
 
 def _cuda_kv_blocks(config, arch, device: torch.device, needs: WorkNeeds, with_hf: bool) -> tuple[int, str]:
-    from cadenza.kv_cache import bytes_per_block
+    from cadenza.runner.kv_cache import bytes_per_block
     from cadenza.models.dummy import num_parameters
-    from cadenza.runtime import resolve_dtype, resolve_kv_dtype
+    from cadenza.runner.device import resolve_dtype, resolve_kv_dtype
 
     dtype = resolve_dtype(config.model.dtype)
     per_block = bytes_per_block(arch, config.cache.block_size, resolve_kv_dtype(config.cache.dtype, dtype))

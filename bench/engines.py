@@ -75,7 +75,7 @@ class CadenzaEngine:
     def __init__(self, model: str | Path | None, *, dtype: str = "bfloat16", num_threads: int | None = None,
                  overrides: dict[str, Any] | None = None, config_path: str | None = None) -> None:
         from cadenza.config import load_config
-        from cadenza.runtime import build_runtime
+        from cadenza.runtime.build import build_runtime
 
         started = time.perf_counter()
         dotted = {"model.path": None if model is None else str(model), "model.dtype": dtype,
@@ -137,7 +137,7 @@ class CadenzaEngine:
     async def _generate(self, prompts, params, warmup: bool) -> tuple[float, list[Finished]]:
         import anyio
 
-        from cadenza.engine import AsyncEngine
+        from cadenza.engine.async_engine import AsyncEngine
         from cadenza.sampling_params import SamplingParams
 
         async with AsyncEngine.serve(self.runtime) as engine:

@@ -156,7 +156,7 @@ def add_peer_probes(args, engine, load_format: str, hf_variants: tuple[str, ...]
     skipped: dict[str, str] = {}
     weights_check = None
     if "hf" in args.compare:
-        from cadenza import compute_thread
+        from cadenza.threads import compute_thread
         from cadenza.bench.peers import describe_agreement, load_hf_model, same_weights_check
 
         try:

@@ -6,7 +6,7 @@ llama.cpp source vendored in the `llama-cpp-python` sdist (pip downloads it from
 with cmake, into a cache outside the repository (`~/.cache/cadenza/llama.cpp/<version>/`, or
 `$CADENZA_LLAMACPP_HOME/<version>/`).
 
-Each CPU kind cadenza can act as (`CADENZA_CPU`, models/cpu_features.py) gets llama.cpp compiled
+Each CPU kind cadenza can act as (`CADENZA_CPU`, kernels/cpu/features.py) gets llama.cpp compiled
 for that kind's instruction set: the SIMD options come from `cpu_flags()` under the kind, so with
 `CADENZA_CPU=avx2` both engines are held to AVX2 on this machine. AMX stays off for every kind:
 ggml's AMX kernels die with a general-protection fault on this VM's Sapphire Rapids.
@@ -41,8 +41,8 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
-from cadenza import environment
-from cadenza.models import cpu_features
+from cadenza.config import environment
+from cadenza.kernels.cpu import features as cpu_features
 
 SDIST = "llama-cpp-python==0.3.36"  # pinned: the llama.cpp revision the benches were measured against
 VERSION = SDIST.split("==")[1]

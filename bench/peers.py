@@ -91,7 +91,7 @@ def greedy_agreement(engine, model, *, prompt_len: int = 16, num_tokens: int = 8
     """cadenza's and transformers' greedy tokens after one random prompt, and how many agree from
     the first: the same weights give the same tokens in float32 (in 16-bit a near tie among random
     weights' logits may break either way)."""
-    from cadenza import compute_thread
+    from cadenza.threads import compute_thread
     from cadenza.sampling_params import SamplingParams
 
     prompt = random_prompt(prompt_len, seed=seed, vocab_size=engine.arch.vocab_size)

@@ -92,7 +92,7 @@ def main() -> None:
 
     from cadenza.bench.engines import CadenzaEngine
     from cadenza.bench.model_step import time_model_steps
-    from cadenza.logging_setup import configure_logging
+    from cadenza.config.logging_setup import configure_logging
 
     configure_logging("warning", "console")
     engine = CadenzaEngine(args.model, dtype=args.dtype, num_threads=args.num_threads)
@@ -161,8 +161,8 @@ def _group(op: str) -> str:
 
 
 if __name__ == "__main__":
-    from cadenza import compute_thread
+    from cadenza.threads import compute_thread
 
     # The model loads on the compute thread; stepping it from another thread would bring a second
-    # OpenMP team that fights the first for the cores (compute_thread.py), and time that instead.
+    # OpenMP team that fights the first for the cores (threads/compute_thread.py), and time that instead.
     compute_thread.run_sync(main)

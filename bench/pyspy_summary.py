@@ -20,7 +20,7 @@ _PARTS = (  # first match, searching the stack from the innermost frame out
     ("attention_backends/", "model step: attention"),
     ("models/llama.py", "model step: decoder layers (matmuls, norms, rotary)"),
     ("models/rotary.py", "model step: decoder layers (matmuls, norms, rotary)"),
-    ("model_runner.py", "model step: packing, logits, runner"),
+    ("runner/model_runner.py", "model step: packing, logits, runner"),
     ("actors/runner.py", "runner actor"),
     ("actors/scheduler_core.py", "scheduler (policy)"),
     ("actors/scheduler.py", "scheduler actor"),
@@ -30,8 +30,8 @@ _PARTS = (  # first match, searching the stack from the innermost frame out
     ("models/tokenizer.py", "tokenizer"),
     ("models/gguf", "model load (GGUF)"),
     ("models/loading.py", "model load"),
-    ("streams.py", "request streams"),
-    ("engine.py", "engine"),
+    ("engine/streams.py", "request streams"),
+    ("engine/async_engine.py", "engine"),
     ("bench/", "bench driver"),
 )
 

@@ -1,6 +1,6 @@
 """Is the machine quiet? Other processes' share of the CPU, read from /proc, before and during a run.
 
-On a small shared machine another process can slow a run 4-20x. `other_cpu_share` (cpu_time.py)
+On a small shared machine another process can slow a run 4-20x. `other_cpu_share` (threads/cpu_time.py)
 is the busy jiffies of the whole machine minus this process's own (all its threads), over the
 interval, as a fraction of all CPUs' time: 0.5 on two cores means another process kept one core busy.
 """
@@ -12,8 +12,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, TypeVar
 
-from cadenza import compute_thread
-from cadenza.cpu_time import CpuSnapshot, other_cpu_share, take_snapshot  # noqa: F401 (the bench's names)
+from cadenza.threads import compute_thread
+from cadenza.threads.cpu_time import CpuSnapshot, other_cpu_share, take_snapshot  # noqa: F401 (the bench's names)
 
 T = TypeVar("T")
 

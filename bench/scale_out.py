@@ -36,9 +36,9 @@ def _config(model: str | None, **overrides) -> CadenzaConfig:
 
 
 def tensor_parallel(model: str | None, steps: int) -> dict:
-    from cadenza import compute_thread
+    from cadenza.threads import compute_thread
     from cadenza.parallel.tensor_parallel import comm_stats
-    from cadenza.runtime import build_runtime
+    from cadenza.runtime.build import build_runtime
     from cadenza.sampling_params import SamplingParams
     from cadenza.step import ScheduledChunk
 
@@ -108,8 +108,8 @@ async def _run_batch(engine, prompts, max_tokens: int) -> tuple[int, float]:
 
 
 def data_parallel(model: str | None, requests: int, max_tokens: int) -> dict:
-    from cadenza.parallel.dp_engine import DataParallelEngine
-    from cadenza.parallel.replicas import start_replicas
+    from cadenza.cluster.dp_engine import DataParallelEngine
+    from cadenza.cluster.replicas import start_replicas
 
     rng = random.Random(1)
     prompts = [[rng.randrange(100, 10000) for _ in range(rng.randrange(16, 64))] for _ in range(requests)]
@@ -132,9 +132,9 @@ def data_parallel(model: str | None, requests: int, max_tokens: int) -> dict:
 
 
 def routing(model: str | None, sessions: int, turns: int, max_tokens: int) -> dict:
-    from cadenza.parallel.dp_engine import DataParallelEngine
-    from cadenza.parallel.replicas import start_replicas
-    from cadenza.parallel.router import Router
+    from cadenza.cluster.dp_engine import DataParallelEngine
+    from cadenza.cluster.replicas import start_replicas
+    from cadenza.cluster.router import Router
     from cadenza.sampling_params import SamplingParams
 
     runtime = start_replicas(_config(model, **{"parallel.data_parallel_size": 2, "model.num_threads": 1}))
@@ -178,7 +178,7 @@ def routing(model: str | None, sessions: int, turns: int, max_tokens: int) -> di
 
 def main(argv=None) -> int:
     from cadenza.bench.quiet import measure_other_cpu
-    from cadenza.logging_setup import configure_logging
+    from cadenza.config.logging_setup import configure_logging
 
     parser = argparse.ArgumentParser(prog="python -m cadenza.bench.scale_out", description=__doc__.split("\n")[0])
     parser.add_argument("--model", help="HF directory or .gguf (default: the embedded SmolLM2-135M Q4_1 GGUF)")

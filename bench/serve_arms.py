@@ -23,7 +23,7 @@ from cadenza.bench.report import environment, write_json
 from cadenza.bench.serve_process import LaunchedServer, run_quietly_here, sigterm_raises, wait_idle
 
 A = TypeVar("A")
-METRICS_SETTLE = 1.3  # replicas report their engine metrics every second (parallel/dp_engine.py)
+METRICS_SETTLE = 1.3  # replicas report their engine metrics every second (cluster/dp_engine.py)
 
 
 @dataclass(slots=True)

@@ -20,9 +20,9 @@ from cadenza.api.sessions.conversation import Conversation
 from cadenza.api.sessions.core import ContextPlugins, ContextSettings, SessionCore
 from cadenza.api.state import ServerState
 from cadenza.config import load_config
-from cadenza.engine import AsyncEngine
-from cadenza.logging_setup import configure_logging
-from cadenza.runtime import build_runtime
+from cadenza.engine.async_engine import AsyncEngine
+from cadenza.config.logging_setup import configure_logging
+from cadenza.runtime.build import build_runtime
 from cadenza.sampling_params import SamplingParams
 
 SYSTEM = "You are a patient tutor who explains how language model servers work, step by step."

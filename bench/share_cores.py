@@ -73,7 +73,7 @@ def _stop(process: subprocess.Popen) -> None:
 
 def _without_openmp_binding() -> dict[str, str]:
     """This environment less OpenMP's binding variables, under which `auto` would pin nothing."""
-    from cadenza.thread_binding import USER_BINDING
+    from cadenza.threads.binding import USER_BINDING
 
     return {k: v for k, v in os.environ.items() if k not in {var.name for var in USER_BINDING}}
 

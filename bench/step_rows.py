@@ -19,7 +19,7 @@ from cadenza.bench.workload import random_prompt
 def time_rows(runtime, sizes: list[int], context: int, repeats: int, calls: int = 5) -> dict[int, float]:
     """Seconds of a step of each size in `sizes`: a chunk of that many rows at position `context`
     of one sequence (rewritten in place each call), best of `repeats` means over `calls` calls."""
-    from cadenza.compute_thread import run_sync
+    from cadenza.threads.compute_thread import run_sync
     from cadenza.sampling_params import SamplingParams
 
     runner, block_size = runtime.runner, runtime.block_size
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args(argv)
 
-    from cadenza.kernels.cpu import isa
+    from cadenza.kernels.cpu.loader import isa
     from cadenza.llm import LLM
 
     with LLM(args.model, max_model_len=args.context + max(args.sizes) + 16, **{"logging.level": "warning"}) as llm:

@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     from cadenza.config import load_config
-    from cadenza.runtime import build_runtime
+    from cadenza.runtime.build import build_runtime
     from cadenza.sampling_params import SamplingParams
 
     overrides = {"cache.num_blocks": 1024, "scheduler.max_num_seqs": max(args.batch)}

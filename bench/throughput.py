@@ -106,7 +106,7 @@ def run_throughput(
 
 def _run_hf(cadenza, dtype: str, batch_size: int, variants: Sequence[str], load_format: str, seed: int,
             result: ThroughputResult, timed, log) -> None:
-    from cadenza import compute_thread
+    from cadenza.threads import compute_thread
     from cadenza.bench.peers import (HFContinuousEngine, HFStaticEngine, describe_agreement, has_continuous_batching,
                                      load_hf_model, same_weights_check)
 

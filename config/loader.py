@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from pydantic import ValidationError
 
-from cadenza import environment
+from cadenza.config import environment
 from cadenza.config.errors import ConfigError, Loc, find_key, key_path, validation_problems
 from cadenza.config.schema import CadenzaConfig, section_model
 

@@ -5,7 +5,7 @@ int8 data and its scales), so block b of a layer is `tensor[:, b]` of each. A pa
 tensor's selected blocks in turn, as raw bytes: [2, n, *rest] per tensor, layer after layer.
 
 On the CPU the copies go through numpy on the raw bytes: no torch operator runs, so no OpenMP team
-starts in the transfer's thread beside the compute thread's (see compute_thread.py), and any
+starts in the transfer's thread beside the compute thread's (see threads/compute_thread.py), and any
 dtype (bfloat16 included) copies alike.
 """
 

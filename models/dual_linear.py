@@ -7,7 +7,7 @@ than float32 on the same shapes, so those multiply the float32 copy (the exact u
 bf16 values; accumulation is float32 either way). Activations stay float32 between layers, so no
 per-layer conversion of activations or of the KV cache is needed.
 
-With cadenza's CPU kernels (`cadenza.kernels.cpu`), matrix-vector products multiply the bf16
+With cadenza's CPU kernels (`cadenza.kernels.cpu.loader`), matrix-vector products multiply the bf16
 weights by the float32 activations directly (no rounding of the activations to bf16, no extra
 casts), reading the weights at close to the memory bandwidth, and `linear_add_` fuses the
 residual add into the product.
@@ -37,7 +37,7 @@ class DualPrecisionLinear(nn.Module):
         )
         self.base_min_rows = min_rows  # without the kernel
         self.min_rows = min_rows
-        self.kernels = None  # cadenza.kernels.cpu's module, when switched on (see `use_cpu_kernels`)
+        self.kernels = None  # cadenza.kernels.cpu.loader's module, when switched on (see `use_cpu_kernels`)
 
     def use_cpu_kernels(self, kernels) -> None:
         """Multiply bf16 weights by the kernel (None: by PyTorch); the float32 copy then serves

@@ -105,7 +105,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
-        # The kernels' whole-layer path (kernels/decode_layer.h) for steps of few tokens, or None.
+        # The kernels' whole-layer path (kernels/cpu/decode_layer.h) for steps of few tokens, or None.
         self.fused = None
         self.fused_max_rows = 0
 
@@ -182,7 +182,7 @@ class LlamaForCausalLM(nn.Module):
 
     def use_cpu_kernels(self, kernels) -> None:
         """Route norms, rotary, SiLU and bf16 matrix-vector products through cadenza's CPU kernels
-        (`cadenza.kernels.cpu`; None: PyTorch ops). Each falls back to PyTorch per call where its
+        (`cadenza.kernels.cpu.loader`; None: PyTorch ops). Each falls back to PyTorch per call where its
         inputs do not fit (not float32, not contiguous)."""
         self.kernels = kernels
         for module in self.modules():

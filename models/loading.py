@@ -12,7 +12,7 @@ import structlog
 import torch
 
 from cadenza.models.config import ModelArchConfig
-from cadenza.models.cpu_features import cpu_has_native_bf16
+from cadenza.kernels.cpu.features import cpu_has_native_bf16
 from cadenza.models.dual_linear import use_dual_precision
 from cadenza.models.default_model import default_model_path
 from cadenza.models.errors import ModelLoadError
@@ -56,7 +56,7 @@ def load_model(
     """`cpu_fp32_matmul`: "auto" keeps a float32 copy of bf16/fp16 linear weights for batched
     matmuls when the CPU has no native bf16 (see `models/dual_linear.py`); "on" always, "off" never.
     `cpu_kernels`: "auto", "on" or "off", whether a CPU model computing in float32 runs its hot ops
-    through `cadenza.kernels.cpu` (see there).
+    through `cadenza.kernels.cpu.loader` (see there).
     `quantization`: "auto" keeps a GGUF's weights of the types cadenza has kernels for as raw
     blocks (`models/quantized_linear.py`) where those kernels run (a CPU, `cpu_kernels` not "off",
     and a 16-bit `dtype`: float32 asks for the exact de-quantized weights); "none" de-quantizes
@@ -119,7 +119,7 @@ def load_model(
         dual = use_dual_precision(model)
         model.compute_dtype = torch.float32
     if device.type == "cpu" and (model.compute_dtype or dtype) == torch.float32:
-        from cadenza.kernels import cpu
+        from cadenza.kernels.cpu import loader as cpu
 
         kernels = kernels or cpu.configure(cpu_kernels)
         model.use_cpu_kernels(kernels)
@@ -216,7 +216,7 @@ def _why_not_native(quantization: str, device: torch.device, dtype: torch.dtype,
         return "model.dtype float32 asks for the exact de-quantized weights", None
     if cpu_kernels == "off":
         return "model.cpu_kernels is off", None
-    from cadenza.kernels import cpu
+    from cadenza.kernels.cpu import loader as cpu
 
     kernels = cpu.configure(cpu_kernels)
     if kernels is None:

@@ -2,7 +2,7 @@
 
 The weights stay raw blocks (a uint8 tensor [rows, bytes per row] of one GGML type): resident
 weight memory is the file's tensor bytes, and a decode step reads those bytes, not a de-quantized
-copy. Products run through cadenza's CPU kernels (`kernels/quant.h`): activations are quantized
+copy. Products run through cadenza's CPU kernels (`kernels/cpu/quant.h`): activations are quantized
 per 32 values to int8 on the fly, so outputs differ from the float product of the de-quantized
 weights by that rounding (what llama.cpp does too). An embedding lookup de-quantizes only the rows
 looked up; a tied LM head multiplies the embedding's own blocks.
@@ -29,7 +29,7 @@ columns of the output.
 
 Q4_0, Q4_1, Q8_0 and Q4_K weights (and Q6_K where the build has 8-row groups) whose rows are a
 multiple of the build's group are re-laid on `use_cpu_kernels` a group of rows at a time
-(kernels/quant_packed.h; same bytes, the old tensor freed): 16 rows for AVX-512 VNNI (batch-1
+(kernels/cpu/quant_packed.h; same bytes, the old tensor freed): 16 rows for AVX-512 VNNI (batch-1
 products about 2x faster, a step of 4 rows 1.5x one row instead of 2.5x), 8 for AVX2 and AVX-VNNI
 (1.6-3x the file layout's products, `kernels.pack_rows()`, `kernels.quant_packs(type)`). A packed
 part's type id is its GGML id plus `PACKED_FLAG`; a tied LM head packs once, with its embedding.
@@ -48,7 +48,7 @@ from torch import nn
 NATIVE_TYPES = {8: ("Q8_0", 32, 34), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 12: ("Q4_K", 256, 144), 14: ("Q6_K", 256, 210)}
 
 
-# Type ids of packed weights (kernels/quant_packed.h): the GGML id plus this flag, in the layout of
+# Type ids of packed weights (kernels/cpu/quant_packed.h): the GGML id plus this flag, in the layout of
 # the build that packed them (a process runs one build).
 PACKED_FLAG = 256
 PACKABLE_TYPES = frozenset({2, 3, 8, 12, 14})  # Q4_0, Q4_1, Q8_0, Q4_K, Q6_K: the types with a packed layout
@@ -119,7 +119,7 @@ def _packed_gemm_min_rows(pack_rows: int) -> int:
     """Rows from which packed weights take the de-quantized GEMM: 16-row groups only where AMX
     runs that GEMM (without it, `CADENZA_CPU=avx512-bf16` on Sapphire Rapids: a 512-token prefill
     754 tok/s through the bf16 GEMM against 1,864 on the int8 kernel)."""
-    from cadenza.models.cpu_features import AMX_FLAGS, cpu_flags
+    from cadenza.kernels.cpu.features import AMX_FLAGS, cpu_flags
 
     if pack_rows == 16 and not AMX_FLAGS <= cpu_flags():
         return GEMM_MIN_ROWS_PACKED_NO_AMX
@@ -127,7 +127,7 @@ def _packed_gemm_min_rows(pack_rows: int) -> int:
 
 
 def _gemm_dtype() -> torch.dtype:
-    from cadenza.models.cpu_features import cpu_has_native_bf16
+    from cadenza.kernels.cpu.features import cpu_has_native_bf16
 
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 

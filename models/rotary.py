@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from cadenza.kernels.rotary import apply_rotary
 from cadenza.models.config import RopeConfig
 
 
@@ -52,13 +53,6 @@ class RotaryEmbedding(torch.nn.Module):
         cos = self.cos_table[positions].to(dtype).unsqueeze(1)
         sin = self.sin_table[positions].to(dtype).unsqueeze(1)
         return cos, sin
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim] rotated in the half-split (NeoX) layout."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 class StepRotary:

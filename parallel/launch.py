@@ -2,7 +2,7 @@
 
 Two ways in, one rendezvous (`env://`):
 - `cadenza serve --tensor-parallel-size N` on one machine: this process is rank 0 and starts ranks
-  1..N-1 as child processes (`python -m cadenza.parallel.worker`), on a free loopback port. A child
+  1..N-1 as child processes (`python -m cadenza.runtime.worker`), on a free loopback port. A child
   dies with its parent (PR_SET_PDEATHSIG on Linux), and in any case leaves when a collective fails.
 - `torchrun --nnodes ... --nproc-per-node K -m cadenza serve ...`: torchrun starts every rank and
   sets the rendezvous variables; rank 0 serves, the others run `worker.run_worker` from the CLI.
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import structlog
 import torch
 
-from cadenza import environment
+from cadenza.config import environment
 from cadenza.config import CadenzaConfig
 from cadenza.parallel.errors import ParallelError, RankFailedError
 from cadenza.parallel.groups import ParallelContext, destroy_group, env_rank, free_port, init_group, launched_by_torchrun
@@ -123,5 +123,5 @@ def rank_process(config: CadenzaConfig, rank: int, world_size: int, rendezvous: 
     """Rank `rank` of a group this process leads, as a `LocalProcess` not yet started."""
     env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     env[environment.PARALLEL_CONFIG.name] = config.model_dump_json()
-    return LocalProcess(f"tensor-parallel rank {rank}", [sys.executable, "-m", "cadenza.parallel.worker"], env,
+    return LocalProcess(f"tensor-parallel rank {rank}", [sys.executable, "-m", "cadenza.runtime.worker"], env,
                         address=rendezvous, error=RankFailedError)  # fmt: skip

@@ -257,7 +257,7 @@ def _cols(module: nn.Module, cols: tuple[int, int], keep_bias: bool, name: str) 
 
 
 def _dequantize(module: QuantizedLinear) -> torch.Tensor:
-    from cadenza.kernels import cpu
+    from cadenza.kernels.cpu import loader as cpu
 
     kernels = cpu.configure("auto")
     weight = torch.empty(module.out_features, module.in_features)

@@ -187,6 +187,3 @@ class Sampler(SamplingComponent, ABC):
         """`logits` went through the processors; `raw_logits` did not (for logprobs)."""
 
 
-def row_column(values: list[float], logits: torch.Tensor) -> torch.Tensor:
-    """One value per row, shaped [B, 1] to broadcast over the vocabulary."""
-    return torch.tensor(values, dtype=logits.dtype, device=logits.device).unsqueeze(1)

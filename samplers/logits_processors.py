@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from cadenza.samplers.base import LogitsProcessor, SamplingBatch, row_column
-from cadenza.samplers.top_k_top_p import NEG_INF as _NEG_INF
-from cadenza.samplers.top_k_top_p import mask_top_k_top_p
+from cadenza.samplers.base import LogitsProcessor, SamplingBatch
+from cadenza.kernels.rows import row_column
+from cadenza.kernels.top_k_top_p import NEG_INF as _NEG_INF
+from cadenza.kernels.top_k_top_p import mask_top_k_top_p
 
 
 def _index(rows: list[int], cols: list[int], device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -119,7 +120,7 @@ class TopKTopPProcessor(LogitsProcessor):
     The nucleus is the smallest set of most likely tokens whose probability (renormalized after
     top-k) reaches `top_p`; the top token is always kept. Ties at the k-th logit all survive, as in
     HF's `TopKLogitsWarper`. Top-k alone uses `topk`; a full sort happens only when a row sets
-    top-p. CUDA logits go to cupy's fused kernel instead (cupy_ops/top_k_top_p.py), which sorts
+    top-p. CUDA logits go to cupy's fused kernel instead (kernels/cuda/top_k_top_p.py), which sorts
     nothing, where it is available.
     """
 
@@ -141,14 +142,14 @@ class TopKTopPProcessor(LogitsProcessor):
         ks, ps = self._row_params(batch, logits.shape[-1])
         if logits.is_cuda:
             # One fused cupy kernel, no sort; it calls `filter` where cupy's kernels are unavailable.
-            from cadenza.cupy_ops.top_k_top_p import top_k_top_p
+            from cadenza.kernels.cuda.top_k_top_p import top_k_top_p
 
             return top_k_top_p(logits, ks, ps)
         return self.filter(logits, ks, ps)
 
     @staticmethod
     def filter(logits: torch.Tensor, ks: list[int], ps: list[float]) -> torch.Tensor:
-        """The torch implementation (`samplers/top_k_top_p.py`): row i of `logits` keeps its
+        """The torch implementation (`kernels/top_k_top_p.py`): row i of `logits` keeps its
         `ks[i]` largest (V: off), then the nucleus reaching `ps[i]` (1: off); the rest become
         -inf, in place."""
         return mask_top_k_top_p(logits, ks, ps)

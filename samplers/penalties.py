@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 
 from cadenza.samplers.base import LogitsProcessor, SamplingBatch
-from cadenza.samplers.base import row_column
+from cadenza.kernels.rows import row_column
 
 
 def token_counts(seqs: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:

@@ -47,8 +47,8 @@ class DraftModelProposer(Proposer):
         import torch
 
         from cadenza.attention_backends.torch_sdpa import TorchSDPABackend
-        from cadenza.kv_cache import allocate_kv_caches
-        from cadenza.model_runner import ModelRunner
+        from cadenza.runner.kv_cache import allocate_kv_caches
+        from cadenza.runner.model_runner import ModelRunner
         from cadenza.models.loading import load_model
         from cadenza.samplers.base import SamplingContext
         from cadenza.samplers.default_sampler import DefaultSampler

@@ -9,7 +9,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from tiny_models import ARCHITECTURES, build_tiny_model  # noqa: E402
 
-from cadenza.logging_setup import configure_logging  # noqa: E402
+from cadenza.config.logging_setup import configure_logging  # noqa: E402
 
 # Engine logs at warning and above only, to the interpreter's own stderr: a stream pytest
 # captures for one test is closed after it, and a logger left pointing there breaks later tests.
@@ -33,7 +33,7 @@ def anyio_backend():
 def kernels():
     """cadenza's compiled CPU kernels, built as `model.cpu_kernels: auto` builds them; the test is
     skipped where they do not build (no AVX2, no compiler)."""
-    from cadenza.kernels import cpu
+    from cadenza.kernels.cpu import loader as cpu
 
     built = cpu.configure("auto")
     if built is None:

@@ -3,7 +3,7 @@ Loaded by a test server through its config's `plugins:` list."""
 
 import anyio
 
-from cadenza.plugins.context import ContextProvider
+from cadenza.policies.context import ContextProvider
 from cadenza.plugins.hookspecs import hookimpl
 
 FACT = "Remember: the code word is PELICAN."

@@ -20,7 +20,7 @@ def chunk_metadata(start: int, end: int, blocks: int):
 def prefill_logits(loaded, token_ids: list[int]) -> torch.Tensor:
     """Logits [len(token_ids), vocab] of a one-sequence prefill of `token_ids`; `loaded` a `LoadedModel`."""
     from cadenza.attention_backends.eager import EagerBackend
-    from cadenza.kv_cache import allocate_kv_caches
+    from cadenza.runner.kv_cache import allocate_kv_caches
 
     arch, block_size, n = loaded.arch, 16, len(token_ids)
     blocks = -(-n // block_size)

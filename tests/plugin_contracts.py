@@ -10,8 +10,8 @@ import inspect
 
 from cadenza.attention_backends.base import AttentionBackend
 from cadenza.plugins import hookspecs
-from cadenza.plugins.context import ContextPolicy, ContextProvider
-from cadenza.plugins.eviction import EvictionPolicy
+from cadenza.policies.context import ContextPolicy, ContextProvider
+from cadenza.policies.eviction import EvictionPolicy
 from cadenza.samplers.base import LogitsProcessor, Sampler
 from cadenza.speculative.base import Proposer
 

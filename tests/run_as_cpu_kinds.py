@@ -5,7 +5,7 @@ parallelism on the GGUF, speculative identity and the models' parity with transf
 other paths on other CPUs (no AVX-512: blocks packed 8 rows at a time for 256-bit products,
 vpmaddubsw or AVX-VNNI's vpdpbusd, float32 matmul copies and attention; no native bf16: float32
 activations), so `make test` runs them again as each kind whose decisions differ from this CPU's
-(`CADENZA_CPU`, models/cpu_features.py), a kind that differs from one already run only in the
+(`CADENZA_CPU`, kernels/cpu/features.py), a kind that differs from one already run only in the
 packed products' instructions the products' tests alone. Exit status: 0 when every kind passed.
 """
 
@@ -17,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from cadenza import environment
-from cadenza.models import cpu_features
+from cadenza.config import environment
+from cadenza.kernels.cpu import features as cpu_features
 
 TESTS = Path(__file__).parent
 CPU_SENSITIVE = [
@@ -39,7 +39,7 @@ def decisions(kind: str) -> tuple:
     """What cadenza decides from the CPU as `kind`: kinds that decide alike test alike."""
     os.environ[environment.CPU.name] = kind
     try:
-        from cadenza.kernels import cpu
+        from cadenza.kernels.cpu import loader as cpu
 
         # AMX decides where packed weights take the de-quantized GEMM (models/quantized_linear.py).
         return (cpu.isa(), cpu_features.cpu_has_native_bf16(), cpu_features.AMX_FLAGS <= cpu_features.cpu_flags())
@@ -49,7 +49,7 @@ def decisions(kind: str) -> tuple:
 
 def _layout(decided: tuple) -> tuple:
     """The decisions but the packed products' instructions: the packed layout and the bf16 choice."""
-    from cadenza.kernels import cpu
+    from cadenza.kernels.cpu import loader as cpu
 
     isa, bf16, amx = decided
     return (cpu.PACK_ROWS[isa], bf16, amx)

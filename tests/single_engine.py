@@ -6,8 +6,8 @@ from __future__ import annotations
 import anyio
 
 from cadenza.config import load_config
-from cadenza.engine import AsyncEngine
-from cadenza.runtime import build_runtime
+from cadenza.engine.async_engine import AsyncEngine
+from cadenza.runtime.build import build_runtime
 from cadenza.sampling_params import SamplingParams
 
 

@@ -72,8 +72,8 @@ def dense_reference(q, meta, full_keys, full_values, window):
 
 
 def _kernels():
-    from cadenza.kernels import cpu
-    from cadenza.models.cpu_features import cpu_has_avx2_fma
+    from cadenza.kernels.cpu import loader as cpu
+    from cadenza.kernels.cpu.features import cpu_has_avx2_fma
 
     return cpu.configure("auto") if cpu_has_avx2_fma() else None
 

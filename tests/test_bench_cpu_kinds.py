@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from cadenza import environment
+from cadenza.config import environment
 from cadenza.bench import cpu_kinds, llamacpp_build
 from cadenza.bench.cpu_kinds import Comparison, KindPlan, compare, render_kind
-from cadenza.models import cpu_features
+from cadenza.kernels.cpu import features as cpu_features
 
 # What /proc/cpuinfo lists on a Sapphire Rapids (the SIMD part), and what each kind keeps of it.
 SPR = frozenset({"sse4_2", "f16c", "fma", "bmi2", "avx", "avx2", "avx_vnni", "avx512f", "avx512cd", "avx512dq",

@@ -136,9 +136,9 @@ def test_engine_plan_on_cpu_raises_the_batch_and_keeps_the_cache(tiny_shape):
 
 
 def test_engine_plan_on_a_gpu_sizes_the_cache_for_the_work_and_picks_triton(tiny_shape, monkeypatch):
-    import cadenza.runtime
+    import cadenza.runtime.build
 
-    monkeypatch.setattr(cadenza.runtime, "resolve_device", lambda name: torch.device("cuda"))
+    monkeypatch.setattr(cadenza.runtime.build, "resolve_device", lambda name: torch.device("cuda"))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 << 30, 80 << 30))
     args = parse("throughput", *dummy_args(tiny_shape), "--compare", "hf")
     needs = WorkNeeds((40, 17, 16))  # blocks of 16: 3 + 2 + 1

@@ -7,8 +7,8 @@ import random
 import pytest
 
 from cadenza.actors.cache_manager import KVCacheManager
-from cadenza.messages import BlockGrant, BlockNeed, Candidate
-from cadenza.plugins.eviction import FIFOPolicy, LFUPolicy, LRUPolicy
+from cadenza.actors.messages import BlockGrant, BlockNeed, Candidate
+from cadenza.policies.eviction import FIFOPolicy, LFUPolicy, LRUPolicy
 
 POLICIES = {"lru": LRUPolicy, "lfu": LFUPolicy, "fifo": FIFOPolicy}
 

@@ -18,10 +18,10 @@ from server_process import running_server, wait_for
 from websockets.asyncio.client import connect
 
 from cadenza.config import load_config
-from cadenza.engine import AsyncEngine
+from cadenza.engine.async_engine import AsyncEngine
 from cadenza.llm import LLM
-from cadenza.plugins.context import ProviderRequest, engine_embedder
-from cadenza.runtime import build_runtime
+from cadenza.policies.context import ProviderRequest, engine_embedder
+from cadenza.runtime.build import build_runtime
 
 pytestmark = pytest.mark.anyio
 TESTS = Path(__file__).parent
@@ -165,7 +165,7 @@ async def test_folder_retrieval_search_directly(tmp_path):
     install_example_plugins()
     from cadenza_folder_retrieval import FolderRetrieval, FolderRetrievalOptions
 
-    from cadenza.plugins.context import ProviderRequest
+    from cadenza.policies.context import ProviderRequest
 
     for name, text in DOCS.items():
         (tmp_path / name).write_text(text)

@@ -14,16 +14,16 @@ import textwrap
 
 import pytest
 
-from cadenza import environment
-from cadenza.kernels import cpu
-from cadenza.models import cpu_features
-from cadenza.models.cpu_features import cpu_has_avx2_fma
+from cadenza.config import environment
+from cadenza.kernels.cpu import loader as cpu
+from cadenza.kernels.cpu import features as cpu_features
+from cadenza.kernels.cpu.features import cpu_has_avx2_fma
 
 CHILD = textwrap.dedent(
     """
     import sys
     import gguf, numpy as np, torch
-    from cadenza.kernels import cpu
+    from cadenza.kernels.cpu import loader as cpu
     from cadenza.models.quantized_linear import pack_for_kernels
 
     isa, path, rows = sys.argv[1], sys.argv[2], int(sys.argv[3])

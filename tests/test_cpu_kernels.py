@@ -1,4 +1,4 @@
-"""cadenza's CPU kernels (kernels/*.h, built through kernels/cpu_kernels.cpp) against PyTorch's reference ops, and their switch.
+"""cadenza's CPU kernels (kernels/*.h, built through kernels/cpu/cpu_kernels.cpp) against PyTorch's reference ops, and their switch.
 
 The kernels build on x86-64 with AVX2/FMA (CI's machines); elsewhere these tests skip, and the
 engine falls back to PyTorch ops (checked by `test_configure_falls_back_where_unavailable`).
@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 from cadenza.attention_backends.eager import EagerBackend
 from cadenza.attention_backends.base import AttentionMetadata
-from cadenza.kernels import cpu
-from cadenza.models.cpu_features import cpu_has_avx2_fma
+from cadenza.kernels.cpu import loader as cpu
+from cadenza.kernels.cpu.features import cpu_has_avx2_fma
 
 pytestmark = pytest.mark.skipif(not cpu_has_avx2_fma(), reason="the CPU kernels need x86-64 with AVX2 and FMA")
 
@@ -78,7 +78,8 @@ def test_rms_norm(kernels, size):
 @pytest.mark.parametrize("head_dim", [64, 32, 12])
 def test_rotary_in_place_on_a_fused_projection_view(kernels, head_dim):
     from cadenza.models.config import RopeConfig
-    from cadenza.models.rotary import RotaryEmbedding, apply_rotary
+    from cadenza.models.rotary import RotaryEmbedding
+    from cadenza.kernels.rotary import apply_rotary
 
     gen = torch.Generator().manual_seed(head_dim)
     heads, tokens = 5, 6
@@ -250,7 +251,7 @@ def _thread_count() -> int:
 
 def test_kernels_share_pytorchs_thread_team(kernels):
     # A second OpenMP runtime would bring its own team of threads, which fight PyTorch's for the
-    # cores (see compute_thread.py): the kernels must start no thread PyTorch's ops did not.
+    # cores (see threads/compute_thread.py): the kernels must start no thread PyTorch's ops did not.
     x = torch.randn(4, 4096)
     torch.mm(torch.randn(256, 256), torch.randn(256, 256))
     x.sum()

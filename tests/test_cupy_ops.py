@@ -11,11 +11,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cadenza.attention_backends.base import KV_SCALE_DTYPE, Int8KVCache, quantize_int8, write_kv
-from cadenza.cupy_ops import loader, rotary_kv, top_k_top_p
-from cadenza.cupy_ops.rotary_kv import rotary_and_write_kv, rotary_and_write_kv_int8
+from cadenza.kernels.kv_layout import KV_SCALE_DTYPE, Int8KVCache, quantize_int8, write_kv
+from cadenza.kernels.cuda import loader, rotary_kv, top_k_top_p
+from cadenza.kernels.cuda.rotary_kv import rotary_and_write_kv, rotary_and_write_kv_int8
 from cadenza.models.config import RopeConfig
-from cadenza.models.rotary import RotaryEmbedding, apply_rotary
+from cadenza.models.rotary import RotaryEmbedding
+from cadenza.kernels.rotary import apply_rotary
 from cadenza.samplers.base import SamplingBatch, SamplingContext
 from cadenza.samplers.logits_processors import TopKTopPProcessor
 from cadenza.sampling_params import SamplingParams
@@ -279,7 +280,7 @@ def test_a_matching_cupy_compiles_each_source_once(fresh_loader, monkeypatch):
     for _ in range(2):
         kernels = loader.kernels_for(rotary_kv.SOURCE, rotary_kv.KERNELS, CUDA0)
         assert kernels == {name: f"kernel:{name}" for name in rotary_kv.KERNELS}
-    source = importlib.resources.files("cadenza.cupy_ops").joinpath(rotary_kv.SOURCE).read_text()
+    source = importlib.resources.files("cadenza.kernels.cuda").joinpath(rotary_kv.SOURCE).read_text()
     assert {code for code, _ in cupy.compiled} == {source}
     assert len(cupy.compiled) == len(rotary_kv.KERNELS)  # one get_function each, one compile in all
     assert cupy.compiled[0][1] == loader.NVRTC_OPTIONS
@@ -311,7 +312,7 @@ def test_cupy_cuda_major_falls_back_on_the_wheel_name(monkeypatch):
 
 
 def test_every_kernel_name_is_defined_in_its_source():
-    root = importlib.resources.files("cadenza.cupy_ops")
+    root = importlib.resources.files("cadenza.kernels.cuda")
     rotary = root.joinpath(rotary_kv.SOURCE).read_text()
     defined = set(re.findall(r"^ROTARY_KV(?:_INT8)?\((\w+),", rotary, flags=re.M))
     assert defined == set(rotary_kv.KERNELS)

@@ -10,9 +10,9 @@ import pytest
 
 from cadenza.actors.cache_manager import block_hash
 from cadenza.config import load_config
-from cadenza.parallel.dp_engine import DataParallelEngine
-from cadenza.parallel.replicas import FrontendRuntime, start_replicas
-from cadenza.parallel.router import Router, prompt_hashes
+from cadenza.cluster.dp_engine import DataParallelEngine
+from cadenza.cluster.replicas import FrontendRuntime, start_replicas
+from cadenza.cluster.router import Router, prompt_hashes
 from cadenza.sampling_params import SamplingParams
 
 # --- the router alone -------------------------------------------------------------------------------
@@ -224,8 +224,8 @@ def test_a_replica_of_tp2_starts_its_own_group_and_generates_what_one_engine_doe
     """1 x 2: one replica process that is rank 0 of its own tensor-parallel group (gloo)."""
     import psutil
 
-    from cadenza.engine import AsyncEngine
-    from cadenza.runtime import build_runtime
+    from cadenza.engine.async_engine import AsyncEngine
+    from cadenza.runtime.build import build_runtime
 
     overrides = {"model.path": str(model_path), "model.dtype": "float32", "model.cpu_kernels": "off", "cache.num_blocks": 64}
     prompts = [[3 + i, 4, 5] * (1 + i) for i in range(3)]
@@ -244,7 +244,7 @@ def test_a_replica_of_tp2_starts_its_own_group_and_generates_what_one_engine_doe
     replica = psutil.Process(runtime.replicas[0].pid)
     try:
         (rank1,) = replica.children()
-        assert "cadenza.parallel.worker" in " ".join(rank1.cmdline())
+        assert "cadenza.runtime.worker" in " ".join(rank1.cmdline())
         assert anyio.run(run, DataParallelEngine.serve, runtime) == want
     finally:
         runtime.close()
@@ -276,8 +276,8 @@ class FakeReplica:
         tg.start_soon(listener.serve, self.serve)
 
     async def serve(self, stream) -> None:
-        from cadenza.parallel.wire import FrameStream
-        from cadenza.streams import GenerationOutput
+        from cadenza.cluster.wire import FrameStream
+        from cadenza.engine.streams import GenerationOutput
 
         self.connection = frames = FrameStream(stream)
         try:
@@ -317,7 +317,7 @@ class FakeReplica:
 def test_a_restarting_replica_is_routed_around_then_back_and_one_past_its_restarts_fails_the_engine():
     from types import SimpleNamespace
 
-    from cadenza.engine import EngineClosedError
+    from cadenza.engine.async_engine import EngineClosedError
 
     replicas = [FakeReplica(0, 0), FakeReplica(1, 1)]
     runtime = SimpleNamespace(config=load_config(None, env={}), loaded=SimpleNamespace(arch=SimpleNamespace(vocab_size=100)),

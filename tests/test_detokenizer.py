@@ -10,7 +10,7 @@ import pytest
 from tiny_models import build_tokenizer
 
 from cadenza.actors.detokenizer import DetokenizerActor, IncrementalDetokenizer
-from cadenza.messages import AbortRequest, NewTokens, RequestFailed, TrackRequest, UnexpectedMessageError
+from cadenza.actors.messages import AbortRequest, NewTokens, RequestFailed, TrackRequest, UnexpectedMessageError
 from cadenza.metrics import EngineMetrics
 from cadenza.models.default_model import default_model_path
 from cadenza.models.gguf_tokenizer import tokenizer_from_gguf

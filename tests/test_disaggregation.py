@@ -19,10 +19,10 @@ from cadenza.actors.cache_manager import KVCacheManager
 from cadenza.config import ConfigError, load_config
 from cadenza.kv_connectors.blocks import block_nbytes, cache_tensors
 from cadenza.parallel.disaggregation import plan_disaggregation
-from cadenza.parallel.replicas import start_replicas
-from cadenza.parallel.router import prompt_hashes
+from cadenza.cluster.replicas import start_replicas
+from cadenza.cluster.router import prompt_hashes
 from cadenza.plugins.errors import UnknownNameError
-from cadenza.plugins.eviction import LRUPolicy
+from cadenza.policies.eviction import LRUPolicy
 from cadenza.sampling_params import SamplingParams
 
 TESTS = Path(__file__).resolve().parent
@@ -89,7 +89,7 @@ def test_start_replicas_refuses_before_any_process_starts(model_path, monkeypatc
 
 
 def test_one_engine_will_not_pretend_to_be_disaggregated(model_path):
-    from cadenza.runtime import build_runtime
+    from cadenza.runtime.build import build_runtime
 
     with pytest.raises(ConfigError, match=re.escape("= 2 replicas, but parallel.data_parallel_size is 1; set data_parallel_size: 2")):
         build_runtime(disaggregated(model_path, **{"parallel.data_parallel_size": 1}))
@@ -212,8 +212,8 @@ async def complete(engine, prompt, params=GREEDY):
 @pytest.fixture(scope="module")
 def colocated(model_path):
     """What one engine on its own generates greedily for PROMPTS."""
-    from cadenza.engine import AsyncEngine
-    from cadenza.runtime import build_runtime
+    from cadenza.engine.async_engine import AsyncEngine
+    from cadenza.runtime.build import build_runtime
 
     runtime = build_runtime(config(model_path))
 
@@ -229,7 +229,7 @@ def colocated(model_path):
 
 def block_bytes(model_path) -> int:
     """One block's keys and values across layers, as the replicas' caches hold them."""
-    from cadenza.runtime import build_runtime
+    from cadenza.runtime.build import build_runtime
 
     runtime = build_runtime(config(model_path))
     try:
@@ -280,8 +280,8 @@ def test_greedy_tokens_equal_one_engine_s_and_a_shared_prefix_is_not_sent_again(
     assert sent == [(3, 3 * per_block), (1, per_block), (3, 3 * per_block), (0, 0), (0, 0)]
     for audit in audits:  # every hold let go, every block free, evictable or referenced once
         assert audit["problem"] is None and audit["holding"] == 0 and audit["used"] == 0, audit
-    from cadenza.engine import AsyncEngine
-    from cadenza.runtime import build_runtime
+    from cadenza.engine.async_engine import AsyncEngine
+    from cadenza.runtime.build import build_runtime
 
     alone = build_runtime(config(model_path))
 

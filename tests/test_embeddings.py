@@ -18,11 +18,11 @@ from test_scheduler_core import allocate, make_core, make_request
 
 from cadenza.actors.cache_manager import KVCacheManager
 from cadenza.config import load_config
-from cadenza.engine import AsyncEngine
+from cadenza.engine.async_engine import AsyncEngine
 from cadenza.llm import LLM
-from cadenza.plugins.eviction import LRUPolicy
+from cadenza.policies.eviction import LRUPolicy
 from cadenza.pooling_params import PoolingParams
-from cadenza.runtime import build_runtime
+from cadenza.runtime.build import build_runtime
 from cadenza.sampling_params import SamplingParams
 from cadenza.step import Pooled
 

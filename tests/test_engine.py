@@ -7,9 +7,9 @@ import anyio
 import pytest
 
 from cadenza.config import load_config
-from cadenza.engine import AsyncEngine
+from cadenza.engine.async_engine import AsyncEngine
 from cadenza.plugins.hookspecs import hookimpl
-from cadenza.runtime import build_runtime
+from cadenza.runtime.build import build_runtime
 from cadenza.samplers.base import LogitsProcessor
 from cadenza.sampling_params import SamplingParams
 

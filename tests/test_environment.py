@@ -1,4 +1,4 @@
-"""Every environment variable cadenza reads is declared in `environment.py`, and setting any of
+"""Every environment variable cadenza reads is declared in `config/environment.py`, and setting any of
 them never stops the CLI: the config loader reads other `CADENZA_*` variables as config keys."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from cadenza import cli, environment
+from cadenza import cli
+from cadenza.config import environment
 from cadenza.config import load_config
 from cadenza.config.loader import _env_respelling
 
@@ -33,7 +34,7 @@ def test_every_variable_the_code_names_is_declared():
     assert named, "the scan found no variable at all"
     # Config keys (`CADENZA_SERVER__PORT`, or a misspelling of one that a docstring shows) aside.
     undeclared = sorted(n for n in named if n not in environment.NAMES and "__" not in n and _env_respelling(n) is None)
-    assert not undeclared, f"declare these in environment.py: {undeclared}"
+    assert not undeclared, f"declare these in config/environment.py: {undeclared}"
 
 
 @pytest.mark.parametrize("var", environment.ALL, ids=lambda v: v.name)

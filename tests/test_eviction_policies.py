@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from cadenza.plugins.eviction import EvictionPolicy, FIFOPolicy, LFUPolicy, LRUPolicy
+from cadenza.policies.eviction import EvictionPolicy, FIFOPolicy, LFUPolicy, LRUPolicy
 
 POLICIES = {"lru": LRUPolicy, "lfu": LFUPolicy, "fifo": FIFOPolicy}
 

@@ -13,9 +13,10 @@ import pytest
 
 from cadenza import LLM
 from cadenza.config import load_config
-from cadenza.engine import AsyncEngine
-from cadenza.plugins.registry import ALLOWLIST_ENV, ENTRY_POINT_GROUP, load_registries
-from cadenza.runtime import build_runtime, resolve_plugins
+from cadenza.engine.async_engine import AsyncEngine
+from cadenza.runtime.registries import ALLOWLIST_ENV, ENTRY_POINT_GROUP, load_registries
+from cadenza.runtime.build import build_runtime
+from cadenza.runtime.plugins import resolve_plugins
 from cadenza.sampling_params import SamplingParams
 from example_plugins import EXAMPLES, install_example_plugins
 

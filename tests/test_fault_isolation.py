@@ -5,7 +5,7 @@ stops it loudly (unhealthy, every open request ended) and never leaves a caller 
 import anyio
 import pytest
 
-from cadenza.engine import EngineClosedError
+from cadenza.engine.async_engine import EngineClosedError
 from cadenza.sampling_params import SamplingParams
 from test_engine import assert_no_block_leaked, collect, greedy, make_runtime, random_prompts
 
@@ -127,7 +127,7 @@ async def test_a_fault_no_request_owns_stops_the_engine_loudly(model_path, monke
 
 
 def make_runtime_engine(model_path):
-    from cadenza.engine import AsyncEngine
+    from cadenza.engine.async_engine import AsyncEngine
 
     return AsyncEngine.serve(make_runtime(model_path), shutdown_grace=1.0)
 

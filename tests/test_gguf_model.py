@@ -25,7 +25,7 @@ import transformers
 from gguf import GGMLQuantizationType as Q
 
 from cadenza import LLM, SamplingParams
-from cadenza.model_runner import ScheduledChunk
+from cadenza.runner.model_runner import ScheduledChunk
 from cadenza.models.default_model import default_model_path
 from cadenza.models.errors import ModelLoadError, UnsupportedModelError
 from cadenza.models.gguf_loader import iter_gguf_weights, open_gguf, read_gguf_config

@@ -4,7 +4,7 @@ import pytest
 
 from cadenza import LLM, SamplingParams
 from cadenza.llm import _completions
-from cadenza.prompts import PromptError
+from cadenza.models.prompts import PromptError
 from cadenza.sampling_params import SEED_MAX, SEED_MIN
 
 

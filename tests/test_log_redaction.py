@@ -9,7 +9,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
-from cadenza.logging_setup import MASK, configure_logging, redact
+from cadenza.config.logging_setup import MASK, configure_logging, redact
 from server_process import running_server, wait_for
 
 KEY = "s3cret-key-0123456789"

@@ -165,14 +165,14 @@ def make_arch(**fields):
 def default_size(max_num_seqs=64, max_model_len=8192, available=None, dtype=None):
     import torch
 
-    from cadenza.kv_cache import size_cache
+    from cadenza.runner.kv_cache import size_cache
 
     return size_cache(make_arch(), BLOCK, dtype or torch.float32, num_blocks=None, memory_budget=None,
                       max_num_seqs=max_num_seqs, max_model_len=max_model_len, available=available)  # fmt: skip
 
 
 def test_default_cache_is_max_num_seqs_typical_sequences():
-    from cadenza.kv_cache import TYPICAL_SEQUENCE_TOKENS
+    from cadenza.runner.kv_cache import TYPICAL_SEQUENCE_TOKENS
 
     size = default_size()
     assert size.num_blocks * BLOCK == 64 * TYPICAL_SEQUENCE_TOKENS
@@ -185,7 +185,7 @@ def test_default_cache_is_max_num_seqs_typical_sequences():
 
 
 def test_default_cache_stays_within_a_quarter_of_available_memory():
-    from cadenza.kv_cache import MEMORY_FRACTION
+    from cadenza.runner.kv_cache import MEMORY_FRACTION
 
     size = default_size(available=1 << 30)
     assert size.nbytes <= MEMORY_FRACTION * (1 << 30) < size.nbytes + size.block_bytes
@@ -196,7 +196,7 @@ def test_default_cache_stays_within_a_quarter_of_available_memory():
 def test_configured_sizes_win():
     import torch
 
-    from cadenza.kv_cache import size_cache
+    from cadenza.runner.kv_cache import size_cache
 
     arch = make_arch()
     kwargs = dict(max_num_seqs=64, max_model_len=8192, available=1)
@@ -209,7 +209,7 @@ def test_configured_sizes_win():
 def test_cpu_cache_is_zeros_that_become_resident_as_written():
     import torch
 
-    from cadenza.kv_cache import allocate_kv_caches
+    from cadenza.runner.kv_cache import allocate_kv_caches
 
     def resident() -> int:
         with open("/proc/self/status") as f:

@@ -10,8 +10,8 @@ import torch
 import transformers
 
 from cadenza import LLM, SamplingParams
-from cadenza.model_runner import ScheduledChunk
-from cadenza.models.cpu_features import cpu_has_avx2_fma
+from cadenza.runner.model_runner import ScheduledChunk
+from cadenza.kernels.cpu.features import cpu_has_avx2_fma
 
 BLOCK = 8
 TOLERANCE = 1e-4
@@ -132,7 +132,7 @@ def test_bfloat16_weights_compute_like_float32_on_the_same_weights(tiny_model_di
     # few rows, the exact float32 copy for many): the logits are those of a float32 model whose
     # weights are the bf16 values, at every batch size. PyTorch's own bf16 product (kernels off)
     # rounds a few rows of activations to bf16 first, so it is only close.
-    from cadenza.models.cpu_features import cpu_has_native_bf16
+    from cadenza.kernels.cpu.features import cpu_has_native_bf16
 
     if cpu_has_native_bf16():
         pytest.skip("bf16 weights compute in bf16 on this CPU")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from cadenza.model_runner import ModelRunner
+from cadenza.runner.model_runner import ModelRunner
 from cadenza.samplers.base import SamplerOutput
 from cadenza.sampling_params import SamplingParams
 from cadenza.step import PENDING_TOKEN, ScheduledChunk

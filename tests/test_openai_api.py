@@ -13,8 +13,8 @@ from openai_fixtures import client, model, server  # noqa: F401 (fixtures)
 from server_process import running_server, wait_for
 
 from cadenza import LLM, SamplingParams
-from cadenza.engine import EngineClosedError
-from cadenza.streams import GenerationOutput
+from cadenza.engine.async_engine import EngineClosedError
+from cadenza.engine.streams import GenerationOutput
 
 
 def post(server, path, body, **kw):

@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # Data files read at run time, by where they live in the tree.
-DATA = ["static/*.html", "kernels/*.cpp", "kernels/*.h", "config/presets/*.yaml", "config/shapes/*.json", "cupy_ops/*.cu"]
+DATA = ["static/*.html", "kernels/cpu/*.cpp", "kernels/*.h", "config/presets/*.yaml", "config/shapes/*.json", "kernels/cuda/*.cu"]
 NOT_PACKAGED = {"tests", "examples", "benchmarks", "build", "docs", ".venv", ".ci", ".git"}
 
 

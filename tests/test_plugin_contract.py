@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from cadenza.actors.cache_manager import KVCacheManager
 from cadenza.actors.ingress import PromptValidator, RequestRejected
-from cadenza.plugins.eviction import LRUPolicy
+from cadenza.policies.eviction import LRUPolicy
 from cadenza.samplers.base import LogitsProcessor, SamplingBatch, SamplingContext, SamplingError
 from cadenza.samplers.default_sampler import DefaultSampler
 from cadenza.samplers.extra import ExtraParams, ExtraParamsError
@@ -120,7 +120,7 @@ def test_bad_extra_names_the_field(extra, message):
 def test_a_params_model_that_is_not_a_pydantic_model_fails_start_up():
     from cadenza.plugins.errors import PluginError
     from cadenza.plugins.hookspecs import hookimpl
-    from cadenza.plugins.registry import load_registries
+    from cadenza.runtime.registries import load_registries
 
     class Sloppy(BoostProcessor):
         name = "sloppy"
@@ -360,7 +360,7 @@ def test_a_kv_connector_plugin_registers_and_moves_blocks_by_the_contract():
     from cadenza.kv_connectors.blocks import block_nbytes, cache_tensors, gather_blocks, scatter_blocks
     from cadenza.plugins.errors import PluginError
     from cadenza.plugins.hookspecs import hookimpl
-    from cadenza.plugins.registry import load_registries
+    from cadenza.runtime.registries import load_registries
 
     wire: dict[int, torch.Tensor] = {}
 

@@ -12,7 +12,7 @@ import yaml
 
 from cadenza import LLM, SamplingParams
 from cadenza.config import load_config
-from cadenza.plugins.registry import ENTRY_POINT_GROUP
+from cadenza.runtime.registries import ENTRY_POINT_GROUP
 from plugin_contracts import contract_members, hookspec_names
 
 try:

@@ -15,10 +15,10 @@ from cadenza.attention_backends.base import BackendUnavailableError
 from cadenza.attention_backends.eager import EagerBackend
 from cadenza.attention_backends.triton_paged import TritonPagedBackend
 from cadenza.config import load_config
-from cadenza.engine import AsyncEngine
-from cadenza.plugins.eviction import LRUPolicy
+from cadenza.engine.async_engine import AsyncEngine
+from cadenza.policies.eviction import LRUPolicy
 from cadenza.plugins.hookspecs import hookimpl
-from cadenza.runtime import build_runtime
+from cadenza.runtime.build import build_runtime
 from cadenza.samplers.base import LogitsProcessor
 from cadenza.samplers.default_sampler import DefaultSampler
 from cadenza.sampling_params import SamplingParams
@@ -264,7 +264,7 @@ async def test_attention_backend_plugin_runs_every_step_and_layer(model_path):
 
 @covers("AttentionBackend.supports_int8_kv_cache")
 async def test_an_int8_kv_cache_goes_only_to_a_backend_that_reads_it(model_path):
-    from cadenza.attention_backends.base import Int8KVCache
+    from cadenza.kernels.kv_layout import Int8KVCache
     from cadenza.config import ConfigError
 
     runtime = make_runtime(model_path, attention_backend="counting_test", **{"cache.dtype": "int8"})
@@ -296,7 +296,7 @@ async def test_padded_decode_steps_go_only_to_a_backend_that_supports_them(model
 
 @covers("AttentionBackend.use_cpu_kernels")
 def test_attention_backend_is_offered_the_models_cpu_kernels_once(model_path):
-    from cadenza.models.cpu_features import cpu_has_avx2_fma
+    from cadenza.kernels.cpu.features import cpu_has_avx2_fma
 
     with_kernels = make_runtime(model_path, attention_backend="counting_test", **{"model.cpu_kernels": "auto"})
     kernels = with_kernels.loaded.model.kernels

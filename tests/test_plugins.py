@@ -17,9 +17,9 @@ from cadenza.attention_backends.base import AttentionBackend
 from cadenza.attention_backends.eager import EagerBackend
 from cadenza.plugins import hookspecs
 from cadenza.plugins.errors import PluginError, UnknownNameError
-from cadenza.plugins.eviction import EvictionPolicy, LRUPolicy
+from cadenza.policies.eviction import EvictionPolicy, LRUPolicy
 from cadenza.plugins.hookspecs import hookimpl
-from cadenza.plugins.registry import (
+from cadenza.runtime.registries import (
     ALLOWLIST_ENV,
     DEFAULT_PLUGINS,
     ENTRY_POINT_GROUP,
@@ -85,7 +85,7 @@ def load(*plugins: object, **kwargs) -> Registries:
 
 
 MODULE_PLUGIN_SOURCE = """
-    from cadenza.plugins.eviction import LRUPolicy
+    from cadenza.policies.eviction import LRUPolicy
     from cadenza.plugins.hookspecs import hookimpl
 
     LOADS = []  # one entry per time the hook ran
@@ -150,8 +150,8 @@ def test_builtins_are_ordinary_plugins_and_name_their_module():
     expected = {
         "cadenza.attention_backends.builtins": (registries.attention_backends, BUILTIN_BACKENDS),
         "cadenza.samplers.builtins": (registries.samplers, BUILTIN_SAMPLERS),
-        "cadenza.plugins.eviction": (registries.eviction_policies, BUILTIN_POLICIES),
-        "cadenza.plugins.context": (registries.context_policies, ["drop_oldest", "error"]),
+        "cadenza.policies.eviction": (registries.eviction_policies, BUILTIN_POLICIES),
+        "cadenza.policies.context": (registries.context_policies, ["drop_oldest", "error"]),
         "cadenza.speculative.builtins": (registries.proposers, ["draft", "ngram", "suffix"]),
         "cadenza.kv_connectors.builtins": (registries.kv_connectors, ["nixl", "torch_distributed"]),
     }
@@ -261,7 +261,7 @@ def test_entry_point_naming_an_attribute_loads(monkeypatch, write_module):
     module = write_module(
         "cadenza_test_ep_attr",
         """
-        from cadenza.plugins.eviction import FIFOPolicy
+        from cadenza.policies.eviction import FIFOPolicy
         from cadenza.plugins.hookspecs import hookimpl
 
         class AttrPolicy(FIFOPolicy):
@@ -335,7 +335,7 @@ def test_duplicate_name_names_both_sources():
         load(DupPlugin())
     message = str(info.value)
     assert "'lru'" in message and "twice" in message
-    assert "'cadenza.plugins.eviction'" in message and "'DupPlugin'" in message
+    assert "'cadenza.policies.eviction'" in message and "'DupPlugin'" in message
 
 
 def test_two_plugins_registering_the_same_new_name_collide():
@@ -543,7 +543,7 @@ class ContextPluginsPlugin:
 
     @hookimpl
     def register_context_policies(self, register):
-        from cadenza.plugins.context import DropOldest
+        from cadenza.policies.context import DropOldest
 
         class KeepNothing(DropOldest):
             name = "keep_nothing_test"
@@ -555,7 +555,7 @@ class ContextPluginsPlugin:
 
     @hookimpl
     def register_context_providers(self, register):
-        from cadenza.plugins.context import ContextProvider
+        from cadenza.policies.context import ContextProvider
 
         class Clock(ContextProvider):
             name = "clock_test"
@@ -567,11 +567,11 @@ class ContextPluginsPlugin:
 
 
 def test_context_policies_and_providers_register_beside_the_builtins():
-    from cadenza.plugins.context import ContextPolicy, ContextProvider
+    from cadenza.policies.context import ContextPolicy, ContextProvider
 
     registries = load(ContextPluginsPlugin())
     assert registries.context_policies.names() == ["drop_oldest", "error", "keep_nothing_test"]
-    assert registries.context_policies.source_of("drop_oldest") == "cadenza.plugins.context"
+    assert registries.context_policies.source_of("drop_oldest") == "cadenza.policies.context"
     assert issubclass(registries.context_policies.get("keep_nothing_test"), ContextPolicy)
     assert issubclass(registries.context_providers.get("clock_test"), ContextProvider)
     with pytest.raises(UnknownNameError, match="drop_oldest"):

@@ -1,4 +1,4 @@
-"""Linears on GGUF's quantized blocks as stored (kernels/quant.h, models/quantized_linear.py).
+"""Linears on GGUF's quantized blocks as stored (kernels/cpu/quant.h, models/quantized_linear.py).
 
 Each kernel is checked against a float64 product of the same blocks de-quantized by the `gguf`
 package's reference (`gguf.quants.dequantize`). The kernels quantize activations per 32 values to
@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType as Q
 
 from model_forward import prefill_logits
 
-from cadenza.models.cpu_features import cpu_has_avx2_fma
+from cadenza.kernels.cpu.features import cpu_has_avx2_fma
 
 pytestmark = pytest.mark.skipif(not cpu_has_avx2_fma(), reason="the quantized kernels need x86-64 with AVX2 and FMA")
 
@@ -98,7 +98,7 @@ def test_batched_kernel_matches_float64_reference(kernels, qtype):
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_long_steps_go_in_chunks_of_rows_with_the_same_results(kernels, qtype):
-    """A step's activations go through the weight in chunks of 128 KiB of int8 (kernels/linear.h,
+    """A step's activations go through the weight in chunks of 128 KiB of int8 (kernels/cpu/linear.h,
     for_each_tile): 4096 inputs make chunks of 32 rows, so 70 rows are 32 + 32 + 6, file layout and
     packed alike; every row as from the float64 reference and as computed alone."""
     rng = np.random.default_rng(int(qtype) + 3)
@@ -149,7 +149,7 @@ PACKABLE = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q6_K)
 
 @pytest.mark.parametrize("qtype", PACKABLE, ids=lambda t: t.name)
 def test_packed_layout_matches_the_reference_and_the_file_layout(kernels, qtype):
-    """kernels/quant_packed.h: rows re-laid a group at a time (16 for AVX-512 VNNI, 8 for AVX2 and
+    """kernels/cpu/quant_packed.h: rows re-laid a group at a time (16 for AVX-512 VNNI, 8 for AVX2 and
     AVX-VNNI). Products within the float64 tolerance, every row the same alone or in a batch of any
     size, rows and whole weights de-quantized exactly as from the file's layout."""
     if not kernels.quant_packs(int(qtype)):

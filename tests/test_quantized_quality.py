@@ -20,8 +20,8 @@ import torch
 
 from model_forward import chunk_metadata
 
-from cadenza.kernels import cpu
-from cadenza.models.cpu_features import cpu_has_avx2_fma
+from cadenza.kernels.cpu import loader as cpu
+from cadenza.kernels.cpu.features import cpu_has_avx2_fma
 
 pytestmark = pytest.mark.skipif(not cpu_has_avx2_fma(), reason="the quantized kernels need x86-64 with AVX2 and FMA")
 
@@ -54,7 +54,7 @@ def next_token_scores(loaded, ids: list[int], chunk: int) -> tuple[torch.Tensor,
     """(log-probability of each actual next token, the argmax there) at positions 0 .. len(ids) - 2,
     the text fed `chunk` tokens a step over one sequence's cache (eager attention)."""
     from cadenza.attention_backends.eager import EagerBackend
-    from cadenza.kv_cache import allocate_kv_caches
+    from cadenza.runner.kv_cache import allocate_kv_caches
 
     arch, block_size, n = loaded.arch, 16, len(ids) - 1  # the last token predicts nothing scored
     blocks = -(-n // block_size)

@@ -60,7 +60,7 @@ def test_bundles_are_checked_against_each_node_before_ray_would_wait_forever():
 
 def test_ray_client_addresses_are_refused_before_connecting(monkeypatch):
     ray = pytest.importorskip("ray")
-    from cadenza.parallel.ray_replicas import connect_ray
+    from cadenza.cluster.ray_replicas import connect_ray
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)  # whatever another test left connected
     monkeypatch.setenv("RAY_ADDRESS", "ray://10.0.0.1:10001")
@@ -142,7 +142,7 @@ def replica_actors(ray) -> list[dict]:
 
 def replica_process(actor: dict) -> psutil.Process:
     """The replica a supervisor actor runs: its worker's child (every node is this machine)."""
-    (child,) = [c for c in psutil.Process(actor["Pid"]).children() if "cadenza.parallel.replica_server" in c.cmdline()]
+    (child,) = [c for c in psutil.Process(actor["Pid"]).children() if "cadenza.cluster.replica_server" in c.cmdline()]
     return child
 
 

@@ -16,12 +16,12 @@ import psutil
 import pytest
 
 from cadenza.config import ConfigError, load_config
-from cadenza.engine import AsyncEngine
-from cadenza.parallel.dp_engine import DataParallelEngine
-from cadenza.parallel.replica_client import REPLICA_FAILED
-from cadenza.parallel.replicas import FrontendRuntime, start_replicas
-from cadenza.parallel.router import Router
-from cadenza.runtime import build_runtime
+from cadenza.engine.async_engine import AsyncEngine
+from cadenza.cluster.dp_engine import DataParallelEngine
+from cadenza.cluster.replica_client import REPLICA_FAILED
+from cadenza.cluster.replicas import FrontendRuntime, start_replicas
+from cadenza.cluster.router import Router
+from cadenza.runtime.build import build_runtime
 from cadenza.sampling_params import SamplingParams
 
 ray = pytest.importorskip("ray")
@@ -226,7 +226,7 @@ def test_dp2_x_tp2_is_refused_by_the_cluster_s_cores_before_anything_starts(ray_
 
 
 def test_ray_address_joins_the_running_instance_instead_of_starting_one(ray_runtime):
-    code = ("import ray; from cadenza.parallel.ray_replicas import connect_ray; s = connect_ray(2); "
+    code = ("import ray; from cadenza.cluster.ray_replicas import connect_ray; s = connect_ray(2); "
             "cpus = int(ray.cluster_resources()['CPU']); s.close(); print('session', s.started, s.connected, cpus, ray.is_initialized())")  # fmt: skip
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)

@@ -12,8 +12,8 @@ from cadenza.actors.cache_manager import KVCacheManager
 from cadenza.actors.request_state import Request
 from cadenza.actors.scheduler_core import QueueFullError, SchedulerCore, StepPlan, TokenEvent
 from cadenza.config import SchedulerConfig
-from cadenza.messages import SampledToken
-from cadenza.plugins.eviction import FIFOPolicy, LFUPolicy, LRUPolicy
+from cadenza.actors.messages import SampledToken
+from cadenza.policies.eviction import FIFOPolicy, LFUPolicy, LRUPolicy
 from cadenza.sampling_params import SamplingParams
 from cadenza.step import PENDING_TOKEN, ScheduledChunk
 

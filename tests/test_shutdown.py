@@ -20,8 +20,8 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from cadenza.config import load_config
-from cadenza.engine import SERVER_SHUTDOWN, AsyncEngine
-from cadenza.runtime import build_runtime
+from cadenza.engine.async_engine import SERVER_SHUTDOWN, AsyncEngine
+from cadenza.runtime.build import build_runtime
 from cadenza.sampling_params import SamplingParams
 from server_process import running_server
 from tiny_models import build_tiny_model

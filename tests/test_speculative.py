@@ -95,7 +95,7 @@ async def oracle_knows(model_path, seed: int, params) -> tuple[list[int], list[i
 
 
 async def plain_outputs(model_path, prompts, params, **overrides):
-    from cadenza.engine import AsyncEngine
+    from cadenza.engine.async_engine import AsyncEngine
 
     async with AsyncEngine.serve(make_runtime(model_path, **overrides)) as engine:
         results = await run_all(engine, prompts, params)
@@ -105,7 +105,7 @@ async def plain_outputs(model_path, prompts, params, **overrides):
 @covers("register_proposers", "Proposer.propose", "Proposer.on_request_finished")
 @pytest.mark.parametrize("async_scheduling", [True, False])
 async def test_greedy_batched_identical_with_every_proposer(model_path, async_scheduling):
-    from cadenza.engine import AsyncEngine
+    from cadenza.engine.async_engine import AsyncEngine
 
     prompts = prompts_with_repeats(24, seed=3)
     rng = random.Random(5)
@@ -133,7 +133,7 @@ async def test_greedy_batched_identical_with_every_proposer(model_path, async_sc
 
 
 async def test_greedy_solo_identical_and_many_tokens_per_step(model_path):
-    from cadenza.engine import AsyncEngine
+    from cadenza.engine.async_engine import AsyncEngine
 
     prompt, expected = await oracle_knows(model_path, 11, greedy(40))
     async with AsyncEngine.serve(spec_runtime(model_path, "oracle")) as engine:
@@ -145,7 +145,7 @@ async def test_greedy_solo_identical_and_many_tokens_per_step(model_path):
 
 
 async def test_stop_token_and_max_tokens_inside_accepted_guesses(model_path):
-    from cadenza.engine import AsyncEngine
+    from cadenza.engine.async_engine import AsyncEngine
 
     prompt, expected = await oracle_knows(model_path, 13, greedy(30))
     stop = expected[9]
@@ -160,7 +160,7 @@ async def test_stop_token_and_max_tokens_inside_accepted_guesses(model_path):
 
 
 async def test_request_can_switch_speculation_off_or_pick_a_proposer(model_path):
-    from cadenza.engine import AsyncEngine
+    from cadenza.engine.async_engine import AsyncEngine
 
     prompt, expected = await oracle_knows(model_path, 17, greedy(20))
     async with AsyncEngine.serve(spec_runtime(model_path, "none")) as engine:
@@ -179,7 +179,7 @@ async def test_request_can_switch_speculation_off_or_pick_a_proposer(model_path)
 
 @covers("Proposer.on_request_reset")
 async def test_preemption_and_abort_while_speculating_leak_nothing(model_path):
-    from cadenza.engine import AsyncEngine
+    from cadenza.engine.async_engine import AsyncEngine
 
     prompts = prompts_with_repeats(12, seed=19)
     params = greedy(40)
@@ -210,7 +210,7 @@ async def test_preemption_and_abort_while_speculating_leak_nothing(model_path):
 
 
 async def test_structured_output_identical_under_speculation(model_path):
-    from cadenza.engine import AsyncEngine
+    from cadenza.engine.async_engine import AsyncEngine
 
     params = SamplingParams(temperature=0, max_tokens=24, structured_outputs={"regex": "(ab|cd|[0-9]){1,40}"})
     prompt, expected = await oracle_knows(model_path, 23, params)
@@ -258,7 +258,7 @@ def critical(dof: int) -> float:
 async def test_sampled_distribution_unchanged_chi_square(model_path):
     """Temperature 1 with top-k 4: the tokens at output positions 1-3 (speculated ones) over many
     seeds, with and without an always-guessing proposer, agree at significance 0.001."""
-    from cadenza.engine import AsyncEngine
+    from cadenza.engine.async_engine import AsyncEngine
 
     prompt = [5, 17, 42, 99, 5, 17, 42]
     n = 400
@@ -372,7 +372,7 @@ def test_suffix_automaton_matches_brute_force_as_tokens_grow():
 
 async def test_draft_model_proposer_greedy_identical(model_path, tiny_model_dir):
     """The same tiny model drafting for itself (every guess right) and another one (mostly wrong)."""
-    from cadenza.engine import AsyncEngine
+    from cadenza.engine.async_engine import AsyncEngine
 
     prompts = prompts_with_repeats(4, seed=29)
     params = greedy(20)

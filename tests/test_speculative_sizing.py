@@ -11,7 +11,7 @@ import pytest
 
 from cadenza.actors.request_state import Request
 from cadenza.config.schema import SpeculativeConfig
-from cadenza.messages import SampledToken
+from cadenza.actors.messages import SampledToken
 from cadenza.sampling_params import SamplingParams
 from cadenza.speculative.base import Proposal, ProposalRequest, Proposer
 from cadenza.speculative.ngram import CONFIDENCE_LENGTH, copy_forward, ngram_lookup, ngram_match

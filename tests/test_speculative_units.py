@@ -12,9 +12,9 @@ from cadenza.actors.request_state import Request
 from cadenza.actors.scheduler_core import SchedulerCore
 from cadenza.config import SchedulerConfig
 from cadenza.config.schema import SpeculativeConfig
-from cadenza.messages import SampledToken
+from cadenza.actors.messages import SampledToken
 from cadenza.metrics import EngineMetrics
-from cadenza.plugins.eviction import LRUPolicy
+from cadenza.policies.eviction import LRUPolicy
 from cadenza.sampling_params import SamplingParams
 from cadenza.speculative.policy import SpeculationPolicy, StepCost, best_num_tokens, expected_tokens
 from cadenza.speculative.verify import acceptance_probability, output_distribution, rejection_sample, residual

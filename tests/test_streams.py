@@ -7,7 +7,7 @@ import anyio
 import pytest
 
 from cadenza.outputs import TextDelta, TokenLogprob
-from cadenza.streams import RequestStream
+from cadenza.engine.streams import RequestStream
 
 pytestmark = pytest.mark.anyio
 

@@ -13,12 +13,12 @@ import pytest
 import torch
 from tiny_models import build_tiny_model
 
-from cadenza import compute_thread
+from cadenza.threads import compute_thread
 from cadenza.config import load_config
-from cadenza.engine import AsyncEngine
+from cadenza.engine.async_engine import AsyncEngine
 from cadenza.parallel.errors import ShardingError
 from cadenza.parallel.partition import even_ranges, partition
-from cadenza.runtime import Runtime, build_runtime
+from cadenza.runtime.build import Runtime, build_runtime
 from cadenza.sampling_params import SamplingParams
 from cadenza.step import ScheduledChunk
 
@@ -206,7 +206,7 @@ def test_serve_with_tp2_spawns_its_rank_and_health_fails_when_it_dies(tiny_model
     with running_server(tiny_model_dir("llama3"), "--tensor-parallel-size", "2") as server:
         assert httpx.get(f"{server.url}/health").status_code == 200
         (rank1,) = psutil.Process(server.proc.pid).children()
-        assert "cadenza.parallel.worker" in " ".join(rank1.cmdline())
+        assert "cadenza.runtime.worker" in " ".join(rank1.cmdline())
         rank1.kill()
         with _deadline(10):
             while httpx.get(f"{server.url}/health").status_code == 200:

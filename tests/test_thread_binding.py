@@ -1,4 +1,4 @@
-"""`model.thread_binding` (thread_binding.py, docs/cpu-threads.md): which CPU each thread of the
+"""`model.thread_binding` (threads/binding.py, docs/cpu-threads.md): which CPU each thread of the
 compute thread's team is pinned to, decided from the setting, the team and the process's CPUs, and
 the pinning itself seen from /proc in a child process (pinning is per thread and lasts)."""
 
@@ -13,10 +13,10 @@ import textwrap
 import pytest
 from pydantic import ValidationError
 
-from cadenza import environment
+from cadenza.config import environment
 from cadenza.config import ConfigError, ModelConfig
 from cadenza.config.schema import parse_cpu_list
-from cadenza.thread_binding import one_cpu_per_core, plan_binding
+from cadenza.threads.binding import one_cpu_per_core, plan_binding
 
 
 def test_cpu_lists_read_as_linux_writes_them():
@@ -84,7 +84,7 @@ def test_an_adaptive_team_is_left_to_the_os_and_a_list_refused():
 def test_data_parallel_replicas_never_pin_by_themselves():
     from cadenza.config import CadenzaConfig
     from cadenza.parallel.placement import ReplicaShape
-    from cadenza.parallel.replicas import _one_replica
+    from cadenza.cluster.replicas import _one_replica
 
     shape = ReplicaShape(replicas=2, ranks=1, threads=1, gpus=False)
     assert _one_replica(CadenzaConfig(), shape).model.thread_binding == "none"  # each would pin the same cores

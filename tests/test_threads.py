@@ -13,7 +13,8 @@ import textwrap
 
 import pytest
 
-from cadenza import compute_thread, environment
+from cadenza.threads import compute_thread
+from cadenza.config import environment
 
 SPIN, POLICY = environment.GOMP_SPINCOUNT.name, environment.OMP_WAIT_POLICY.name
 
@@ -108,19 +109,19 @@ def test_an_idle_engine_uses_no_cpu(model_path):
     assert got["cpu"] < 0.2, got
 
 
-# --- model.thread_policy: adaptive (thread_governor.py) ---------------------------------------------
+# --- model.thread_policy: adaptive (threads/governor.py) ---------------------------------------------
 
 
 def test_the_team_gives_back_the_cores_others_keep_busy():
-    from cadenza.thread_governor import team_size
+    from cadenza.threads.governor import team_size
 
     assert [team_size(2, others) for others in (0.0, 0.3, 0.6, 1.0, 1.4, 2.0)] == [2, 2, 1, 1, 1, 1]
     assert [team_size(8, others) for others in (0.1, 0.7, 2.6, 9.0)] == [8, 7, 5, 1]
 
 
 def test_the_governor_resizes_from_the_cpu_others_used_and_comes_back():
-    from cadenza.cpu_time import CpuSnapshot
-    from cadenza.thread_governor import ThreadGovernor
+    from cadenza.threads.cpu_time import CpuSnapshot
+    from cadenza.threads.governor import ThreadGovernor
 
     now, ticks, calls = [0.0], [CpuSnapshot(0, 0, 0)], []
     governor = ThreadGovernor(2, interval=0.5, clock=lambda: now[0], sample=lambda: ticks[0],
@@ -143,7 +144,7 @@ def test_the_governor_resizes_from_the_cpu_others_used_and_comes_back():
 
 
 def test_a_cpu_snapshot_reads_the_machine_s_busy_time_and_its_own(tmp_path):
-    from cadenza.cpu_time import CpuSnapshot, take_snapshot
+    from cadenza.threads.cpu_time import CpuSnapshot, take_snapshot
 
     stat, own = tmp_path / "stat", tmp_path / "self_stat"
     stat.write_text("cpu  100 5 30 900 7 1 2 3 0 0\ncpu0 50 2 15 450 3 0 1 1 0 0\n")
@@ -155,7 +156,7 @@ def test_a_cpu_snapshot_reads_the_machine_s_busy_time_and_its_own(tmp_path):
 
 
 def test_an_adaptive_engine_builds_its_governor_and_gives_the_same_tokens(model_path):
-    from cadenza import compute_thread
+    from cadenza.threads import compute_thread
     from cadenza.llm import LLM
     from cadenza.sampling_params import SamplingParams
 

@@ -20,7 +20,7 @@ from cadenza.api.openai.tool_parsers import (
 )
 from cadenza.api.openai.tool_schemas import closed_arguments
 from cadenza.models.tokenizer import Tokenizer, load_hf_tokenizer
-from cadenza.prompts import ChatPrompt, tokenize_prompt
+from cadenza.models.prompts import ChatPrompt, tokenize_prompt
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",

@@ -1,4 +1,4 @@
-"""The Triton kernels (triton_ops/) against their torch references, natively where CUDA is present
+"""The Triton kernels (kernels/triton/) against their torch references, natively where CUDA is present
 and under Triton's interpreter on the CPU elsewhere.
 
 Attention is compared with the reference run in float64 on the same cache contents, so the
@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from cadenza.attention_backends.base import causal_mask, quantize_int8
-from cadenza.triton_ops import reference
+from cadenza.attention_backends.base import causal_mask
+from cadenza.kernels.kv_layout import quantize_int8
+from cadenza.kernels.triton import reference
 
 triton = pytest.importorskip("triton")
 
@@ -34,7 +35,7 @@ def _load_kernels(name: str):
     with triton.knobs.runtime.scope():
         if not ON_GPU:
             triton.knobs.runtime.interpret = True
-        module = importlib.import_module(f"cadenza.triton_ops.{name}")
+        module = importlib.import_module(f"cadenza.kernels.triton.{name}")
         compiled = any(isinstance(value, triton.runtime.JITFunction) for value in vars(module).values())
         if compiled and not ON_GPU:
             module = importlib.reload(module)
@@ -291,7 +292,7 @@ def stale_column_major(tables: torch.Tensor, seq_lens: list[int], block_size: in
 
 def test_attention_reads_no_table_entry_past_a_rows_blocks():
     """A padded decode's block table is column-major and stale past each row's blocks
-    (step_inputs.py); the kernels must give what a clean row-major table gives."""
+    (runner/step_inputs.py); the kernels must give what a clean row-major table gives."""
     generator = torch.Generator().manual_seed(5)
     paged = PagedCache.make([9, 40, 17], 16, 64, torch.bfloat16, generator)
     q = torch.randn(3, NUM_KV_HEADS * 2, 64, generator=generator).to(torch.bfloat16)

@@ -27,10 +27,10 @@ from cadenza.api.openai.tool_parsers import ToolCallStream, ToolParser, parser_f
 from cadenza.api.openai.tool_schemas import check_tool_schemas
 from cadenza.api.state import ServerState, server_state
 from cadenza.outputs import TokenLogprob
-from cadenza.prompts import ChatPrompt
+from cadenza.models.prompts import ChatPrompt
 from cadenza.sampling_params import SamplingParams, StructuredOutputs
 from cadenza.samplers.vocab import token_bytes_lookup
-from cadenza.streams import GenerationOutput
+from cadenza.engine.streams import GenerationOutput
 
 log = structlog.get_logger("cadenza.api")
 router = APIRouter()

@@ -24,7 +24,7 @@ from cadenza.api.openai.schema import EmbeddingResponse, openapi_request_body
 from cadenza.api.state import server_state
 from cadenza.pooling_params import PoolingParams
 from cadenza.sampling_params import SamplingParams
-from cadenza.streams import GenerationOutput
+from cadenza.engine.streams import GenerationOutput
 
 log = structlog.get_logger("cadenza.api")
 router = APIRouter()

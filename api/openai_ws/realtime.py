@@ -27,7 +27,7 @@ from cadenza.api.sessions.core import ContextSettings, SessionCore, TurnError
 from cadenza.api.sessions.protocol import SamplingOptions
 from cadenza.api.state import ServerState
 from cadenza.api.ws_connection import admit, parse_frame, write_outbox
-from cadenza.engine import EngineClosedError
+from cadenza.engine.async_engine import EngineClosedError
 from cadenza.sampling_params import MaxTokens, SamplingParamsError, describe_error, merge_sampling
 
 log = structlog.get_logger("cadenza.api.realtime")

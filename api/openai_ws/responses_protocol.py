@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from cadenza.api.errors import APIError
 from cadenza.api.sessions.protocol import SamplingOptions
-from cadenza.plugins.context import Message, Turn
+from cadenza.policies.context import Message, Turn
 from cadenza.sampling_params import MaxTokens, Temperature, TopP
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cadenza.plugins.context import Message, Turn
+from cadenza.policies.context import Message, Turn
 
 
 @dataclass

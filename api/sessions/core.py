@@ -25,7 +25,7 @@ from cadenza.api.sessions.conversation import Conversation, flatten
 from cadenza.api.state import ServerState
 from cadenza.config import CadenzaConfig
 from cadenza.models.tokenizer import ChatTemplateError
-from cadenza.plugins.context import (
+from cadenza.policies.context import (
     ContextOverflowError,
     ContextPolicy,
     ContextProvider,
@@ -36,8 +36,8 @@ from cadenza.plugins.context import (
     engine_embedder,
 )
 from cadenza.plugins.errors import PluginError
-from cadenza.plugins.registry import Registries
-from cadenza.prompts import PromptError, tokenize_prompt
+from cadenza.runtime.registries import Registries
+from cadenza.models.prompts import PromptError, tokenize_prompt
 from cadenza.sampling_params import SamplingParams
 
 log = structlog.get_logger("cadenza.api.sessions")

@@ -43,7 +43,7 @@ from cadenza.api.sessions.protocol import (
 )
 from cadenza.api.state import ServerState
 from cadenza.api.ws_connection import CLOSE, MAX_FRAME_CHARS, admit, write_outbox
-from cadenza.engine import EngineClosedError
+from cadenza.engine.async_engine import EngineClosedError
 from cadenza.sampling_params import SamplingParams, SamplingParamsError, merge_sampling
 
 log = structlog.get_logger("cadenza.api.websocket")

@@ -11,7 +11,7 @@ import anyio
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from cadenza.plugins.context import ContextProvider, Embed, Message, ProviderRequest
+from cadenza.policies.context import ContextProvider, Embed, Message, ProviderRequest
 from cadenza.plugins.hookspecs import hookimpl
 
 HEADER = "Passages from the knowledge base that may help with the next question:"

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cadenza.plugins.eviction import KeyedEvictionPolicy
+from cadenza.policies.eviction import KeyedEvictionPolicy
 from cadenza.plugins.hookspecs import hookimpl
 
 __version__ = "0.1.0"

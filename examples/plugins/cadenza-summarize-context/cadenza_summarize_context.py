@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cadenza.plugins.context import ContextPolicy, ContextWindow, Message, Turn
+from cadenza.policies.context import ContextPolicy, ContextWindow, Message, Turn
 from cadenza.plugins.hookspecs import hookimpl
 
 INSTRUCTION = (
