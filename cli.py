@@ -136,6 +136,7 @@ def _config(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from cadenza.config import ConfigError
+    from cadenza.kernels.cpu.loader import KernelUnavailableError
     from cadenza.models.errors import ModelLoadError
     from cadenza.plugins.errors import PluginError
 
@@ -149,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_bench(args)
         return _config(args)
-    except (ConfigError, ModelLoadError, PluginError, ValueError) as exc:
+    except (ConfigError, ModelLoadError, KernelUnavailableError, PluginError, ValueError) as exc:
         print(f"cadenza: error: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `cadenza config schema | head`

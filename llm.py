@@ -17,6 +17,7 @@ import structlog
 from anyio.from_thread import BlockingPortal
 
 from cadenza.config import CadenzaConfig, load_config
+from cadenza.config.flags import KEYWORDS
 from cadenza.engine.async_engine import AsyncEngine
 from cadenza.models.loading import release_free_memory
 from cadenza.config.logging_setup import configure_logging
@@ -26,42 +27,17 @@ from cadenza.runtime.build import Runtime, build_runtime
 from cadenza.pooling_params import PoolingParams
 from cadenza.sampling_params import SamplingParams, completion_seed
 
-# Short keyword names accepted by LLM(...), mapped to their config paths.
-_OVERRIDES = {
-    "dtype": "model.dtype",
-    "device": "model.device",
-    "max_model_len": "model.max_model_len",
-    "num_threads": "model.num_threads",
-    "seed": "model.seed",
-    "cpu_kernels": "model.cpu_kernels",
-    "quantization": "model.quantization",
-    "block_size": "cache.block_size",
-    "num_blocks": "cache.num_blocks",
-    "memory_budget": "cache.memory_budget",
-    "eviction_policy": "cache.eviction_policy",
-    "enable_prefix_caching": "cache.enable_prefix_caching",
-    "max_num_seqs": "scheduler.max_num_seqs",
-    "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
-    "chunk_size": "scheduler.chunk_size",
-    "attention_backend": "attention_backend",
-    "sampler": "sampling.sampler",
-    "logits_processors": "sampling.logits_processors",
-    "plugins": "plugins",
-    "plugin_options": "plugin_options",
-    "speculative_config": "speculative",  # vLLM's name: {"method": "ngram", "num_tokens": 8}
-}
-
-
 def config_overrides(model: str | Path | None, overrides: dict[str, Any]) -> dict[str, Any]:
-    """LLM keyword arguments as dotted config overrides; unknown names raise TypeError."""
+    """LLM keyword arguments as dotted config overrides (the short names of `config.flags.ALIASES`,
+    or dotted keys); unknown names raise TypeError."""
     dotted: dict[str, Any] = {}
     for key, value in overrides.items():
-        if key in _OVERRIDES:
-            dotted[_OVERRIDES[key]] = value
+        if key in KEYWORDS:
+            dotted[KEYWORDS[key]] = value
         elif "." in key:
             dotted[key] = value
         else:
-            known = ", ".join(sorted(_OVERRIDES))
+            known = ", ".join(sorted(KEYWORDS))
             raise TypeError(f"LLM() got an unexpected keyword argument {key!r}; known: {known}, or a dotted config path")
     if model is not None:
         dotted["model.path"] = str(model)

@@ -3,10 +3,11 @@ Responses and Realtime WebSocket APIs, the browser playground at `/`, health and
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from contextlib import asynccontextmanager
-from typing import Any, Literal
+from typing import Any, AsyncContextManager, Callable, Literal
 
 import anyio
 import structlog
@@ -22,7 +23,7 @@ from cadenza.api.openai.schema import ModelList, openapi_schemas
 from cadenza.api.sessions.core import ContextPlugins, SessionCore
 from cadenza.api.state import ServerState, check_api_key, served_model_name, server_state
 from cadenza.engine.async_engine import AsyncEngine
-from cadenza.runtime.build import Runtime
+from cadenza.runtime.served import Served
 
 log = structlog.get_logger("cadenza.api")
 
@@ -31,24 +32,28 @@ log = structlog.get_logger("cadenza.api")
 _OPEN_PATHS = ("/health", "/metrics", "/", "/favicon.ico")
 
 
+# How an app starts its engine: `AsyncEngine.serve`'s signature, less the runtime it is bound to.
+ServeEngine = Callable[..., AsyncContextManager[Any]]
+
+
 class Health(BaseModel):
     status: Literal["ok"]
     model: str
 
 
-def create_app(runtime: Runtime, *, shutdown_grace: float = 10.0) -> FastAPI:
+def create_app(runtime: Served, *, serve_engine: ServeEngine | None = None, shutdown_grace: float = 10.0) -> FastAPI:
+    """The app over `runtime`, served by `serve_engine` (`AsyncEngine.serve`, one engine in this
+    process, unless given: the replica front end's `serve_engine`, an engine over its replicas)."""
     config = runtime.config
+    serve_engine = serve_engine or functools.partial(AsyncEngine.serve, runtime)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        # A data-parallel runtime serves its own engine (cluster/dp_engine.py), with the same interface.
-        serve_engine = getattr(runtime, "serve_engine", None) or AsyncEngine.serve
         async with serve_engine(
-            runtime, shutdown_grace=shutdown_grace, max_pending_tokens=config.server.max_pending_tokens
+            shutdown_grace=shutdown_grace, max_pending_tokens=config.server.max_pending_tokens
         ) as engine:
             app.state.server = ServerState(engine, config, served_model_name(config), ServerMetrics(engine.metrics))
-            if hasattr(engine, "register_metrics"):
-                engine.register_metrics(app.state.server.metrics.registry)
+            engine.register_metrics(app.state.server.metrics.registry)
             # Context providers build their indexes here, once (a folder of documents, say).
             context_plugins = await anyio.to_thread.run_sync(ContextPlugins, config, runtime.registries)
             app.state.session_core = SessionCore(app.state.server, context_plugins)
@@ -66,8 +71,7 @@ def create_app(runtime: Runtime, *, shutdown_grace: float = 10.0) -> FastAPI:
         if app.openapi_schema is None:
             document = FastAPI.openapi(app)
             arch = runtime.loaded.arch
-            extra_params = getattr(runtime, "extra_params", None)
-            names = tuple(extra_params.names) if extra_params is not None else None
+            names = tuple(runtime.extra_params.names) if runtime.extra_params is not None else None
             limits = ServedLimits(arch.vocab_size, arch.hidden_size, names)
             from cadenza.api.openai_ws.responses_protocol import ResponseCreateRequest
             from cadenza.api.tokenizer import REQUEST_MODELS as TOKENIZER_MODELS

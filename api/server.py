@@ -153,18 +153,18 @@ def run_server(config: CadenzaConfig, ask: str | None = None) -> None:
     if config.parallel.data_parallel_size > 1:
         from cadenza.cluster.replicas import start_replicas
 
-        runtime = start_replicas(config)
+        served = start_replicas(config)
+        serve_engine = served.serve_engine
     else:
-        runtime = build_runtime(config)
+        served, serve_engine = build_runtime(config), None  # one engine: AsyncEngine.serve
     try:
-        _serve(config, runtime, ask)
+        _serve(config, create_app(served, serve_engine=serve_engine, shutdown_grace=config.server.shutdown_grace), ask)
     finally:
-        runtime.close()  # tensor-parallel ranks or data-parallel replicas end with the server
+        served.close()  # tensor-parallel ranks or data-parallel replicas end with the server
 
 
-def _serve(config: CadenzaConfig, runtime, ask: str | None) -> None:
+def _serve(config: CadenzaConfig, app, ask: str | None) -> None:
     server = config.server
-    app = create_app(runtime, shutdown_grace=server.shutdown_grace)
     uv_config = uvicorn.Config(
         app,
         host=server.host,

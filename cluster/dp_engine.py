@@ -8,7 +8,7 @@ nothing more. Then either its handle `restarts` (a Ray actor with restarts left)
 meanwhile, and once the restarted replica reports ready the engine connects to it and routes there
 again; or it does not (a local replica): the engine turns unhealthy.
 
-It reads the runtime it serves (`FrontendRuntime`, `replicas.py`) only through `ReplicaSet`'s
+It reads the runtime it serves (`ReplicaFrontEnd`, `replicas.py`) only through `ReplicaSet`'s
 attributes, so this module imports no launcher.
 """
 
@@ -40,7 +40,7 @@ DEATH_SECONDS = 10.0  # longest wait for a replica's handle to see the death its
 
 
 class ReplicaSet(Protocol):
-    """What the engine reads of the runtime it serves (`replicas.FrontendRuntime`)."""
+    """What the engine reads of the runtime it serves (`replicas.ReplicaFrontEnd`)."""
 
     config: Any
     loaded: Any  # .arch, .tokenizer

@@ -2,9 +2,9 @@
 
 The server process loads no model: `start_replicas` checks the deployment's shape
 (`placement.py`), starts the replicas (`replica_server.py`), each a `ManagedProcess`
-(`lifecycle.py`), and returns a `FrontendRuntime` (tokenizer, limits, plugins: what the API layer
+(`lifecycle.py`), and returns a `ReplicaFrontEnd` (tokenizer, limits, plugins: what the API layer
 reads). The app then serves a `DataParallelEngine` (`dp_engine.py`), which has `AsyncEngine`'s
-interface. `FrontendRuntime.close` stops the replicas (and a Ray instance cadenza started), and a
+interface. `ReplicaFrontEnd.close` stops the replicas (and a Ray instance cadenza started), and a
 local one also dies with its parent, so none outlives its server.
 
 A replica with `tensor_parallel_size` > 1 starts its own tensor-parallel group (its ranks, its
@@ -34,6 +34,7 @@ from cadenza.parallel.lifecycle import LocalProcess, ManagedProcess
 from cadenza.parallel.placement import ReplicaShape, plan_replicas, visible_devices
 from cadenza.cluster.kv_transfer import peer_flag
 from cadenza.cluster.replica_server import READY, replica_command
+from cadenza.runtime.served import Served
 
 log = structlog.get_logger(__name__)
 
@@ -42,8 +43,8 @@ STOP_SECONDS = 10.0
 
 
 @dataclass
-class FrontendRuntime:
-    """What the API layer reads of a runtime, for a server whose engines are replicas."""
+class ReplicaFrontEnd(Served):
+    """What a server whose engines are replicas serves: their tokenizer, limits and processes."""
 
     config: CadenzaConfig
     registries: Any
@@ -55,19 +56,9 @@ class FrontendRuntime:
     closed: bool = field(default=False)
     roles: Roles | None = None  # which replicas prefill and which decode, when disaggregated
 
-    @property
-    def tokenizer(self):
-        return self.loaded.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self.loaded.max_model_len
-
-    @property
-    def block_size(self) -> int:
-        return self.config.cache.block_size
-
-    def serve_engine(self, runtime, **kwargs):
+    def serve_engine(self, **kwargs):
+        """The engine over the replicas (`AsyncEngine.serve`'s keywords): data-parallel, or
+        prefill/decode disaggregated when the replicas have roles."""
         if self.roles is not None:
             from cadenza.cluster.pd_engine import DisaggregatedEngine
 
@@ -95,7 +86,7 @@ class FrontendRuntime:
         log.info("Data-parallel replicas stopped", replicas=len(self.replicas))
 
 
-def start_replicas(config: CadenzaConfig) -> FrontendRuntime:
+def start_replicas(config: CadenzaConfig) -> ReplicaFrontEnd:
     """Start `parallel.data_parallel_size` replicas, each of `tensor_parallel_size` ranks, and wait
     until each listens. The shape is checked first (`ConfigError` when it does not fit)."""
     from cadenza.models.loading import load_tokenizer
@@ -128,7 +119,7 @@ def start_replicas(config: CadenzaConfig) -> FrontendRuntime:
     if roles is not None:
         log.info("Disaggregated: prefill and decode replicas", prefill=list(roles.prefill), decode=list(roles.decode),
                  connector=config.parallel.disaggregation.connector)  # fmt: skip
-    return FrontendRuntime(config, plugins.registries, loaded, replicas, pipeline.extra_params, num_blocks, on_close,
+    return ReplicaFrontEnd(config, plugins.registries, loaded, replicas, pipeline.extra_params, num_blocks, on_close,
                            roles=roles)  # fmt: skip
 
 

@@ -2,6 +2,10 @@
 
 `load_config()` returns a validated `CadenzaConfig`; `dump_config()` and `config_reference()` back
 `cadenza config show` and `cadenza config schema`.
+
+May import: the root's plain data only (sampling bounds); every layer above reads its config
+values from here, each value by one owner. `environment.py` declares every environment variable
+cadenza reads; `logging_setup.py` configures structlog.
 """
 
 from __future__ import annotations

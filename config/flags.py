@@ -1,9 +1,13 @@
-"""Command-line flags for the config keys people set most, generated from the config schema.
+"""Short names for the config keys people set most, generated from the config schema: one table,
+read by the command line (flags) and the Python API (`LLM`'s keyword arguments).
 
-Each `ConfigFlag` names a flag (vLLM's name where vLLM has one) and the YAML key it sets; its help
-is that key's description, its choices the key's literal values, and `--help` shows the key
-beside it. `cadenza serve`, `generate`, `config show` and `bench` add their flags from this one
-table, so a flag and its key cannot drift apart. Importing this costs no torch.
+Each `ConfigAlias` names a YAML key and, by default, derives both short names from its last part
+(`scheduler.max_num_seqs`: `--max-num-seqs`, `max_num_seqs=`); vLLM's name is written out where
+it differs, and either name is None where that surface does not offer the key. A flag's help is its
+key's description, its choices the key's literal values, its type the key's (an int key parses
+ints), and `--help` shows the key beside it. `cadenza serve`, `generate`, `config show` and `bench`
+add their flags from this table, and `LLM(...)` maps its keywords through it, so a short name and
+its key cannot drift apart. Importing this costs no torch.
 """
 
 from __future__ import annotations
@@ -17,10 +21,28 @@ from pydantic import BaseModel
 
 from cadenza.config.schema import CadenzaConfig
 
+DERIVED = "derived"  # a short name made from the key's last part
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigAlias:
+    """The config key `path` (dotted, as in the YAML), its command-line flag and its `LLM` keyword."""
+
+    path: str
+    flag: str | None = DERIVED
+    keyword: str | None = DERIVED
+
+    def __post_init__(self) -> None:
+        leaf = self.path.rsplit(".", 1)[-1]
+        if self.flag == DERIVED:
+            object.__setattr__(self, "flag", "--" + leaf.replace("_", "-"))
+        if self.keyword == DERIVED:
+            object.__setattr__(self, "keyword", leaf)
+
 
 @dataclass(frozen=True, slots=True)
 class ConfigFlag:
-    """`flag` sets the config key `path` (dotted, as in the YAML); `type` parses its value."""
+    """`flag` sets the config key `path`; `type` parses its value (the key's own type)."""
 
     flag: str
     path: str
@@ -31,35 +53,45 @@ class ConfigFlag:
         return self.flag.removeprefix("--").replace("-", "_")
 
 
-CONFIG_FLAGS: tuple[ConfigFlag, ...] = (
-    ConfigFlag("--model", "model.path"),
-    ConfigFlag("--dtype", "model.dtype"),
-    ConfigFlag("--device", "model.device"),
-    ConfigFlag("--load-format", "model.load_format"),
-    ConfigFlag("--max-model-len", "model.max_model_len", int),
-    ConfigFlag("--num-threads", "model.num_threads", int),
-    ConfigFlag("--thread-policy", "model.thread_policy"),
-    ConfigFlag("--thread-binding", "model.thread_binding"),
-    ConfigFlag("--quantization", "model.quantization"),
-    ConfigFlag("--cuda-graphs", "model.cuda_graphs"),
-    ConfigFlag("--attention-backend", "attention_backend"),
-    ConfigFlag("--block-size", "cache.block_size", int),
-    ConfigFlag("--kv-cache-memory", "cache.memory_budget"),
-    ConfigFlag("--kv-cache-dtype", "cache.dtype"),
-    ConfigFlag("--max-num-seqs", "scheduler.max_num_seqs", int),
-    ConfigFlag("--max-num-batched-tokens", "scheduler.max_num_batched_tokens", int),
-    ConfigFlag("--tensor-parallel-size", "parallel.tensor_parallel_size", int),
-    ConfigFlag("--data-parallel-size", "parallel.data_parallel_size", int),
-    ConfigFlag("--router", "parallel.router"),
-    ConfigFlag("--launcher", "parallel.launcher"),
-    ConfigFlag("--ray-placement", "parallel.ray_placement"),
-    ConfigFlag("--prefill-replicas", "parallel.disaggregation.prefill", int),
-    ConfigFlag("--decode-replicas", "parallel.disaggregation.decode", int),
-    ConfigFlag("--kv-connector", "parallel.disaggregation.connector"),
-    ConfigFlag("--speculative-method", "speculative.method"),
-    ConfigFlag("--num-speculative-tokens", "speculative.num_tokens", int),
+ALIASES: tuple[ConfigAlias, ...] = (
+    ConfigAlias("model.path", "--model", None),  # `LLM(model)` takes it as its first argument
+    ConfigAlias("model.dtype"),
+    ConfigAlias("model.device"),
+    ConfigAlias("model.load_format"),
+    ConfigAlias("model.max_model_len"),
+    ConfigAlias("model.num_threads"),
+    ConfigAlias("model.thread_policy"),
+    ConfigAlias("model.thread_binding"),
+    ConfigAlias("model.quantization"),
+    ConfigAlias("model.cuda_graphs"),
+    ConfigAlias("model.seed", flag=None),
+    ConfigAlias("model.cpu_kernels", flag=None),
+    ConfigAlias("attention_backend"),
+    ConfigAlias("cache.block_size"),
+    ConfigAlias("cache.memory_budget", "--kv-cache-memory"),
+    ConfigAlias("cache.dtype", "--kv-cache-dtype", "kv_cache_dtype"),
+    ConfigAlias("cache.num_blocks", flag=None),
+    ConfigAlias("cache.eviction_policy", flag=None),
+    ConfigAlias("cache.enable_prefix_caching", flag=None),
+    ConfigAlias("scheduler.max_num_seqs"),
+    ConfigAlias("scheduler.max_num_batched_tokens"),
+    ConfigAlias("scheduler.chunk_size", flag=None),
+    ConfigAlias("parallel.tensor_parallel_size"),
+    ConfigAlias("parallel.data_parallel_size"),
+    ConfigAlias("parallel.router"),
+    ConfigAlias("parallel.launcher"),
+    ConfigAlias("parallel.ray_placement"),
+    ConfigAlias("parallel.disaggregation.prefill", "--prefill-replicas", "prefill_replicas"),
+    ConfigAlias("parallel.disaggregation.decode", "--decode-replicas", "decode_replicas"),
+    ConfigAlias("parallel.disaggregation.connector", "--kv-connector", "kv_connector"),
+    ConfigAlias("speculative.method", "--speculative-method", "speculative_method"),
+    ConfigAlias("speculative.num_tokens", "--num-speculative-tokens", "num_speculative_tokens"),
+    ConfigAlias("speculative", None, "speculative_config"),  # vLLM's: {"method": "ngram", "num_tokens": 8}
+    ConfigAlias("sampling.sampler", flag=None),
+    ConfigAlias("sampling.logits_processors", flag=None),
+    ConfigAlias("plugins", flag=None),
+    ConfigAlias("plugin_options", flag=None),
 )
-BY_FLAG = {f.flag: f for f in CONFIG_FLAGS}
 
 
 def schema_field(path: str):
@@ -73,6 +105,20 @@ def schema_field(path: str):
     if name not in model.model_fields:
         raise KeyError(f"config key {path!r} does not exist")
     return model.model_fields[name]
+
+
+def _parser(annotation) -> Callable[[str], Any]:
+    """How a flag parses its key's value: int for an int key (also `int | None`), else the string
+    (a key that takes `512MiB` as well as a number parses in the schema)."""
+    return int if annotation is int or set(typing.get_args(annotation)) == {int, type(None)} else str
+
+
+# What the command line offers, and what `LLM(...)` takes: both read off ALIASES.
+CONFIG_FLAGS: tuple[ConfigFlag, ...] = tuple(
+    ConfigFlag(a.flag, a.path, _parser(schema_field(a.path).annotation)) for a in ALIASES if a.flag is not None
+)
+BY_FLAG = {f.flag: f for f in CONFIG_FLAGS}
+KEYWORDS: dict[str, str] = {a.keyword: a.path for a in ALIASES if a.keyword is not None}
 
 
 def _choices(annotation) -> list[str] | None:

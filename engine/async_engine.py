@@ -11,6 +11,7 @@ cache manager (blocks, prefix cache) -> runner (model + samplers) -> scheduler -
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 import uuid
@@ -43,6 +44,7 @@ from cadenza.runtime.build import Runtime
 from cadenza.pooling_params import PoolingParams
 from cadenza.sampling_params import SamplingParams
 from cadenza.speculative.setup import built_methods
+from cadenza.kernels.cpu import loader as cpu_kernels
 from cadenza.engine.streams import GenerationOutput, RequestStream
 from cadenza.threads.binding import bind_compute_team, release_compute_team
 from cadenza.threads.governor import thread_governor
@@ -101,7 +103,7 @@ class AsyncEngine:
             extra_params=rt.extra_params,
             speculative_methods=built_methods(rt.runner),
         )
-        bind_compute_team(rt)
+        bind_compute_team(rt.team_plan, functools.partial(cpu_kernels.configure, cfg.model.cpu_kernels))
         self.actors: list[Actor] = [
             IngressActor(
                 ingress_rx,
@@ -146,7 +148,7 @@ class AsyncEngine:
         async with anyio.create_task_group() as tg:
             for actor in engine.actors:
                 await tg.start(engine._supervise, actor)
-            if getattr(runtime, "parallel", None) is not None:
+            if runtime.parallel is not None:
                 tg.start_soon(engine._watch_runtime)
             engine._accepting = True
             log.info("Started engine", actors=[a.name for a in engine.actors], kv_blocks=runtime.num_blocks)
@@ -241,6 +243,10 @@ class AsyncEngine:
     @property
     def num_active_requests(self) -> int:
         return len(self._streams)
+
+    def register_metrics(self, registry) -> None:
+        """Add what the engine reports beyond `metrics` to a Prometheus `registry`: nothing for one
+        engine (the server's metrics read `metrics` itself); an engine over replicas adds theirs."""
 
     # --- requests -------------------------------------------------------------------------------
 

@@ -11,4 +11,7 @@
 - `builtins.py`: registers both through the `register_kv_connectors` hook, as a plugin would.
 
 docs/scale-out.md ("Prefill/decode disaggregation") describes the feature.
+
+May import: plugins/ and the layers below it. Not policies/, its neighbour on this floor;
+cluster/ drives the connectors.
 """

@@ -1,4 +1,9 @@
-"""Model architectures, checkpoint loaders and tokenizers."""
+"""Model architectures, checkpoint loaders and tokenizers.
+
+May import: attention_backends/ (the contract a model calls), plugins/, kernels/, threads/,
+config/ and the root's plain data. Besides architectures and loaders: tokenizers and `prompts.py`
+(what a caller sends, as prompt token ids).
+"""
 
 from cadenza.models.errors import ModelLoadError, UnsupportedModelError
 

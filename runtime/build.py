@@ -19,7 +19,8 @@ from cadenza.runner.device import resolve_device
 from cadenza.runner.model_runner import ModelRunner
 from cadenza.runtime.plugins import Plugins, resolve_plugins
 from cadenza.runtime.registries import Registries
-from cadenza.runtime.shard import ModelShard, build_model_shard, set_rank_threads
+from cadenza.runtime.served import Served
+from cadenza.runtime.shard import ModelShard, build_draft_model, build_model_shard, set_rank_threads
 from cadenza.samplers.base import SamplingContext
 from cadenza.samplers.extra import ExtraParams
 from cadenza.samplers.pipeline import SamplingPipeline
@@ -30,13 +31,14 @@ log = structlog.get_logger(__name__)
 
 
 @dataclass
-class Runtime:
+class Runtime(Served):
+    """One engine's parts, built from its config (`build_runtime`); `AsyncEngine` runs on it."""
+
     config: CadenzaConfig
     registries: Registries
     loaded: LoadedModel
     runner: ModelRunner
     num_blocks: int
-    block_size: int
     # A zero-argument factory: the configured policy class with its `plugin_options` bound.
     eviction_policy_cls: Callable[[], EvictionPolicy]
     extra_params: ExtraParams | None = None  # what `SamplingParams.extra` may name; for the ingress
@@ -44,14 +46,6 @@ class Runtime:
     parallel: Any = None
     # Where the compute thread's team runs (`model.thread_binding`), decided at build; the engine pins it.
     team_plan: TeamPlan | None = None
-
-    @property
-    def tokenizer(self):
-        return self.loaded.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self.loaded.max_model_len
 
     def make_eviction_policy(self) -> EvictionPolicy:
         return self.eviction_policy_cls()
@@ -143,7 +137,7 @@ def _assemble(config: CadenzaConfig, plugins: Plugins, shard: ModelShard, group)
     loaded, device = shard.loaded, shard.loaded.device
     block_size = config.cache.block_size
     pipeline = build_sampling_pipeline(plugins, loaded.arch.vocab_size, loaded.tokenizer, device)
-    speculator = build_speculator(config, plugins, loaded, device)
+    speculator = build_speculator(config, plugins, loaded, device, functools.partial(build_draft_model, device=device))
     runner = ModelRunner(shard.model, shard.kv_caches, shard.backend, pipeline, block_size, device, speculator=speculator)
     runner.graphs = build_decode_graphs(config, shard, runner, group)
     log.info(
@@ -158,5 +152,5 @@ def _assemble(config: CadenzaConfig, plugins: Plugins, shard: ModelShard, group)
         tensor_parallel_size=config.parallel.tensor_parallel_size,
     )
     eviction_policy = functools.partial(plugins.build, plugins.eviction_policy)
-    return Runtime(config, plugins.registries, loaded, runner, shard.num_blocks, block_size, eviction_policy,
+    return Runtime(config, plugins.registries, loaded, runner, shard.num_blocks, eviction_policy,
                    pipeline.extra_params, parallel=group, team_plan=plan_compute_team(config, group, device))  # fmt: skip

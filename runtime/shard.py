@@ -16,6 +16,7 @@ from cadenza.models.loading import LoadedModel, load_model
 from cadenza.runner.device import KERNEL_FLOAT_CACHES, resolve_device, resolve_dtype, resolve_kv_dtype
 from cadenza.runner.kv_cache import allocate_kv_caches, available_memory, size_cache
 from cadenza.runtime.plugins import Plugins
+from cadenza.speculative.base import DraftModel
 
 log = structlog.get_logger(__name__)
 
@@ -109,3 +110,30 @@ def _attention_kernels(config: CadenzaConfig, loaded: LoadedModel, kv_dtype: tor
 
         return loaded.model.kernels or cpu.configure(config.model.cpu_kernels)
     return loaded.model.kernels if loaded.compute_dtype == torch.float32 and kv_dtype in KERNEL_FLOAT_CACHES else None
+
+
+def build_draft_model(*, path: str | None, dtype: str, quantization: str, max_model_len: int, num_slots: int,
+                      block_size: int, eos_token_ids: tuple[int, ...], device: torch.device) -> DraftModel:  # fmt: skip
+    """A draft model for speculative decoding (`ProposerContext.load_draft`): loaded beside the
+    target, with a cache of `num_slots` runs of blocks, each long enough for its whole context,
+    `torch_sdpa` attention and a greedy sampler."""
+    from cadenza.attention_backends.torch_sdpa import TorchSDPABackend
+    from cadenza.runner.model_runner import ModelRunner
+    from cadenza.samplers.base import SamplingContext
+    from cadenza.samplers.default_sampler import DefaultSampler
+    from cadenza.samplers.pipeline import SamplingPipeline
+
+    loaded = load_model(path, dtype=resolve_dtype(dtype), device=device, max_model_len=max_model_len,
+                        cpu_kernels="auto", quantization=quantization)  # fmt: skip
+    arch = loaded.arch
+    blocks_per_slot = -(-loaded.max_model_len // block_size)
+    caches = allocate_kv_caches(arch, num_slots * blocks_per_slot, block_size, loaded.compute_dtype, device)
+    backend = TorchSDPABackend(num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
+                               scale=arch.head_dim**-0.5, block_size=block_size,
+                               sliding_window=arch.sliding_window, device=device)  # fmt: skip
+    if loaded.compute_dtype == torch.float32:
+        backend.use_cpu_kernels(loaded.model.kernels)
+    sampling = SamplingContext(vocab_size=arch.vocab_size, eos_token_ids=eos_token_ids, device=device)
+    runner = ModelRunner(loaded.model, caches, backend, SamplingPipeline(sampling, [], DefaultSampler(sampling)),
+                         block_size, device)  # fmt: skip
+    return DraftModel(runner, arch.vocab_size, loaded.max_model_len, blocks_per_slot, str(loaded.source))

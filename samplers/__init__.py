@@ -2,6 +2,9 @@
 
 The built-in processors and the `default` sampler live in their own modules and reach the engine
 through the plugin registry (`cadenza.samplers.builtins`), like any third-party plugin.
+
+May import: policies/, kv_connectors/, plugins/, models/ and everything below. Not
+speculative/, which sits above it.
 """
 
 from cadenza.samplers.base import (
@@ -14,7 +17,7 @@ from cadenza.samplers.base import (
     SamplingError,
 )
 from cadenza.samplers.extra import ExtraParams, ExtraParamsError
-from cadenza.samplers.pipeline import SamplingPipeline, build_pipeline
+from cadenza.samplers.pipeline import SamplingPipeline
 
 __all__ = [
     "ExtraParams",
@@ -27,5 +30,4 @@ __all__ = [
     "SamplingContext",
     "SamplingError",
     "SamplingPipeline",
-    "build_pipeline",
 ]

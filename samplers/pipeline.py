@@ -170,14 +170,3 @@ def _rows(processor: LogitsProcessor, batch: SamplingBatch) -> list[int]:
         return list(processor.rows_using(batch))
     except Exception:
         return list(range(len(batch)))
-
-
-def build_pipeline(
-    context: SamplingContext,
-    processor_classes: Sequence[type[LogitsProcessor]],
-    sampler_class: type[Sampler],
-) -> SamplingPipeline:
-    """Instantiate the processors (in the given order) and the sampler for one engine."""
-    return SamplingPipeline(
-        context, [cls(context) for cls in processor_classes], sampler_class(context)
-    )

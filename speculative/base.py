@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 from pydantic import BaseModel
 
@@ -36,6 +36,25 @@ class ProposerContext:
     dtype: Any = None
     tokenizer: Any = None
     model_path: str | None = None  # the target's `model.path` (None: the embedded default)
+    # Builds a second model beside the target, for a proposer that drafts with one (the runtime's
+    # `build_draft_model`, bound to the target's device): keyword arguments path, dtype ("auto",
+    # "float32", ...), quantization, max_model_len, num_slots, block_size and eos_token_ids; returns a
+    # `DraftModel`.
+    load_draft: Callable[..., DraftModel] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class DraftModel:
+    """A second model, its own paged cache and a greedy sampler, ready to run steps.
+
+    `runner` runs `execute(chunks)` and `finish_requests(ids)` as the target's model runner does;
+    its cache holds `num_slots` runs of `blocks_per_slot` blocks, one run a request."""
+
+    runner: Any
+    vocab_size: int
+    max_model_len: int
+    blocks_per_slot: int
+    source: str
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,8 +1,8 @@
 """`draft`: a smaller model, in the same process and sharing the tokenizer, guesses greedily.
 
-The draft runs on a `ModelRunner` of its own over a small paged cache: each request it drafts for
-holds one of `num_slots` slots, a fixed run of blocks long enough for `max_model_len` tokens, so
-the draft's cache is contiguous per request and needs no manager. Per call it finds the longest
+The draft runs on a model runner of its own over a small paged cache, both built by the runtime
+(`ProposerContext.load_draft`): each request it drafts for holds one of `num_slots` slots, a fixed
+run of blocks long enough for `max_model_len` tokens, so the draft's cache is contiguous per request and needs no manager. Per call it finds the longest
 common prefix of the tokens it has cached for the request and the request's tokens now (a
 rejected guess, or a preemption, cuts it back), runs the rest as one chunk, then decodes
 `num_tokens - 1` more steps, every request in one batch, taking the argmax each time. A request
@@ -44,40 +44,23 @@ class DraftModelProposer(Proposer):
 
     def __init__(self, context: ProposerContext, options: DraftOptions | None = None) -> None:
         super().__init__(context, options)
-        import torch
-
-        from cadenza.attention_backends.torch_sdpa import TorchSDPABackend
-        from cadenza.runner.kv_cache import allocate_kv_caches
-        from cadenza.runner.model_runner import ModelRunner
-        from cadenza.models.loading import load_model
-        from cadenza.samplers.base import SamplingContext
-        from cadenza.samplers.default_sampler import DefaultSampler
-        from cadenza.samplers.pipeline import SamplingPipeline
         from cadenza.sampling_params import SamplingParams
 
         opts = self.options
-        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-        device = context.device or torch.device("cpu")
+        if context.load_draft is None:
+            raise ValueError("speculative method 'draft' needs a runtime that builds draft models (ProposerContext.load_draft)")
         path = opts.model if opts.model is not None else context.model_path
-        loaded = load_model(path, dtype=dtypes.get(opts.dtype, torch.bfloat16), device=device,
-                            max_model_len=min(opts.max_model_len, context.max_model_len),
-                            cpu_kernels="auto", quantization=opts.quantization)  # fmt: skip
-        arch = loaded.arch
-        if arch.vocab_size != context.vocab_size:
+        draft = context.load_draft(path=path, dtype=opts.dtype, quantization=opts.quantization,
+                                   max_model_len=min(opts.max_model_len, context.max_model_len),
+                                   num_slots=opts.num_slots, block_size=opts.block_size,
+                                   eos_token_ids=context.eos_token_ids)  # fmt: skip
+        if draft.vocab_size != context.vocab_size:
             raise DraftVocabularyError(
-                f"draft model {loaded.source} has a vocabulary of {arch.vocab_size} tokens, the target {context.vocab_size}"
+                f"draft model {draft.source} has a vocabulary of {draft.vocab_size} tokens, the target {context.vocab_size}"
             )
-        self.max_len = loaded.max_model_len
-        self.blocks_per_slot = -(-self.max_len // opts.block_size)
-        caches = allocate_kv_caches(arch, opts.num_slots * self.blocks_per_slot, opts.block_size, loaded.compute_dtype, device)
-        backend = TorchSDPABackend(num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
-                                   scale=arch.head_dim**-0.5, block_size=opts.block_size,
-                                   sliding_window=arch.sliding_window, device=device)  # fmt: skip
-        if loaded.compute_dtype == torch.float32:
-            backend.use_cpu_kernels(loaded.model.kernels)
-        sampling = SamplingContext(vocab_size=arch.vocab_size, eos_token_ids=context.eos_token_ids, device=device)
-        pipeline = SamplingPipeline(sampling, [], DefaultSampler(sampling))
-        self.runner = ModelRunner(loaded.model, caches, backend, pipeline, opts.block_size, device)
+        self.max_len = draft.max_model_len
+        self.blocks_per_slot = draft.blocks_per_slot
+        self.runner = draft.runner
         self.greedy = SamplingParams(temperature=0)
         self._slots: dict[str, int] = {}  # request id -> slot
         self._free = list(range(opts.num_slots))

@@ -18,8 +18,9 @@ def proposer_classes(config, registries) -> list[type]:
     return [registries.proposers.get(name) for name in names]
 
 
-def build_speculator(config, plugins, loaded, device) -> Speculator:
-    """Instantiate the proposers (with their `plugin_options`) for the runner."""
+def build_speculator(config, plugins, loaded, device, load_draft=None) -> Speculator:
+    """Instantiate the proposers (with their `plugin_options`) for the runner; `load_draft` builds
+    a draft model for a proposer that asks (`ProposerContext.load_draft`)."""
     context = ProposerContext(
         vocab_size=loaded.arch.vocab_size,
         eos_token_ids=tuple(loaded.tokenizer.eos_token_ids),
@@ -28,6 +29,7 @@ def build_speculator(config, plugins, loaded, device) -> Speculator:
         dtype=loaded.compute_dtype,
         tokenizer=loaded.tokenizer,
         model_path=config.model.path,
+        load_draft=load_draft,
     )
     proposers = {cls.name: plugins.build(cls, context) for cls in proposer_classes(config, plugins.registries)}
     return Speculator(proposers, config.speculative.method, loaded.arch.vocab_size, config.speculative.token_cost)

@@ -11,7 +11,7 @@ import pytest
 from cadenza.actors.cache_manager import block_hash
 from cadenza.config import load_config
 from cadenza.cluster.dp_engine import DataParallelEngine
-from cadenza.cluster.replicas import FrontendRuntime, start_replicas
+from cadenza.cluster.replicas import ReplicaFrontEnd, start_replicas
 from cadenza.cluster.router import Router, prompt_hashes
 from cadenza.sampling_params import SamplingParams
 
@@ -82,7 +82,7 @@ async def generate(engine: DataParallelEngine, prompt, max_tokens: int) -> tuple
     return tokens, outs
 
 
-def test_every_request_finishes_exactly_once_across_replicas(replicas: FrontendRuntime):
+def test_every_request_finishes_exactly_once_across_replicas(replicas: ReplicaFrontEnd):
     async def scenario():
         finals = {}
         async with DataParallelEngine.serve(replicas) as engine:
@@ -102,7 +102,7 @@ def test_every_request_finishes_exactly_once_across_replicas(replicas: FrontendR
     anyio.run(scenario)
 
 
-def multi_turn_hit_rate(runtime: FrontendRuntime, policy: str, first_token: int) -> float:
+def multi_turn_hit_rate(runtime: ReplicaFrontEnd, policy: str, first_token: int) -> float:
     """3 sessions x 4 turns, each turn's prompt the last prompt, its reply and a new user turn:
     the share of prompt tokens the replicas found in their prefix caches. Turns go one at a time,
     session after session in each round: with an odd number of sessions, round-robin moves every
@@ -132,7 +132,7 @@ def test_the_cache_aware_router_finds_more_of_each_session_cached_than_round_rob
     assert prefix > round_robin
 
 
-def test_a_replica_that_dies_fails_its_requests_and_the_engine(replicas: FrontendRuntime):
+def test_a_replica_that_dies_fails_its_requests_and_the_engine(replicas: ReplicaFrontEnd):
     # Last of the tests on the shared replicas: it kills one.
     runtime = replicas
     victim = runtime.replicas[1].process

@@ -249,7 +249,7 @@ def test_greedy_tokens_equal_one_engine_s_and_a_shared_prefix_is_not_sent_again(
     async def scenario(runtime):
         sent = []
         with anyio.fail_after(SCENARIO_SECONDS):
-            async with runtime.serve_engine(None) as engine:
+            async with runtime.serve_engine() as engine:
                 got = []
                 for prompt in PROMPTS:  # one at a time: each step's bytes are its own
                     before = engine.transfers.bytes_sent, engine.transfers.blocks_sent
@@ -307,7 +307,7 @@ def test_under_ray_the_replicas_meet_in_the_server_s_store_and_give_one_engine_s
 
     async def scenario(runtime):
         with anyio.fail_after(SCENARIO_SECONDS):
-            async with runtime.serve_engine(None) as engine:
+            async with runtime.serve_engine() as engine:
                 got = [(await complete(engine, prompt))[0] for prompt in PROMPTS]
                 audits = [await engine.audit(i) for i in (0, 1)]
                 return got, engine.transfers.blocks_sent, audits
@@ -345,7 +345,7 @@ def killed_mid_transfer(model_path, monkeypatch, victim: int, connector: str = "
     async def scenario(runtime):
         outcomes = {}
         with anyio.fail_after(SCENARIO_SECONDS):
-            async with runtime.serve_engine(None) as engine:
+            async with runtime.serve_engine() as engine:
                 decoding = anyio.Event()
 
                 async def long_decode():  # a prompt of no full block: straight to the decode replica
@@ -414,7 +414,7 @@ def test_a_transfer_that_times_out_between_live_replicas_falls_back_with_the_sam
 
     async def scenario(runtime):
         with anyio.fail_after(SCENARIO_SECONDS):
-            async with runtime.serve_engine(None) as engine:
+            async with runtime.serve_engine() as engine:
                 first = await complete(engine, PROMPT)
                 stats = engine.transfers
                 assert (stats.fallbacks, stats.broken_pairs, stats.transfers, stats.failed) == (1, 1, 0, 0)
@@ -432,11 +432,11 @@ def test_a_transfer_that_times_out_between_live_replicas_falls_back_with_the_sam
         assert audit["problem"] is None and audit["holding"] == 0 and audit["used"] == 0, audit
 
 
-# --- the bench's arithmetic (bench/disagg_bench.py; its check run is in benchmarks/README.md) ----------
+# --- the bench's arithmetic (bench/serving/disagg_bench.py; its check run is in benchmarks/README.md) --
 
 
 def test_the_bench_counts_each_token_of_a_delta_and_only_inside_the_window():
-    from cadenza.bench.disagg_bench import TimedRecord, inter_token_latencies, make_disagg_workload
+    from cadenza.bench.serving.disagg_bench import TimedRecord, inter_token_latencies, make_disagg_workload
 
     record = TimedRecord(0, 4, 100)
     for now, count in ((1.0, 1), (1.1, 1), (1.5, 2), (3.0, 1)):

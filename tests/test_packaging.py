@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # Data files read at run time, by where they live in the tree.
-DATA = ["static/*.html", "kernels/cpu/*.cpp", "kernels/*.h", "config/presets/*.yaml", "config/shapes/*.json", "kernels/cuda/*.cu"]
+DATA = ["static/*.html", "kernels/cpu/*.cpp", "kernels/cpu/*.h", "config/presets/*.yaml", "config/shapes/*.json", "kernels/cuda/*.cu"]
 NOT_PACKAGED = {"tests", "examples", "benchmarks", "build", "docs", ".venv", ".ci", ".git"}
 
 
@@ -44,7 +44,7 @@ def test_every_module_is_in_the_wheel(wheel):
 def test_every_data_file_is_in_the_wheel(wheel):
     names, _ = wheel
     data = {f"cadenza/{p.relative_to(ROOT).as_posix()}" for pattern in DATA for p in ROOT.glob(pattern)}
-    assert "cadenza/static/index.html" in data and "cadenza/kernels/cpu_kernels.cpp" in data
+    assert "cadenza/static/index.html" in data and "cadenza/kernels/cpu/cpu_kernels.cpp" in data
     assert not sorted(data - names)
 
 

@@ -19,7 +19,7 @@ from cadenza.config import ConfigError, load_config
 from cadenza.engine.async_engine import AsyncEngine
 from cadenza.cluster.dp_engine import DataParallelEngine
 from cadenza.cluster.replica_client import REPLICA_FAILED
-from cadenza.cluster.replicas import FrontendRuntime, start_replicas
+from cadenza.cluster.replicas import ReplicaFrontEnd, start_replicas
 from cadenza.cluster.router import Router
 from cadenza.runtime.build import build_runtime
 from cadenza.sampling_params import SamplingParams
@@ -46,7 +46,7 @@ def make_config(model, **overrides):
     return load_config(None, overrides=values, env={})
 
 
-def replica_pids(runtime: FrontendRuntime) -> set[int]:
+def replica_pids(runtime: ReplicaFrontEnd) -> set[int]:
     return {r.address.pid for r in runtime.replicas if r.address is not None}
 
 
@@ -98,7 +98,7 @@ async def generate(engine, prompt, params: SamplingParams) -> tuple[list[int], o
 PROMPTS = [[3 + i, 4, 5, 6] * (1 + i % 3) for i in range(6)]
 
 
-def test_greedy_tokens_through_two_ray_replicas_equal_one_engine(ray_runtime: FrontendRuntime, model_path):
+def test_greedy_tokens_through_two_ray_replicas_equal_one_engine(ray_runtime: ReplicaFrontEnd, model_path):
     async def through(engine) -> list[list[int]]:
         results = []
         for prompt in PROMPTS:
@@ -126,7 +126,7 @@ def test_greedy_tokens_through_two_ray_replicas_equal_one_engine(ray_runtime: Fr
     assert anyio.run(replicated) == want
 
 
-def test_the_router_keeps_each_session_on_the_replica_that_caches_it(ray_runtime: FrontendRuntime):
+def test_the_router_keeps_each_session_on_the_replica_that_caches_it(ray_runtime: ReplicaFrontEnd):
     async def scenario():
         async with DataParallelEngine.serve(ray_runtime) as engine:
             prompts = {s: [300 + s] * 24 for s in range(2)}
@@ -145,14 +145,14 @@ def test_the_router_keeps_each_session_on_the_replica_that_caches_it(ray_runtime
     anyio.run(scenario)
 
 
-def kill_actor(runtime: FrontendRuntime, index: int) -> int:
+def kill_actor(runtime: ReplicaFrontEnd, index: int) -> int:
     """SIGKILL replica `index`'s actor (Ray restarts it); returns the old replica's pid."""
     replica = runtime.replicas[index]
     ray.kill(replica.actor, no_restart=False)
     return replica.address.pid
 
 
-def kill_process(runtime: FrontendRuntime, index: int) -> int:
+def kill_process(runtime: ReplicaFrontEnd, index: int) -> int:
     """SIGKILL replica `index`'s process (its actor exits, Ray restarts it); returns its pid."""
     pid = runtime.replicas[index].address.pid
     os.kill(pid, signal.SIGKILL)
@@ -160,7 +160,7 @@ def kill_process(runtime: FrontendRuntime, index: int) -> int:
 
 
 @pytest.mark.parametrize("kill", [kill_actor, kill_process], ids=["actor", "process"])
-def test_a_killed_replica_fails_its_requests_the_other_serves_and_it_comes_back(ray_runtime: FrontendRuntime, kill):
+def test_a_killed_replica_fails_its_requests_the_other_serves_and_it_comes_back(ray_runtime: ReplicaFrontEnd, kill):
     outcomes: dict[int, tuple[str | None, str | None]] = {}
     old_pid = ray_runtime.replicas[1].address.pid
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Callable, Mapping
 
 import structlog
 
@@ -121,20 +121,20 @@ def plan_compute_team(config, parallel, device) -> TeamPlan:
 _pinned: tuple[object, list[int]] | None = None
 
 
-def bind_compute_team(runtime) -> tuple[int, ...] | None:
-    """Pin the compute thread's team as the runtime's `team_plan` says; the CPUs, or None when the
-    threads stay where the OS puts them (a team an earlier engine pinned is released)."""
+def bind_compute_team(plan: TeamPlan | None, load_kernels: Callable[[], Any]) -> tuple[int, ...] | None:
+    """Pin the compute thread's team as `plan` (the runtime's `team_plan`) says; the CPUs, or None
+    when the threads stay where the OS puts them (a team an earlier engine pinned is released).
+    `load_kernels()` gives the CPU kernels that pin threads, or None where they are unavailable:
+    passed in, as this layer sits below the kernels."""
     global _pinned
-    plan = getattr(runtime, "team_plan", None)
     if plan is None or plan.cpus is None:
         release_compute_team()
         if plan is not None:
             (log.warning if plan.listed else log.debug)("Threads left to the OS", reason=plan.reason)
         return None
     from cadenza.threads import compute_thread
-    from cadenza.kernels.cpu import loader as cpu_kernels
 
-    kernels = cpu_kernels.configure(runtime.config.model.cpu_kernels)
+    kernels = load_kernels()
     if kernels is None:
         (log.warning if plan.listed else log.info)("Threads left to the OS", reason="pinning them needs cadenza's CPU kernels")
         return None

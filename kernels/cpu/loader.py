@@ -37,7 +37,6 @@ from types import ModuleType
 import structlog
 
 from cadenza.kernels.cpu.features import cpu_flags, cpu_has_avx2_fma, cpu_has_avx512_vnni, cpu_has_avx_vnni
-from cadenza.models.errors import ModelLoadError
 
 log = structlog.get_logger(__name__)
 
@@ -62,8 +61,9 @@ ISA_FLAGS = {
 PACK_ROWS = {"avx2": 8, "avx2vnni": 8, "avx512vnni": 16}
 
 
-class KernelUnavailableError(ModelLoadError):
-    """cpu_kernels is "on" but the kernels cannot be built or run here; the message says why."""
+class KernelUnavailableError(RuntimeError):
+    """cpu_kernels is "on" but the kernels cannot be built or run here; the message says why (the CLI
+    reports it in one line, as it does a model that cannot load)."""
 
 
 _lock = threading.Lock()
