@@ -1,8 +1,8 @@
 """cadenza: an asyncio actor-based LLM inference engine."""
 
-from cadenza.threads.compute_thread import apply_openmp_defaults
 from cadenza.kernels.cpu.features import apply_cpu_kind_to_torch
 from cadenza.sampling_params import SamplingParams
+from cadenza.threads.compute_thread import apply_openmp_defaults
 
 # Before torch loads, which reads both once: CADENZA_CPU's kind holds for PyTorch's kernels too,
 # and OpenMP's threads spin briefly before they sleep (docs/cpu-threads.md).

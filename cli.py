@@ -87,8 +87,8 @@ def _generate(args: argparse.Namespace) -> int:
     import anyio
 
     from cadenza.config import load_config
-    from cadenza.engine.async_engine import AsyncEngine
     from cadenza.config.logging_setup import configure_logging
+    from cadenza.engine.async_engine import AsyncEngine
     from cadenza.runtime.build import build_runtime
     from cadenza.sampling_params import SamplingParams
 

@@ -18,14 +18,15 @@ from anyio.from_thread import BlockingPortal
 
 from cadenza.config import CadenzaConfig, load_config
 from cadenza.config.flags import KEYWORDS
+from cadenza.config.logging_setup import configure_logging
 from cadenza.engine.async_engine import AsyncEngine
 from cadenza.models.loading import release_free_memory
-from cadenza.config.logging_setup import configure_logging
-from cadenza.outputs import EmbeddingOutput, RequestOutput, TokenLogprob
 from cadenza.models.prompts import Prompt, PromptError, is_single_prompt, tokenize_prompt
-from cadenza.runtime.build import Runtime, build_runtime
+from cadenza.outputs import EmbeddingOutput, RequestOutput, TokenLogprob
 from cadenza.pooling_params import PoolingParams
+from cadenza.runtime.build import Runtime, build_runtime
 from cadenza.sampling_params import SamplingParams, completion_seed
+
 
 def config_overrides(model: str | Path | None, overrides: dict[str, Any]) -> dict[str, Any]:
     """LLM keyword arguments as dotted config overrides (the short names of `config.flags.ALIASES`,

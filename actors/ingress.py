@@ -20,8 +20,8 @@ from cadenza.actors.messages import (
     UnexpectedMessageError,
 )
 from cadenza.metrics import EngineMetrics
-from cadenza.models.tokenizer import ChatTemplateError, Tokenizer
 from cadenza.models.prompts import PromptError, tokenize_prompt
+from cadenza.models.tokenizer import ChatTemplateError, Tokenizer
 from cadenza.samplers.extra import ExtraParams, ExtraParamsError
 from cadenza.sampling_params import SamplingParams
 

@@ -6,7 +6,6 @@ import time
 
 from anyio.streams.memory import MemoryObjectSendStream
 
-from cadenza.threads import compute_thread
 from cadenza.actors.base import Actor
 from cadenza.actors.messages import (
     ExecuteStep,
@@ -19,8 +18,9 @@ from cadenza.actors.messages import (
     UnexpectedMessageError,
 )
 from cadenza.metrics import EngineMetrics
-from cadenza.runner.model_runner import ModelRunner, StepResult
 from cadenza.outputs import TokenLogprob
+from cadenza.runner.model_runner import ModelRunner, StepResult
+from cadenza.threads import compute_thread
 
 
 class RunnerActor(Actor[RunnerMessage]):

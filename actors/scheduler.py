@@ -17,8 +17,6 @@ import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
 from cadenza.actors.base import Actor
-from cadenza.actors.request_state import Request
-from cadenza.actors.scheduler_core import QueueFullError, SchedulerCore, StepPlan
 from cadenza.actors.messages import (
     AbortRequest,
     AdmitRequest,
@@ -38,6 +36,8 @@ from cadenza.actors.messages import (
     StepOutput,
     UnexpectedMessageError,
 )
+from cadenza.actors.request_state import Request
+from cadenza.actors.scheduler_core import QueueFullError, SchedulerCore, StepPlan
 from cadenza.metrics import EngineMetrics
 
 

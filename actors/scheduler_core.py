@@ -16,10 +16,10 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
+from cadenza.actors.messages import BlockNeed, Candidate, SampledToken, StepAllocation
 from cadenza.actors.request_state import Request
 from cadenza.config import SchedulerConfig
 from cadenza.config.schema import SpeculativeConfig
-from cadenza.actors.messages import BlockNeed, Candidate, SampledToken, StepAllocation
 from cadenza.speculative.policy import SpeculationPolicy
 from cadenza.step import Pooled, PromptLogprobs, ScheduledChunk, Speculation
 

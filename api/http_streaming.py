@@ -24,8 +24,8 @@ from starlette.types import Receive, Scope, Send
 from cadenza.api.errors import APIError, validation_error
 from cadenza.api.metrics import ServerMetrics
 from cadenza.engine.async_engine import AsyncEngine, EngineClosedError
-from cadenza.sampling_params import SamplingParams
 from cadenza.engine.streams import GenerationOutput
+from cadenza.sampling_params import SamplingParams
 
 log = structlog.get_logger("cadenza.api")
 

@@ -21,16 +21,16 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Protocol, Sequence
 import anyio
 import structlog
 
-from cadenza.engine.async_engine import SERVER_SHUTDOWN, EngineClosedError
-from cadenza.metrics import EngineMetrics
-from cadenza.parallel.errors import ReplicaFailedError
-from cadenza.parallel.lifecycle import ManagedProcess
 from cadenza.cluster.replica_client import REPLICA_FAILED, ReplicaClient
 from cadenza.cluster.replica_server import error_output
 from cadenza.cluster.router import Router
-from cadenza.models.prompts import tokenize_prompt
-from cadenza.sampling_params import SamplingParams
+from cadenza.engine.async_engine import SERVER_SHUTDOWN, EngineClosedError
 from cadenza.engine.streams import GenerationOutput
+from cadenza.metrics import EngineMetrics
+from cadenza.models.prompts import tokenize_prompt
+from cadenza.parallel.errors import ReplicaFailedError
+from cadenza.parallel.lifecycle import ManagedProcess
+from cadenza.sampling_params import SamplingParams
 
 log = structlog.get_logger(__name__)
 

@@ -40,13 +40,13 @@ from typing import Any, AsyncIterator
 import anyio
 import structlog
 
-from cadenza.kv_connectors.base import BlockTransfer
 from cadenza.cluster.dp_engine import DataParallelEngine
-from cadenza.parallel.errors import ReplicaFailedError
 from cadenza.cluster.replica_client import KVStepError, ReplicaClient
 from cadenza.cluster.router import prompt_hashes
-from cadenza.sampling_params import SamplingParams
 from cadenza.engine.streams import GenerationOutput
+from cadenza.kv_connectors.base import BlockTransfer
+from cadenza.parallel.errors import ReplicaFailedError
+from cadenza.sampling_params import SamplingParams
 
 log = structlog.get_logger(__name__)
 

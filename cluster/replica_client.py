@@ -10,11 +10,11 @@ from __future__ import annotations
 import anyio
 import structlog
 
-from cadenza.parallel.errors import ReplicaFailedError
-from cadenza.parallel.lifecycle import Address, ManagedProcess
 from cadenza.cluster.replica_server import error_output
 from cadenza.cluster.wire import FrameStream
 from cadenza.engine.streams import GenerationOutput
+from cadenza.parallel.errors import ReplicaFailedError
+from cadenza.parallel.lifecycle import Address, ManagedProcess
 
 log = structlog.get_logger(__name__)
 

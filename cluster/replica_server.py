@@ -24,11 +24,10 @@ import anyio
 import structlog
 from anyio.abc import SocketAttribute
 
-from cadenza.config import environment
-from cadenza.config import CadenzaConfig
-from cadenza.engine.async_engine import AsyncEngine
 from cadenza.cluster.kv_transfer import KVTransferAgent, join_connector
 from cadenza.cluster.wire import FrameStream
+from cadenza.config import CadenzaConfig, environment
+from cadenza.engine.async_engine import AsyncEngine
 from cadenza.engine.streams import GenerationOutput
 
 log = structlog.get_logger(__name__)

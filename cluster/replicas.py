@@ -26,14 +26,14 @@ from typing import Any, Callable
 
 import structlog
 
+from cadenza.cluster.dp_engine import DataParallelEngine
+from cadenza.cluster.kv_transfer import peer_flag
+from cadenza.cluster.replica_server import READY, replica_command
 from cadenza.config import CadenzaConfig
 from cadenza.parallel.disaggregation import Roles, check_connector, plan_disaggregation
-from cadenza.cluster.dp_engine import DataParallelEngine
 from cadenza.parallel.errors import ReplicaFailedError
 from cadenza.parallel.lifecycle import LocalProcess, ManagedProcess
 from cadenza.parallel.placement import ReplicaShape, plan_replicas, visible_devices
-from cadenza.cluster.kv_transfer import peer_flag
-from cadenza.cluster.replica_server import READY, replica_command
 from cadenza.runtime.served import Served
 
 log = structlog.get_logger(__name__)

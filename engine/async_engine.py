@@ -25,9 +25,6 @@ from cadenza.actors.base import Actor, channel
 from cadenza.actors.cache_manager import CacheManagerActor, KVCacheManager
 from cadenza.actors.detokenizer import DetokenizerActor, IncrementalDetokenizer
 from cadenza.actors.ingress import IngressActor, PromptValidator
-from cadenza.actors.runner import RunnerActor
-from cadenza.actors.scheduler import SchedulerActor
-from cadenza.actors.scheduler_core import SchedulerCore
 from cadenza.actors.messages import (
     AbortRequest,
     CacheMessage,
@@ -38,14 +35,17 @@ from cadenza.actors.messages import (
     SubmitRequest,
     SyncCache,
 )
+from cadenza.actors.runner import RunnerActor
+from cadenza.actors.scheduler import SchedulerActor
+from cadenza.actors.scheduler_core import SchedulerCore
+from cadenza.engine.streams import GenerationOutput, RequestStream
+from cadenza.kernels.cpu import loader as cpu_kernels
 from cadenza.metrics import EngineMetrics
 from cadenza.outputs import TextDelta
-from cadenza.runtime.build import Runtime
 from cadenza.pooling_params import PoolingParams
+from cadenza.runtime.build import Runtime
 from cadenza.sampling_params import SamplingParams
 from cadenza.speculative.setup import built_methods
-from cadenza.kernels.cpu import loader as cpu_kernels
-from cadenza.engine.streams import GenerationOutput, RequestStream
 from cadenza.threads.binding import bind_compute_team, release_compute_team
 from cadenza.threads.governor import thread_governor
 

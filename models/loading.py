@@ -11,10 +11,10 @@ from typing import Callable
 import structlog
 import torch
 
-from cadenza.models.config import ModelArchConfig
 from cadenza.kernels.cpu.features import cpu_has_native_bf16
-from cadenza.models.dual_linear import use_dual_precision
+from cadenza.models.config import ModelArchConfig
 from cadenza.models.default_model import default_model_path
+from cadenza.models.dual_linear import use_dual_precision
 from cadenza.models.errors import ModelLoadError
 from cadenza.models.llama import LlamaForCausalLM
 from cadenza.models.quantized_linear import block_layouts
@@ -225,7 +225,13 @@ def _why_not_native(quantization: str, device: torch.device, dtype: torch.dtype,
 
 
 def _read_gguf(path: Path, dtype: torch.dtype, source: str, why_not: str | None):
-    from cadenza.models.gguf_loader import iter_gguf_weights, native_nbytes, open_gguf, plan_native_weights, read_gguf_config
+    from cadenza.models.gguf_loader import (
+        iter_gguf_weights,
+        native_nbytes,
+        open_gguf,
+        plan_native_weights,
+        read_gguf_config,
+    )
     from cadenza.models.gguf_tokenizer import tokenizer_from_gguf
 
     reader = open_gguf(path)

@@ -23,10 +23,16 @@ from dataclasses import dataclass, field
 import structlog
 import torch
 
-from cadenza.config import environment
-from cadenza.config import CadenzaConfig
+from cadenza.config import CadenzaConfig, environment
 from cadenza.parallel.errors import ParallelError, RankFailedError
-from cadenza.parallel.groups import ParallelContext, destroy_group, env_rank, free_port, init_group, launched_by_torchrun
+from cadenza.parallel.groups import (
+    ParallelContext,
+    destroy_group,
+    env_rank,
+    free_port,
+    init_group,
+    launched_by_torchrun,
+)
 from cadenza.parallel.lifecycle import Address, LocalProcess
 from cadenza.parallel.tp_runner import TensorParallelModel
 

@@ -32,7 +32,13 @@ import torch.distributed as dist
 from torch import nn
 
 from cadenza.models.config import ModelArchConfig
-from cadenza.models.quantized_linear import NATIVE_TYPES, PACKED_FLAG, QuantizedEmbedding, QuantizedLinear, QuantizedTensor
+from cadenza.models.quantized_linear import (
+    NATIVE_TYPES,
+    PACKED_FLAG,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    QuantizedTensor,
+)
 from cadenza.parallel.groups import ParallelContext
 from cadenza.parallel.partition import RankPartition, partition
 

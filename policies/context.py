@@ -122,8 +122,8 @@ def engine_embedder(engine: Any, request_id: str) -> Embed:
 
     async def embed(texts: list[str]) -> list[list[float]]:
         # Imported here: importing this module stays cheap (no tokenizer, no torch).
-        from cadenza.pooling_params import PoolingParams
         from cadenza.models.prompts import tokenize_prompt
+        from cadenza.pooling_params import PoolingParams
         from cadenza.sampling_params import SamplingParams
 
         runtime = engine.runtime

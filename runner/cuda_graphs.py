@@ -20,8 +20,8 @@ from typing import Sequence
 import structlog
 import torch
 
-from cadenza.step import ScheduledChunk
 from cadenza.runner.step_inputs import StepInputs, StepLayout, StepPacker, views
+from cadenza.step import ScheduledChunk
 
 log = structlog.get_logger(__name__)
 

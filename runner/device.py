@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -16,11 +16,11 @@ import torch
 from cadenza.attention_backends.base import AttentionBackend
 from cadenza.models.llama import LlamaForCausalLM
 from cadenza.outputs import TokenLogprob
+from cadenza.runner.step_inputs import StepInputs, StepPacker
 from cadenza.samplers.base import SamplerOutput, SamplingBatch, SamplingError
 from cadenza.sampling_params import SamplingParams
 from cadenza.speculative.speculator import Speculator
 from cadenza.step import PENDING_TOKEN, Pooled, PromptLogprobs, ScheduledChunk, Speculation
-from cadenza.runner.step_inputs import StepInputs, StepPacker
 
 __all__ = ["PENDING_TOKEN", "ModelRunner", "ScheduledChunk", "StepResult"]
 

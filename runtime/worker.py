@@ -14,8 +14,7 @@ import sys
 import structlog
 import torch
 
-from cadenza.config import environment
-from cadenza.config import CadenzaConfig
+from cadenza.config import CadenzaConfig, environment
 from cadenza.parallel.groups import destroy_group, env_rank, init_group, loaded_barrier
 from cadenza.parallel.step_codec import Command, Logits, Step, StepChannel
 
@@ -26,9 +25,9 @@ CONFIG_ENV = environment.PARALLEL_CONFIG.name  # the deployment config as JSON, 
 
 def run_worker(config: CadenzaConfig, rank: int, world_size: int) -> int:
     """Join the group as `rank`, load this rank's shard, serve commands until STOP; the exit status."""
-    from cadenza.runtime.shard import build_model_shard, set_rank_threads
     from cadenza.runner.device import resolve_device
     from cadenza.runtime.plugins import resolve_plugins
+    from cadenza.runtime.shard import build_model_shard, set_rank_threads
 
     set_rank_threads(config, world_size)
     ctx = init_group(rank, world_size, resolve_device(config.model.device), config.parallel.backend,

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from cadenza.samplers.base import LogitsProcessor, SamplingBatch
 from cadenza.kernels.rows import row_column
 from cadenza.kernels.top_k_top_p import NEG_INF as _NEG_INF
 from cadenza.kernels.top_k_top_p import mask_top_k_top_p
+from cadenza.samplers.base import LogitsProcessor, SamplingBatch
 
 
 def _index(rows: list[int], cols: list[int], device: torch.device) -> tuple[torch.Tensor, ...]:

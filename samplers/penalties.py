@@ -12,8 +12,8 @@ from typing import Sequence
 
 import torch
 
-from cadenza.samplers.base import LogitsProcessor, SamplingBatch
 from cadenza.kernels.rows import row_column
+from cadenza.samplers.base import LogitsProcessor, SamplingBatch
 
 
 def token_counts(seqs: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:

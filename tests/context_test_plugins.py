@@ -3,8 +3,8 @@ Loaded by a test server through its config's `plugins:` list."""
 
 import anyio
 
-from cadenza.policies.context import ContextProvider
 from cadenza.plugins.hookspecs import hookimpl
+from cadenza.policies.context import ContextProvider
 
 FACT = "Remember: the code word is PELICAN."
 

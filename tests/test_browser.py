@@ -17,9 +17,8 @@ import urllib.request
 import zlib
 
 import pytest
-from websockets.sync.client import connect as ws_connect
-
 from server_process import running_server
+from websockets.sync.client import connect as ws_connect
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium here (make test installs Debian's chromium when it can)")

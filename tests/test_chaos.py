@@ -18,9 +18,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import httpx
-from websockets.asyncio.client import connect
-
 from server_process import running_server
+from websockets.asyncio.client import connect
 
 CHAOS_SECONDS = float(os.environ.get("CHAOS_SECONDS", "20"))
 WS_CLIENTS = 8

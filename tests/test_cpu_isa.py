@@ -15,8 +15,8 @@ import textwrap
 import pytest
 
 from cadenza.config import environment
-from cadenza.kernels.cpu import loader as cpu
 from cadenza.kernels.cpu import features as cpu_features
+from cadenza.kernels.cpu import loader as cpu
 from cadenza.kernels.cpu.features import cpu_has_avx2_fma
 
 CHILD = textwrap.dedent(

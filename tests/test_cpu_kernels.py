@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cadenza.attention_backends.eager import EagerBackend
 from cadenza.attention_backends.base import AttentionMetadata
+from cadenza.attention_backends.eager import EagerBackend
 from cadenza.kernels.cpu import loader as cpu
 from cadenza.kernels.cpu.features import cpu_has_avx2_fma
 
@@ -77,9 +77,9 @@ def test_rms_norm(kernels, size):
 
 @pytest.mark.parametrize("head_dim", [64, 32, 12])
 def test_rotary_in_place_on_a_fused_projection_view(kernels, head_dim):
+    from cadenza.kernels.rotary import apply_rotary
     from cadenza.models.config import RopeConfig
     from cadenza.models.rotary import RotaryEmbedding
-    from cadenza.kernels.rotary import apply_rotary
 
     gen = torch.Generator().manual_seed(head_dim)
     heads, tokens = 5, 6

@@ -11,12 +11,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cadenza.kernels.kv_layout import KV_SCALE_DTYPE, Int8KVCache, quantize_int8, write_kv
 from cadenza.kernels.cuda import loader, rotary_kv, top_k_top_p
 from cadenza.kernels.cuda.rotary_kv import rotary_and_write_kv, rotary_and_write_kv_int8
+from cadenza.kernels.kv_layout import KV_SCALE_DTYPE, Int8KVCache, quantize_int8, write_kv
+from cadenza.kernels.rotary import apply_rotary
 from cadenza.models.config import RopeConfig
 from cadenza.models.rotary import RotaryEmbedding
-from cadenza.kernels.rotary import apply_rotary
 from cadenza.samplers.base import SamplingBatch, SamplingContext
 from cadenza.samplers.logits_processors import TopKTopPProcessor
 from cadenza.sampling_params import SamplingParams

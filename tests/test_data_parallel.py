@@ -9,10 +9,10 @@ import anyio
 import pytest
 
 from cadenza.actors.cache_manager import block_hash
-from cadenza.config import load_config
 from cadenza.cluster.dp_engine import DataParallelEngine
 from cadenza.cluster.replicas import ReplicaFrontEnd, start_replicas
 from cadenza.cluster.router import Router, prompt_hashes
+from cadenza.config import load_config
 from cadenza.sampling_params import SamplingParams
 
 # --- the router alone -------------------------------------------------------------------------------

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from cadenza.config import ConfigError
-from cadenza.runner.cuda_graphs import DecodeGraphRunner, batch_buckets
-from cadenza.llm import LLM
-from cadenza.runtime.build import build_runtime
 from cadenza.config.loader import load_config
+from cadenza.llm import LLM
+from cadenza.runner.cuda_graphs import DecodeGraphRunner, batch_buckets
+from cadenza.runner.step_inputs import PAD_SLOT, StepLayout, StepPacker
+from cadenza.runtime.build import build_runtime
 from cadenza.sampling_params import SamplingParams
 from cadenza.step import ScheduledChunk
-from cadenza.runner.step_inputs import PAD_SLOT, StepLayout, StepPacker
 
 CUDA = torch.cuda.is_available()
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_engine import make_runtime
 
 from cadenza.attention_backends.torch_sdpa import STACK_MAX_QUERY_LEN, TorchSDPABackend
 from cadenza.sampling_params import SamplingParams
 from cadenza.step import ScheduledChunk
-from test_engine import make_runtime
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

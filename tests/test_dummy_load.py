@@ -11,7 +11,7 @@ from cadenza.models.dummy import dummy_tokenizer, fill_module, num_parameters, r
 from cadenza.models.errors import ModelLoadError
 from cadenza.models.loading import load_model
 from tests.model_forward import prefill_logits
-from tests.tiny_models import ARCHITECTURES, _COMMON
+from tests.tiny_models import _COMMON, ARCHITECTURES
 
 # Parameter counts the model cards give (tied embeddings counted once).
 SHIPPED = {"smollm2-135m": 134.5e6, "qwen3-0.6b": 596e6, "llama-3.2-1b": 1.236e9, "llama-3.1-8b": 8.03e9}

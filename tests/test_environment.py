@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from cadenza import cli
-from cadenza.config import environment
-from cadenza.config import load_config
+from cadenza.config import environment, load_config
 from cadenza.config.loader import _env_respelling
 
 ROOT = Path(environment.__file__).parent

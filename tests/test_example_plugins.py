@@ -10,15 +10,15 @@ import threading
 
 import anyio
 import pytest
+from example_plugins import EXAMPLES, install_example_plugins
 
 from cadenza import LLM
 from cadenza.config import load_config
 from cadenza.engine.async_engine import AsyncEngine
-from cadenza.runtime.registries import ALLOWLIST_ENV, ENTRY_POINT_GROUP, load_registries
 from cadenza.runtime.build import build_runtime
 from cadenza.runtime.plugins import resolve_plugins
+from cadenza.runtime.registries import ALLOWLIST_ENV, ENTRY_POINT_GROUP, load_registries
 from cadenza.sampling_params import SamplingParams
-from example_plugins import EXAMPLES, install_example_plugins
 
 DEPLOYMENT = EXAMPLES / "deployment.yaml"
 PROCESSORS = ["banned_words", "min_tokens", "logit_bias", "penalties", "temperature", "min_p", "top_k_top_p"]

@@ -4,10 +4,10 @@ stops it loudly (unhealthy, every open request ended) and never leaves a caller 
 
 import anyio
 import pytest
+from test_engine import assert_no_block_leaked, collect, greedy, make_runtime, random_prompts
 
 from cadenza.engine.async_engine import EngineClosedError
 from cadenza.sampling_params import SamplingParams
-from test_engine import assert_no_block_leaked, collect, greedy, make_runtime, random_prompts
 
 pytestmark = pytest.mark.anyio
 

@@ -23,14 +23,14 @@ import pytest
 import torch
 import transformers
 from gguf import GGMLQuantizationType as Q
+from tiny_models import SPECIAL_TOKENS, build_tokenizer
 
 from cadenza import LLM, SamplingParams
-from cadenza.runner.model_runner import ScheduledChunk
 from cadenza.models.default_model import default_model_path
 from cadenza.models.errors import ModelLoadError, UnsupportedModelError
 from cadenza.models.gguf_loader import iter_gguf_weights, open_gguf, read_gguf_config
 from cadenza.models.loading import load_model
-from tiny_models import SPECIAL_TOKENS, build_tokenizer
+from cadenza.runner.model_runner import ScheduledChunk
 
 BLOCK = 16
 # HF projection -> the cadenza parameter it is fused into (q, k, v rows in that order; gate, up).

@@ -6,12 +6,12 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from model_forward import prefill_logits
 
+from cadenza.models.errors import ModelLoadError
 from cadenza.models.int8_weights import plan_int8_weights, quantize_q8_0
 from cadenza.models.loading import load_model
 from cadenza.models.quantized_linear import QuantizedEmbedding, QuantizedLinear
-from cadenza.models.errors import ModelLoadError
-from model_forward import prefill_logits
 
 
 def test_q8_0_blocks_decode_as_gguf_reads_them():

@@ -13,11 +13,11 @@ from model_forward import chunk_metadata
 from test_attention_backends import BLOCK, DIM, HEADS, KV_HEADS, NUM_BLOCKS, _kernels, dense_reference, make_step
 from test_engine import assert_no_block_leaked, greedy, make_runtime, random_prompts, run_all
 
-from cadenza.kernels.kv_layout import Int8KVCache, quantize_int8, read_kv, write_kv
 from cadenza.attention_backends.eager import EagerBackend
 from cadenza.attention_backends.torch_sdpa import TorchSDPABackend
 from cadenza.config.errors import ConfigError
 from cadenza.engine.async_engine import AsyncEngine
+from cadenza.kernels.kv_layout import Int8KVCache, quantize_int8, read_kv, write_kv
 from cadenza.plugins.hookspecs import hookimpl
 from cadenza.runner.kv_cache import allocate_kv_caches, bytes_per_block, size_cache
 

@@ -6,11 +6,11 @@ import json
 
 import httpx
 import pytest
+from server_process import running_server, wait_for
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from cadenza.config.logging_setup import MASK, configure_logging, redact
-from server_process import running_server, wait_for
 
 KEY = "s3cret-key-0123456789"
 WRONG = "wr0ng-key-9876543210"

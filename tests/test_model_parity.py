@@ -10,8 +10,8 @@ import torch
 import transformers
 
 from cadenza import LLM, SamplingParams
-from cadenza.runner.model_runner import ScheduledChunk
 from cadenza.kernels.cpu.features import cpu_has_avx2_fma
+from cadenza.runner.model_runner import ScheduledChunk
 
 BLOCK = 8
 TOLERANCE = 1e-4

@@ -6,9 +6,7 @@ answered with the API's error events on a connection that carries on."""
 import httpx
 import openai
 import pytest
-
 from openai_fixtures import client, model, server  # noqa: F401 (fixtures)
-
 
 LONG = {"ignore_eos": True, "temperature": 0}
 SYSTEM = "You are careful. Paged attention keeps keys and values in blocks."

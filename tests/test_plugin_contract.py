@@ -10,6 +10,7 @@ import importlib
 
 import pytest
 import torch
+from plugin_contracts import contract_members, covers, hookspec_names
 from pydantic import BaseModel, ConfigDict, Field
 
 from cadenza.actors.cache_manager import KVCacheManager
@@ -20,7 +21,6 @@ from cadenza.samplers.default_sampler import DefaultSampler
 from cadenza.samplers.extra import ExtraParams, ExtraParamsError
 from cadenza.samplers.pipeline import SamplingPipeline
 from cadenza.sampling_params import SamplingParams
-from plugin_contracts import contract_members, covers, hookspec_names
 
 CPU = torch.device("cpu")
 VOCAB = 8

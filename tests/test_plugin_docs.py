@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from plugin_contracts import contract_members, hookspec_names
 
 from cadenza import LLM, SamplingParams
 from cadenza.config import load_config
 from cadenza.runtime.registries import ENTRY_POINT_GROUP
-from plugin_contracts import contract_members, hookspec_names
 
 try:
     import tomllib

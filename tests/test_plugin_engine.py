@@ -9,6 +9,7 @@ import threading
 
 import anyio
 import pytest
+from plugin_contracts import covers
 from pydantic import BaseModel, ConfigDict
 
 from cadenza.attention_backends.base import BackendUnavailableError
@@ -16,13 +17,12 @@ from cadenza.attention_backends.eager import EagerBackend
 from cadenza.attention_backends.triton_paged import TritonPagedBackend
 from cadenza.config import load_config
 from cadenza.engine.async_engine import AsyncEngine
-from cadenza.policies.eviction import LRUPolicy
 from cadenza.plugins.hookspecs import hookimpl
+from cadenza.policies.eviction import LRUPolicy
 from cadenza.runtime.build import build_runtime
 from cadenza.samplers.base import LogitsProcessor
 from cadenza.samplers.default_sampler import DefaultSampler
 from cadenza.sampling_params import SamplingParams
-from plugin_contracts import covers
 
 pytestmark = pytest.mark.anyio
 DEFAULT_PROCESSORS = ["min_tokens", "logit_bias", "penalties", "temperature", "min_p", "top_k_top_p"]
@@ -264,8 +264,8 @@ async def test_attention_backend_plugin_runs_every_step_and_layer(model_path):
 
 @covers("AttentionBackend.supports_int8_kv_cache")
 async def test_an_int8_kv_cache_goes_only_to_a_backend_that_reads_it(model_path):
-    from cadenza.kernels.kv_layout import Int8KVCache
     from cadenza.config import ConfigError
+    from cadenza.kernels.kv_layout import Int8KVCache
 
     runtime = make_runtime(model_path, attention_backend="counting_test", **{"cache.dtype": "int8"})
     assert all(isinstance(cache, Int8KVCache) for cache in runtime.runner.kv_caches)

@@ -17,8 +17,8 @@ from cadenza.attention_backends.base import AttentionBackend
 from cadenza.attention_backends.eager import EagerBackend
 from cadenza.plugins import hookspecs
 from cadenza.plugins.errors import PluginError, UnknownNameError
-from cadenza.policies.eviction import EvictionPolicy, LRUPolicy
 from cadenza.plugins.hookspecs import hookimpl
+from cadenza.policies.eviction import EvictionPolicy, LRUPolicy
 from cadenza.runtime.registries import (
     ALLOWLIST_ENV,
     DEFAULT_PLUGINS,

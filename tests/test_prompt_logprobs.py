@@ -15,15 +15,15 @@ import torch
 from openai_fixtures import client, model, server  # noqa: F401 (fixtures)
 from test_scheduler_core import allocate, make_core, make_request
 
-from cadenza.runner import model_runner
 from cadenza.actors.cache_manager import KVCacheManager
+from cadenza.actors.messages import SampledToken
 from cadenza.actors.scheduler_core import SchedulerCore
 from cadenza.config import load_config
 from cadenza.engine.async_engine import AsyncEngine
 from cadenza.llm import LLM
-from cadenza.actors.messages import SampledToken
 from cadenza.outputs import TokenLogprob
 from cadenza.policies.eviction import LRUPolicy
+from cadenza.runner import model_runner
 from cadenza.runtime.build import build_runtime
 from cadenza.sampling_params import SamplingParams
 from cadenza.step import PromptLogprobs, ScheduledChunk

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from model_forward import chunk_metadata
 
 from cadenza.kernels.cpu import loader as cpu

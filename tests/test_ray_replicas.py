@@ -15,12 +15,12 @@ import anyio
 import psutil
 import pytest
 
-from cadenza.config import ConfigError, load_config
-from cadenza.engine.async_engine import AsyncEngine
 from cadenza.cluster.dp_engine import DataParallelEngine
 from cadenza.cluster.replica_client import REPLICA_FAILED
 from cadenza.cluster.replicas import ReplicaFrontEnd, start_replicas
 from cadenza.cluster.router import Router
+from cadenza.config import ConfigError, load_config
+from cadenza.engine.async_engine import AsyncEngine
 from cadenza.runtime.build import build_runtime
 from cadenza.sampling_params import SamplingParams
 

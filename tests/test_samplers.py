@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from cadenza.config.schema import DEFAULT_LOGITS_PROCESSORS
-from cadenza.sampling_params import SamplingParams
 from cadenza.samplers import (
     LogitsProcessor,
     Sampler,
@@ -14,8 +13,8 @@ from cadenza.samplers import (
     SamplingBatch,
     SamplingContext,
     SamplingPipeline,
+    builtins,
 )
-from cadenza.samplers import builtins
 from cadenza.samplers.default_sampler import DefaultSampler
 from cadenza.samplers.logits_processors import (
     LogitBiasProcessor,
@@ -25,6 +24,7 @@ from cadenza.samplers.logits_processors import (
     TopKTopPProcessor,
 )
 from cadenza.samplers.penalties import PenaltiesProcessor
+from cadenza.sampling_params import SamplingParams
 
 EOS = 2
 CPU = torch.device("cpu")

@@ -8,14 +8,14 @@ import math
 
 import httpx
 import pytest
+from server_process import running_server
+from tiny_models import VOCAB_SIZE
 from websockets.asyncio.client import connect
 
 from cadenza.api.openai.protocol import ChatCompletionRequest, CompletionRequest
 from cadenza.api.sessions.protocol import SamplingOptions
 from cadenza.config import CadenzaConfig, SamplingDefaults
 from cadenza.sampling_params import BOUNDS, SamplingOverrides, SamplingParams, SamplingParamsError
-from server_process import running_server
-from tiny_models import VOCAB_SIZE
 
 VOCAB = VOCAB_SIZE
 

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 import pytest
 
 from cadenza.actors.cache_manager import KVCacheManager
+from cadenza.actors.messages import SampledToken
 from cadenza.actors.request_state import Request
 from cadenza.actors.scheduler_core import QueueFullError, SchedulerCore, StepPlan, TokenEvent
 from cadenza.config import SchedulerConfig
-from cadenza.actors.messages import SampledToken
 from cadenza.policies.eviction import FIFOPolicy, LFUPolicy, LRUPolicy
 from cadenza.sampling_params import SamplingParams
 from cadenza.step import PENDING_TOKEN, ScheduledChunk

@@ -7,9 +7,8 @@ import re
 
 import httpx
 import pytest
-from websockets.asyncio.client import connect
-
 from server_process import running_server
+from websockets.asyncio.client import connect
 
 pytestmark = pytest.mark.anyio
 

@@ -16,6 +16,8 @@ import anyio
 import httpx
 import openai
 import pytest
+from server_process import running_server
+from tiny_models import build_tiny_model
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
@@ -23,8 +25,6 @@ from cadenza.config import load_config
 from cadenza.engine.async_engine import SERVER_SHUTDOWN, AsyncEngine
 from cadenza.runtime.build import build_runtime
 from cadenza.sampling_params import SamplingParams
-from server_process import running_server
-from tiny_models import build_tiny_model
 
 pytestmark = pytest.mark.anyio
 

@@ -10,14 +10,14 @@ from collections import Counter
 
 import anyio
 import pytest
+from plugin_contracts import covers
+from test_engine import assert_no_block_leaked, collect, make_runtime, run_all
 
 from cadenza.plugins.hookspecs import hookimpl
 from cadenza.sampling_params import SamplingParams
 from cadenza.speculative.base import Proposal, ProposalRequest, Proposer
 from cadenza.speculative.ngram import NgramProposer
 from cadenza.speculative.suffix import SuffixProposer
-from plugin_contracts import covers
-from test_engine import assert_no_block_leaked, collect, make_runtime, run_all
 
 pytestmark = pytest.mark.anyio
 

@@ -8,10 +8,11 @@ import random
 
 import numpy as np
 import pytest
+from test_speculative_units import finish, make_core, run_step
 
+from cadenza.actors.messages import SampledToken
 from cadenza.actors.request_state import Request
 from cadenza.config.schema import SpeculativeConfig
-from cadenza.actors.messages import SampledToken
 from cadenza.sampling_params import SamplingParams
 from cadenza.speculative.base import Proposal, ProposalRequest, Proposer
 from cadenza.speculative.ngram import CONFIDENCE_LENGTH, copy_forward, ngram_lookup, ngram_match
@@ -19,7 +20,6 @@ from cadenza.speculative.policy import SpeculationPolicy
 from cadenza.speculative.sizing import MAX_MATCH, GuessSizer, MatchAcceptance, best_length
 from cadenza.speculative.speculator import Speculator
 from cadenza.step import Speculation
-from test_speculative_units import finish, make_core, run_step
 
 # --- the acceptance table and the choice of k -----------------------------------------------------
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from cadenza.actors.cache_manager import KVCacheManager
+from cadenza.actors.messages import SampledToken
 from cadenza.actors.request_state import Request
 from cadenza.actors.scheduler_core import SchedulerCore
 from cadenza.config import SchedulerConfig
 from cadenza.config.schema import SpeculativeConfig
-from cadenza.actors.messages import SampledToken
 from cadenza.metrics import EngineMetrics
 from cadenza.policies.eviction import LRUPolicy
 from cadenza.sampling_params import SamplingParams

@@ -6,8 +6,8 @@ import time
 import anyio
 import pytest
 
-from cadenza.outputs import TextDelta, TokenLogprob
 from cadenza.engine.streams import RequestStream
+from cadenza.outputs import TextDelta, TokenLogprob
 
 pytestmark = pytest.mark.anyio
 

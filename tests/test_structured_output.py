@@ -13,8 +13,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pydantic import BaseModel
 from openai_fixtures import client, model, server  # noqa: F401 (fixtures)
+from pydantic import BaseModel
 
 from cadenza import LLM, SamplingParams
 from cadenza.models.tokenizer import load_hf_tokenizer

@@ -13,7 +13,6 @@ import pytest
 import torch
 from tiny_models import build_tiny_model
 
-from cadenza.threads import compute_thread
 from cadenza.config import load_config
 from cadenza.engine.async_engine import AsyncEngine
 from cadenza.parallel.errors import ShardingError
@@ -21,6 +20,7 @@ from cadenza.parallel.partition import even_ranges, partition
 from cadenza.runtime.build import Runtime, build_runtime
 from cadenza.sampling_params import SamplingParams
 from cadenza.step import ScheduledChunk
+from cadenza.threads import compute_thread
 
 PROMPTS = [list(range(5, 40)), [30, 31, 32], list(range(100, 117))]
 

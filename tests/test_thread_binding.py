@@ -13,8 +13,7 @@ import textwrap
 import pytest
 from pydantic import ValidationError
 
-from cadenza.config import environment
-from cadenza.config import ConfigError, ModelConfig
+from cadenza.config import ConfigError, ModelConfig, environment
 from cadenza.config.schema import parse_cpu_list
 from cadenza.threads.binding import one_cpu_per_core, plan_binding
 
@@ -82,9 +81,9 @@ def test_an_adaptive_team_is_left_to_the_os_and_a_list_refused():
 
 
 def test_data_parallel_replicas_never_pin_by_themselves():
+    from cadenza.cluster.replicas import _one_replica
     from cadenza.config import CadenzaConfig
     from cadenza.parallel.placement import ReplicaShape
-    from cadenza.cluster.replicas import _one_replica
 
     shape = ReplicaShape(replicas=2, ranks=1, threads=1, gpus=False)
     assert _one_replica(CadenzaConfig(), shape).model.thread_binding == "none"  # each would pin the same cores

@@ -13,8 +13,8 @@ import textwrap
 
 import pytest
 
-from cadenza.threads import compute_thread
 from cadenza.config import environment
+from cadenza.threads import compute_thread
 
 SPIN, POLICY = environment.GOMP_SPINCOUNT.name, environment.OMP_WAIT_POLICY.name
 
@@ -156,9 +156,9 @@ def test_a_cpu_snapshot_reads_the_machine_s_busy_time_and_its_own(tmp_path):
 
 
 def test_an_adaptive_engine_builds_its_governor_and_gives_the_same_tokens(model_path):
-    from cadenza.threads import compute_thread
     from cadenza.llm import LLM
     from cadenza.sampling_params import SamplingParams
+    from cadenza.threads import compute_thread
 
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outputs = {}

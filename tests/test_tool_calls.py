@@ -19,8 +19,8 @@ from cadenza.api.openai.tool_parsers import (
     parser_for_template,
 )
 from cadenza.api.openai.tool_schemas import closed_arguments
-from cadenza.models.tokenizer import Tokenizer, load_hf_tokenizer
 from cadenza.models.prompts import ChatPrompt, tokenize_prompt
+from cadenza.models.tokenizer import Tokenizer, load_hf_tokenizer
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",

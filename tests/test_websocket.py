@@ -7,10 +7,9 @@ import socket
 
 import httpx
 import pytest
+from server_process import running_server
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
-
-from server_process import running_server
 
 pytestmark = pytest.mark.anyio
 

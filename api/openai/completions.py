@@ -26,11 +26,11 @@ from cadenza.api.openai.schema import ChatCompletionResponse, CompletionResponse
 from cadenza.api.openai.tool_parsers import ToolCallStream, ToolParser, parser_for_template
 from cadenza.api.openai.tool_schemas import check_tool_schemas
 from cadenza.api.state import ServerState, server_state
-from cadenza.outputs import TokenLogprob
-from cadenza.models.prompts import ChatPrompt
-from cadenza.sampling_params import SamplingParams, StructuredOutputs
-from cadenza.samplers.vocab import token_bytes_lookup
 from cadenza.engine.streams import GenerationOutput
+from cadenza.models.prompts import ChatPrompt
+from cadenza.outputs import TokenLogprob
+from cadenza.samplers.vocab import token_bytes_lookup
+from cadenza.sampling_params import SamplingParams, StructuredOutputs
 
 log = structlog.get_logger("cadenza.api")
 router = APIRouter()

@@ -22,9 +22,9 @@ from cadenza.api.openai.completions import _check_finish
 from cadenza.api.openai.protocol import EmbeddingRequest
 from cadenza.api.openai.schema import EmbeddingResponse, openapi_request_body
 from cadenza.api.state import server_state
+from cadenza.engine.streams import GenerationOutput
 from cadenza.pooling_params import PoolingParams
 from cadenza.sampling_params import SamplingParams
-from cadenza.engine.streams import GenerationOutput
 
 log = structlog.get_logger("cadenza.api")
 router = APIRouter()

@@ -24,7 +24,9 @@ from pydantic import ValidationError
 from cadenza.api.sessions.conversation import Conversation, flatten
 from cadenza.api.state import ServerState
 from cadenza.config import CadenzaConfig
+from cadenza.models.prompts import PromptError, tokenize_prompt
 from cadenza.models.tokenizer import ChatTemplateError
+from cadenza.plugins.errors import PluginError
 from cadenza.policies.context import (
     ContextOverflowError,
     ContextPolicy,
@@ -35,9 +37,7 @@ from cadenza.policies.context import (
     Turn,
     engine_embedder,
 )
-from cadenza.plugins.errors import PluginError
 from cadenza.runtime.registries import Registries
-from cadenza.models.prompts import PromptError, tokenize_prompt
 from cadenza.sampling_params import SamplingParams
 
 log = structlog.get_logger("cadenza.api.sessions")

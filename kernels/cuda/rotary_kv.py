@@ -29,8 +29,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cadenza.kernels.kv_layout import KV_SCALE_DTYPE, Int8KVCache, write_kv
 from cadenza.kernels.cuda import loader
+from cadenza.kernels.kv_layout import KV_SCALE_DTYPE, Int8KVCache, write_kv
 from cadenza.kernels.rotary import apply_rotary
 
 SOURCE = "rotary_kv.cu"

@@ -11,8 +11,8 @@ import anyio
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from cadenza.policies.context import ContextProvider, Embed, Message, ProviderRequest
 from cadenza.plugins.hookspecs import hookimpl
+from cadenza.policies.context import ContextProvider, Embed, Message, ProviderRequest
 
 HEADER = "Passages from the knowledge base that may help with the next question:"
 FUSION_DEPTH = 100  # each ranking's best this many enter a hybrid fusion; deeper ranks add under 1/(k + 100)

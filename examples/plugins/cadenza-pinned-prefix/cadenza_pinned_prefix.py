@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cadenza.policies.eviction import KeyedEvictionPolicy
 from cadenza.plugins.hookspecs import hookimpl
+from cadenza.policies.eviction import KeyedEvictionPolicy
 
 __version__ = "0.1.0"
 

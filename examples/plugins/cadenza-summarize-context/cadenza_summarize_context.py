@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cadenza.policies.context import ContextPolicy, ContextWindow, Message, Turn
 from cadenza.plugins.hookspecs import hookimpl
+from cadenza.policies.context import ContextPolicy, ContextWindow, Message, Turn
 
 INSTRUCTION = (
     "Summarise the conversation below in a few sentences for whoever continues it. "
