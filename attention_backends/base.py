@@ -10,7 +10,8 @@ sequence i lives in block `block_tables[i, t // block_size]` at offset `t % bloc
 tokens' keys and values are written to the flat slots `slot_mapping` (block * block_size + offset).
 With `cache.dtype: int8` a layer's cache is an `Int8KVCache` instead (the same layout in int8, and
 a scale per slot and kv head), given only to a backend class that sets `supports_int8_kv_cache = True`
-(the built-in `torch_sdpa` and `eager` do; `write_kv` and `read_kv` handle both kinds).
+(the built-in `torch_sdpa` and `eager` do; `write_kv` and `read_kv` in kernels/kv_layout.py handle both
+kinds).
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ from typing import ClassVar
 
 import torch
 from pydantic import BaseModel
-
-from cadenza.kernels.kv_layout import Int8KVCache
 
 
 class BackendUnavailableError(RuntimeError):

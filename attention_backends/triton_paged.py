@@ -16,7 +16,7 @@ and sequence length 0 (a zero output).
 from __future__ import annotations
 
 import os
-from typing import ClassVar, Literal
+from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field

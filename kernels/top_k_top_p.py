@@ -1,5 +1,5 @@
 """Top-k then top-p masking of a batch's logits in torch, on any device: the `top_k_top_p`
-processor's implementation (samplers/logits_processors.py), and what cupy_ops' fused kernel falls
+processor's implementation (samplers/logits_processors.py), and what kernels/cuda's fused kernel falls
 back to where it cannot run. A module of its own so that neither of those imports the other."""
 
 from __future__ import annotations

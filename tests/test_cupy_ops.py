@@ -1,4 +1,4 @@
-"""cupy_ops: the torch fallbacks (on CPU), the loader's kernel-or-torch decision (with a fake cupy),
+"""kernels/cuda: the torch fallbacks (on CPU), the loader's kernel-or-torch decision (with a fake cupy),
 and, where CUDA and a matching cupy are present, the NVRTC-compiled kernels against the fallbacks."""
 
 from __future__ import annotations

@@ -173,3 +173,18 @@ def test_keyword_arguments_reach_plugin_options_and_speculation():
     assert (config.speculative.method, config.speculative.num_tokens, config.model.path) == ("suffix", 4, "m.gguf")
     with pytest.raises(TypeError, match="plugin_options"):  # the message lists the known names
         config_overrides(None, {"plugin_option": {}})
+
+
+def test_llm_keywords_and_cli_flags_come_from_one_table():
+    from cadenza.config.flags import ALIASES, BY_FLAG, KEYWORDS, schema_field
+    from cadenza.llm import config_overrides
+
+    for alias in ALIASES:
+        assert schema_field(alias.path).description  # every short name sets a key that exists
+    assert {a.path for a in ALIASES if a.flag} == {f.path for f in BY_FLAG.values()}
+    assert {a.path for a in ALIASES if a.keyword} == set(KEYWORDS.values())
+    # Where both surfaces offer a key they call it the same, but for the one CLI name vLLM gave it.
+    differ = [a.path for a in ALIASES if a.flag and a.keyword and a.flag[2:].replace("-", "_") != a.keyword]
+    assert differ == ["cache.memory_budget"]
+    dotted = config_overrides(None, {"kv_cache_dtype": "int8", "tensor_parallel_size": 2, "max_num_seqs": 4})
+    assert dotted == {"cache.dtype": "int8", "parallel.tensor_parallel_size": 2, "scheduler.max_num_seqs": 4}

@@ -19,7 +19,7 @@ The contract of both functions, for one step's T tokens:
 - Nothing is returned. Inconsistent shapes raise ValueError before anything is touched.
 
 The kernel runs where every tensor is on one CUDA device, the cache is contiguous and cupy's
-kernels are available (cupy_ops.loader); its launch has no host sync, so it can be captured in a
+kernels are available (kernels/cuda/loader.py); its launch has no host sync, so it can be captured in a
 CUDA graph once compiled. Elsewhere the torch fallback runs (`apply_rotary`, then `write_kv`):
 it asks on the host whether any slot is negative, a sync, so it is not for capture.
 """

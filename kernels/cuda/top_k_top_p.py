@@ -35,7 +35,7 @@ def top_k_top_p(logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[floa
     The row's largest logit always survives. These are `TopKTopPProcessor`'s semantics, and its
     lists (`_row_params`) are what this takes.
 
-    The kernel runs for float32 CUDA logits where cupy's kernels are available (cupy_ops.loader),
+    The kernel runs for float32 CUDA logits where cupy's kernels are available (kernels/cuda/loader.py),
     else `mask_top_k_top_p` (the processor's torch path). The two agree except at the nucleus' edge: the kernel keeps
     logits tied there together, and its float sums round otherwise than torch's sort and cumsum,
     so a logit whose preceding mass equals top_p within rounding may go either way.
