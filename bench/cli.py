@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from cadenza.bench.common.setup import ENGINE_FLAG_NOTES, ENGINE_FLAGS, setup_process
+
 PEERS = ("hf", "llamacpp")
 HF_VARIANTS = ("generate", "compiled", "continuous")  # what --compare hf runs
 SERVE_PROTOCOLS = ("ws", "http")
@@ -50,20 +52,6 @@ def _add_common(parser: argparse.ArgumentParser, peers: bool = True) -> None:
         parser.add_argument("--llamacpp-parallel", type=int, default=32,
                             help="llama-server's --parallel in the throughput workload (default 32)")
     parser.add_argument("--verbose", action="store_true", help="show the engine's logs")
-
-
-# The engine flags `cadenza serve` has too, from one table (config/flags.py), with what the bench adds.
-ENGINE_FLAGS = ("--device", "--load-format", "--attention-backend", "--cuda-graphs", "--max-num-seqs", "--kv-cache-memory",
-                "--max-model-len", "--block-size")  # fmt: skip
-ENGINE_FLAG_NOTES = {
-    "--device": "The peers run on the same device.",
-    "--load-format": "With dummy, --model names a config.json, a directory holding one, or a shipped shape "
-                     "(smollm2-135m, qwen3-0.6b, llama-3.2-1b, llama-3.1-8b), seeded by --seed; transformers gets "
-                     "the very same weights.",
-    "--attention-backend": "Default on CUDA: triton.",
-    "--max-num-seqs": "Default: the config's, raised to the bench's batch.",
-    "--kv-cache-memory": "Default on CUDA: the blocks the work holds at once, within the free GPU memory.",
-}
 
 
 def _add_device(parser: argparse.ArgumentParser) -> None:
@@ -138,7 +126,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                                                             "every other repeat (default 1)")
     pd = srv.add_argument_group("disaggregation", "--workload disaggregation: running decodes while long prompts "
                                 "arrive, on `cadenza serve --data-parallel-size 2` colocated and as 1 prefill + 1 "
-                                "decode replica (bench/disagg_bench.py); one rate, default 0.5")
+                                "decode replica (bench/serving/disagg_bench.py); one rate, default 0.5")
     pd.add_argument("--decodes", type=int, default=4, help="requests decoding throughout, whose ITL is measured (default 4)")
     pd.add_argument("--decode-prompt-len", type=int, default=32, help="their prompts' tokens (default 32)")
     pd.add_argument("--decode-tokens", type=int, default=1024,
@@ -167,11 +155,11 @@ def run_bench(args: argparse.Namespace) -> int:
         if args.bench_command == "throughput":
             return _throughput(args)
         if args.bench_command == "serve" and args.workload == "multi-turn":
-            from cadenza.bench.router_bench import serve_multi_turn
+            from cadenza.bench.serving.router_bench import serve_multi_turn
 
             return serve_multi_turn(args)
         if args.bench_command == "serve" and args.workload == "disaggregation":
-            from cadenza.bench.disagg_bench import serve_disaggregation
+            from cadenza.bench.serving.disagg_bench import serve_disaggregation
 
             return serve_disaggregation(args)
         if args.bench_command == "serve":
@@ -182,23 +170,8 @@ def run_bench(args: argparse.Namespace) -> int:
         return 2
 
 
-def _setup_process(args: argparse.Namespace):
-    """Logging and line-buffered output; returns the quiet-machine policy."""
-    import os
-
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if hasattr(sys.stdout, "reconfigure"):
-        sys.stdout.reconfigure(line_buffering=True)  # progress shows as it happens, even in a file
-    from cadenza.bench.quiet import QuietPolicy
-    from cadenza.config.logging_setup import configure_logging
-
-    configure_logging("info" if args.verbose else "warning", "console")
-    return QuietPolicy(threshold=args.quiet_threshold / 100, max_repeats=args.max_repeats,
-                       max_wait_seconds=args.max_wait, enabled=not args.no_quiet_check)
-
-
 def _load_engine(args: argparse.Namespace):
-    from cadenza.bench.engines import CadenzaEngine
+    from cadenza.bench.common.engines import CadenzaEngine
 
     overrides = {"model.seed": args.seed, "model.quantization": args.quantization}
     return CadenzaEngine(args.model, dtype=args.dtype, num_threads=args.num_threads, overrides=overrides,
@@ -208,8 +181,8 @@ def _load_engine(args: argparse.Namespace):
 def _bench_engine(args: argparse.Namespace, config, arch, needs, policy):
     """cadenza's engine for `throughput` and `latency`, with the overrides `plan_engine` gives for
     `needs`; on a GPU the quiet check measures the host but never waits. Returns (engine, notes)."""
-    from cadenza.bench.device import plan_engine
-    from cadenza.bench.engines import CadenzaEngine
+    from cadenza.bench.common.device import plan_engine
+    from cadenza.bench.common.engines import CadenzaEngine
 
     plan = plan_engine(args, config, arch, needs)
     if plan.device.type == "cuda":
@@ -229,12 +202,12 @@ def hf_variants(args: argparse.Namespace, device) -> tuple[str, ...]:
 
 
 def _throughput(args: argparse.Namespace) -> int:
-    from cadenza.bench.device import WorkNeeds, read_bench_config
-    from cadenza.bench.report import environment, write_json
-    from cadenza.bench.throughput import run_throughput
-    from cadenza.bench.workload import bench_workload
+    from cadenza.bench.common.device import WorkNeeds, read_bench_config
+    from cadenza.bench.common.report import environment, write_json
+    from cadenza.bench.common.workload import bench_workload
+    from cadenza.bench.offline.throughput import run_throughput
 
-    policy = _setup_process(args)
+    policy = setup_process(args)
     config, arch = read_bench_config(args)
     workload = bench_workload(args, arch.vocab_size)
     needs = WorkNeeds(tuple(len(r.prompt_token_ids) + r.max_tokens + 1 for r in workload.requests))
@@ -260,14 +233,21 @@ def _throughput(args: argparse.Namespace) -> int:
 
 
 def _latency(args: argparse.Namespace) -> int:
-    from cadenza.bench.ceilings import ModelCost, measure_ceilings
-    from cadenza.bench.device import WorkNeeds, read_bench_config
-    from cadenza.bench.latency import (CadenzaModelProbe, CadenzaProbe, LatencyPlan, add_peer_probes, describe_ceilings,
-                                       render_latency, run_latency)
-    from cadenza.bench.quiet import run_quietly
-    from cadenza.bench.report import environment, write_json
+    from cadenza.bench.common.device import WorkNeeds, read_bench_config
+    from cadenza.bench.common.quiet import run_quietly
+    from cadenza.bench.common.report import environment, write_json
+    from cadenza.bench.offline.ceilings import ModelCost, measure_ceilings
+    from cadenza.bench.offline.latency import (
+        CadenzaModelProbe,
+        CadenzaProbe,
+        LatencyPlan,
+        add_peer_probes,
+        describe_ceilings,
+        render_latency,
+        run_latency,
+    )
 
-    policy = _setup_process(args)
+    policy = setup_process(args)
     plan = LatencyPlan(tuple(args.prefill_lens), args.decode_prompt_len, args.decode_tokens, args.batch_size, args.repeats)
     config, arch = read_bench_config(args)
     needs = WorkNeeds((plan.decode_prompt_len + plan.decode_tokens + 2,) * plan.batch, alone=max(plan.prefill_lens) + 2)
@@ -304,7 +284,7 @@ def _serve(args: argparse.Namespace) -> int:
     import contextlib
     import shlex
 
-    from cadenza.bench.serve_process import check_loopback
+    from cadenza.bench.serving.serve_process import check_loopback
 
     url = check_loopback(args.url) if args.url else None  # refused before anything starts
     args.request_rates = args.request_rates or [1.0, 4.0, math.inf]
@@ -314,13 +294,20 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-duration must be positive, got {args.max_duration}")
     if args.api_key and url is None:
         raise ValueError("--api-key is for a --url server; the launched server needs none")
-    policy = _setup_process(args)
+    policy = setup_process(args)
 
-    from cadenza.bench.report import environment, write_json
-    from cadenza.bench.serve import ServePlan, ServeTarget, run_serve
-    from cadenza.bench.serve_process import (LaunchedServer, get_json, listening_pid, model_vocab_size,
-                                              run_quietly_here, sigterm_raises, wait_healthy)
-    from cadenza.bench.workload import make_workload
+    from cadenza.bench.common.report import environment, write_json
+    from cadenza.bench.common.workload import make_workload
+    from cadenza.bench.serving.serve import ServePlan, ServeTarget, run_serve
+    from cadenza.bench.serving.serve_process import (
+        LaunchedServer,
+        get_json,
+        listening_pid,
+        model_vocab_size,
+        run_quietly_here,
+        sigterm_raises,
+        wait_healthy,
+    )
 
     knows_model = url is None or args.model is not None
     vocab = args.vocab_size or (model_vocab_size(args.model, args.config) if knows_model else 10_000)

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from cadenza.bench import quiet
-from cadenza.bench.ceilings import Ceilings, ModelCost
 from cadenza.bench.cli import main
-from cadenza.bench.llamacpp import write_gguf_as
-from cadenza.bench.llamacpp_build import why_binaries_missing
-from cadenza.bench.report import table
-from cadenza.bench.workload import make_workload
+from cadenza.bench.common import quiet
+from cadenza.bench.common.report import table
+from cadenza.bench.common.workload import make_workload
+from cadenza.bench.offline.ceilings import Ceilings, ModelCost
+from cadenza.bench.peers.llamacpp import write_gguf_as
+from cadenza.bench.peers.llamacpp_build import why_binaries_missing
 from cadenza.models.config import ModelArchConfig, RopeConfig
 
 TINY_THROUGHPUT = ["--num-requests", "4", "--prompt-len", "4", "24", "--output-len", "2", "6", "--no-quiet-check"]
@@ -183,7 +183,7 @@ def test_bf16_gguf_keeps_metadata_and_values(tmp_path):
 
 
 def test_q8_0_gguf_is_the_same_weights_requantized(tmp_path):
-    from cadenza.bench.llamacpp import file_precision, peer_files
+    from cadenza.bench.peers.llamacpp import file_precision, peer_files
     from cadenza.models.default_model import default_model_path
 
     source = default_model_path()
@@ -205,7 +205,7 @@ LLAMACPP_MISSING = why_binaries_missing()
 
 @pytest.mark.skipif(LLAMACPP_MISSING is not None, reason=LLAMACPP_MISSING or "")
 def test_llamacpp_binaries_measure_the_default_file():
-    from cadenza.bench.llamacpp_binaries import LlamaBinaryProbe
+    from cadenza.bench.peers.llamacpp_binaries import LlamaBinaryProbe
     from cadenza.models.default_model import default_model_path
 
     probe = LlamaBinaryProbe(default_model_path(), "Q4_1", num_threads=2)
@@ -217,7 +217,7 @@ def test_llamacpp_binaries_measure_the_default_file():
 
 @pytest.mark.skipif(LLAMACPP_MISSING is not None, reason=LLAMACPP_MISSING or "")
 def test_llama_server_runs_the_workload_and_is_stopped():
-    from cadenza.bench.llamacpp_server import LlamaServerEngine
+    from cadenza.bench.peers.llamacpp_server import LlamaServerEngine
     from cadenza.models.default_model import default_model_path
 
     workload = make_workload(3, (4, 12), (2, 5), seed=0, vocab_size=49152)
@@ -230,8 +230,42 @@ def test_llama_server_runs_the_workload_and_is_stopped():
 
 
 def test_step_rows_times_each_chunk_size(tiny_model_dir, capsys):
-    from cadenza.bench import step_rows
+    from cadenza.bench.features import step_rows
 
     assert step_rows.main(["--model", str(tiny_model_dir("llama3")), "--sizes", "1", "3", "--context", "20", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "context 20 tokens" in out and "1: " in out and "3: " in out and "(1.00x)" in out
+
+
+# --- the bench's own layout ---------------------------------------------------------------------
+
+# Each part of bench/ and the parts it may import (bench/__init__.py's list, bottom to top); the
+# command line (bench/cli.py) may import any of them, and none may import it.
+BENCH_PARTS = {"common": set(), "peers": {"common"}, "offline": {"common", "peers"}, "features": {"common", "offline"},
+               "profiling": {"common", "offline"}, "serving": {"common"}, "cpu": {"common", "peers"}}
+
+
+def test_each_part_of_the_bench_imports_only_the_parts_below_it():
+    import ast
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parent.parent / "bench"
+    assert {p.name for p in bench.iterdir() if (p / "__init__.py").exists()} == BENCH_PARTS.keys()
+    assert {p.name for p in bench.glob("*.py")} == {"__init__.py", "cli.py"}, "a bench module belongs in a part"
+    problems = []
+    for path in bench.rglob("*.py"):
+        part = path.relative_to(bench).parts[0]
+        for node in ast.walk(ast.parse(path.read_text())):  # lazy imports inside functions count too
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("cadenza.bench"):
+                names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            for name in names:
+                target = name.split(".")[2:3]
+                if not target or not name.startswith("cadenza.bench") or part == "cli.py" or target[0] == part:
+                    continue
+                if target[0] == "cli" or target[0] not in BENCH_PARTS[part]:
+                    problems.append(f"{path.relative_to(bench)}:{node.lineno} imports {name}")
+    assert problems == []

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from cadenza.bench.cpu import cpu_kinds
+from cadenza.bench.cpu.cpu_kinds import Comparison, KindPlan, compare, render_kind
+from cadenza.bench.peers import llamacpp_build
 from cadenza.config import environment
-from cadenza.bench import cpu_kinds, llamacpp_build
-from cadenza.bench.cpu_kinds import Comparison, KindPlan, compare, render_kind
 from cadenza.kernels.cpu import features as cpu_features
 
 # What /proc/cpuinfo lists on a Sapphire Rapids (the SIMD part), and what each kind keeps of it.
@@ -57,7 +58,7 @@ def test_a_kind_finds_only_its_own_binaries(cache):
     assert llamacpp_build.find_binary("llama-bench", "native") == cache / "native" / "bin" / "llama-bench"
     assert llamacpp_build.find_binary("llama-bench", "avx2") is None
     why = llamacpp_build.why_binaries_missing("avx2")
-    assert "CPU kind avx2" in why and "python -m cadenza.bench.llamacpp_build --kinds avx2" in why
+    assert "CPU kind avx2" in why and "python -m cadenza.bench.peers.llamacpp_build --kinds avx2" in why
 
 
 def test_the_cpu_backend_counts_as_a_binary(cache):
@@ -227,12 +228,12 @@ def test_the_runner_writes_a_table_per_kind_and_the_json(monkeypatch, tmp_path, 
                             "skipped": {}}}
 
     monkeypatch.setattr(cpu_kinds, "run_kind", fake_run_kind)
-    monkeypatch.setattr("cadenza.bench.llamacpp.file_precision", lambda path: "Q4_1")
+    monkeypatch.setattr("cadenza.bench.peers.llamacpp.file_precision", lambda path: "Q4_1")
     out = tmp_path / "kinds.json"
     assert cpu_kinds.main(["--kinds", "avx2", "native", "--json", str(out), "--", "--num-threads", "2"]) == 0
     printed = capsys.readouterr().out
     assert "#### avx2: skipped: not built" in printed and "#### native: this machine as it is (CADENZA_CPU=native)" in printed
-    assert "python -m cadenza.bench.cpu_kinds --kinds avx2 native --json" in printed
+    assert "python -m cadenza.bench.cpu.cpu_kinds --kinds avx2 native --json" in printed
     saved = json.loads(out.read_text())
     assert saved["plan"]["extra"] == ["--num-threads", "2"] and saved["target_ratio"] == 1.3
     native = saved["kinds"][1]

@@ -14,9 +14,9 @@ import json
 import pytest
 import torch
 
-from cadenza.bench import workload as workload_module
 from cadenza.bench.cli import add_bench_parser, hf_variants, main
-from cadenza.bench.device import WorkNeeds, elapsed_seconds, kv_blocks_for, plan_engine, read_bench_config
+from cadenza.bench.common import workload as workload_module
+from cadenza.bench.common.device import WorkNeeds, elapsed_seconds, kv_blocks_for, plan_engine, read_bench_config
 
 TINY_SHAPE = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=320, hidden_size=64, intermediate_size=128,
@@ -136,9 +136,9 @@ def test_engine_plan_on_cpu_raises_the_batch_and_keeps_the_cache(tiny_shape):
 
 
 def test_engine_plan_on_a_gpu_sizes_the_cache_for_the_work_and_picks_triton(tiny_shape, monkeypatch):
-    import cadenza.runtime.build
+    import cadenza.runner.device
 
-    monkeypatch.setattr(cadenza.runtime.build, "resolve_device", lambda name: torch.device("cuda"))
+    monkeypatch.setattr(cadenza.runner.device, "resolve_device", lambda name: torch.device("cuda"))  # plan_engine's
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 << 30, 80 << 30))
     args = parse("throughput", *dummy_args(tiny_shape), "--compare", "hf")
     needs = WorkNeeds((40, 17, 16))  # blocks of 16: 3 + 2 + 1
@@ -186,7 +186,7 @@ def test_gpu_timing_reads_cuda_events_after_synchronizing(monkeypatch):
 
 
 def test_ceilings_take_a_device_copy_on_a_gpu_and_the_read_rate_on_a_cpu(monkeypatch):
-    from cadenza.bench import ceilings
+    from cadenza.bench.offline import ceilings
 
     assert ceilings.device_copy_bandwidth(1 << 20, torch.device("cpu")) > 0  # the GPU's measure, run here
     cpu = ceilings.measure_ceilings(read_bytes=1 << 20, matmul_shape=(8, 16, 16))

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from cadenza.bench.cli import main
-from cadenza.bench.router_bench import make_multi_turn, metrics_delta
+from cadenza.bench.serving.router_bench import make_multi_turn, metrics_delta
 
 VOCAB = 320  # tests/tiny_models.py
 SIZES = ["--conversations", "3", "--system-prompts", "2", "--system-len", "40", "--turns", "2", "--user-len", "4", "8",

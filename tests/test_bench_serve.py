@@ -7,15 +7,14 @@ import math
 import os
 
 import pytest
+from server_process import running_server
 
 from cadenza.bench.cli import main
-from cadenza.bench.serve import arrival_offsets, with_fresh_prompts
-from cadenza.bench.serve_clients import RequestRecord
-from cadenza.bench.serve_process import check_loopback
-from cadenza.bench.stats import Summary, percentile
-from cadenza.bench.workload import make_workload
-
-from server_process import running_server
+from cadenza.bench.common.workload import make_workload
+from cadenza.bench.serving.serve import arrival_offsets, with_fresh_prompts
+from cadenza.bench.serving.serve_clients import RequestRecord
+from cadenza.bench.serving.serve_process import check_loopback
+from cadenza.bench.serving.stats import Summary, percentile
 
 VOCAB = 320  # tests/tiny_models.py
 SHAPE = ["--prompt-len", "4", "16", "--output-len", "2", "8"]

@@ -355,7 +355,7 @@ def test_the_settings_vllm_users_reach_for_first_are_flags(capsys):
 
 def test_the_common_flags_come_from_the_schema_and_show_their_yaml_key(capsys):
     from cadenza import cli
-    from cadenza.bench.cli import ENGINE_FLAGS
+    from cadenza.bench.common.setup import ENGINE_FLAGS
     from cadenza.config.flags import BY_FLAG, CONFIG_FLAGS, schema_field
 
     assert {"--max-model-len", "--max-num-seqs", "--kv-cache-memory", "--block-size"} <= set(BY_FLAG) >= set(ENGINE_FLAGS)

@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-
 from model_forward import prefill_logits
 
 from cadenza.kernels.cpu.features import cpu_has_avx2_fma
@@ -355,7 +354,7 @@ def test_engine_on_native_path_with_small_cache(kernels):
 
 
 def test_bench_roofline_counts_the_blocks_a_step_reads(default_models):
-    from cadenza.bench.ceilings import ModelCost
+    from cadenza.bench.offline.ceilings import ModelCost
 
     native, exact = default_models
     quantized = ModelCost.from_arch(native.arch, torch.bfloat16, model=native.model)

@@ -1,5 +1,5 @@
 """The machine's CPU time against this process's own, read from /proc (Linux): how much of the CPU
-other processes kept busy. The benchmarks' quiet check (bench/quiet.py) and the adaptive thread
+other processes kept busy. The benchmarks' quiet check (bench/common/quiet.py) and the adaptive thread
 team (threads/governor.py) both read it. Imports nothing heavy."""
 
 from __future__ import annotations
