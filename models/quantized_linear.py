@@ -27,7 +27,7 @@ A fused projection (q/k/v, gate/up) is its parts' rows one after another; parts 
 concatenated into one tensor (rows are independent), parts of different types each write their
 columns of the output.
 
-Q4_0, Q4_1, Q8_0 and Q4_K weights (and Q6_K where the build has 8-row groups) whose rows are a
+Q4_0, Q4_1, Q8_0, Q4_K and Q6_K weights whose rows are a
 multiple of the build's group are re-laid on `use_cpu_kernels` a group of rows at a time
 (kernels/cpu/quant_packed.h; same bytes, the old tensor freed): 16 rows for AVX-512 VNNI (batch-1
 products about 2x faster, a step of 4 rows 1.5x one row instead of 2.5x), 8 for AVX2 and AVX-VNNI

@@ -405,8 +405,7 @@ void quant_pack(const uint8_t* src, int64_t rows, int64_t row_bytes, int64_t qty
 
 bool packs(int64_t qtype) {
   switch (qtype) {
-    case kQ4_0: case kQ4_1: case kQ8_0: case kQ4_K: return true;
-    case kQ6_K: return kPackRows == 8;  // products only in quant_packed8.cpp
+    case kQ4_0: case kQ4_1: case kQ8_0: case kQ4_K: case kQ6_K: return true;
     default: return false;
   }
 }

@@ -154,11 +154,76 @@ inline void packed_dot_group_q4k(const uint8_t* wg, int64_t nblocks, const Quant
   store_group<M>(acc, bias, out, os, accumulate, n);
 }
 
+// Q6_K's 16 rows' int8 scales of a sub-block's two halves of 16 values (byte i of every row at
+// sb + 16 i): each as 16 int32 lanes, and both in one lane (the first in its low int16) for
+// vpmaddwd against the activation's two half sums.
+struct Q6Scales16 {
+  __m512i a, b, pair;
+};
+
+inline Q6Scales16 q6k_scales16(const uint8_t* sb, int j) {
+  const __m512i a = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 16 * (2 * j))));
+  const __m512i b = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sb + 16 * (2 * j + 1))));
+  const __m512i pair = _mm512_or_si512(_mm512_and_si512(a, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(b, 16));
+  return {a, b, pair};
+}
+
+// 64 bytes of 6-bit values (0..63), 16 rows x 4: sub-block s (of its half) from a chunk of ql (low
+// nibbles for s < 2, high ones above) and the matching chunk of qh (bits 2s).
+inline __m512i q6k_values16(const uint8_t* ql, const uint8_t* qh, int s) {
+  const __m512i lo = _mm512_loadu_si512(ql), hi = _mm512_loadu_si512(qh);
+  const __m512i low4 = _mm512_and_si512(s < 2 ? lo : _mm512_srli_epi16(lo, 4), _mm512_set1_epi8(0x0F));
+  const __m512i high2 = _mm512_and_si512(_mm512_srli_epi16(hi, 2 * s), _mm512_set1_epi8(0x03));
+  return _mm512_or_si512(low4, _mm512_slli_epi16(high2, 4));
+}
+
+// Output rows [n, n + 16) of M activation rows from m0 for a packed Q6_K group `wg`. Per sub-block
+// of 32 values, sum(sc * (q - 32) * x) over its two halves of 16 (scales sc_a, sc_b), in int32 and
+// exactly: vpdpbusd sums each half's unsigned q times x (at most 16 x 63 x 127, two chains), the
+// halves' sums are scaled by their int8 scales, and 32 * (sc_a * sum(x_a) + sc_b * sum(x_b)), from
+// the activation's half sums by one vpmaddwd, comes off. The integer equals the 8-row products'
+// (quant_packed8.cpp), so both builds round it alike.
+template <int M>
+inline void packed_dot_group_q6k(const uint8_t* wg, int64_t nblocks, const QuantizedActivations& a, int64_t m0,
+                                 const float* bias, float* out, int64_t os, bool accumulate, int64_t n) {
+  constexpr int64_t R = kPackRows;
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const uint8_t* gb = wg + b * R * PackQ6_K::kBytes;
+    prefetch_ahead(gb, R * PackQ6_K::kBytes);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb)));
+    for (int j = 0; j < 8; ++j) {
+      const int h = j / 4, s = j % 4;
+      const uint8_t* ql = gb + 18 * R + 32 * R * (2 * h + s % 2);
+      const uint8_t* qh = gb + 146 * R + 32 * R * h;
+      const Q6Scales16 sc = q6k_scales16(gb + 2 * R, j);
+      __m512i q[8];
+      for (int k = 0; k < 8; ++k) q[k] = q6k_values16(ql + 4 * R * k, qh + 4 * R * k, s);
+      for (int m = 0; m < M; ++m) {
+        const int8_t* x = a.q.data() + (m0 + m) * a.K + 256 * b + 32 * j;
+        __m512i sa = _mm512_setzero_si512(), sb = _mm512_setzero_si512();
+        for (int k = 0; k < 4; ++k) {
+          sa = _mm512_dpbusd_epi32(sa, q[k], broadcast4(x + 4 * k));
+          sb = _mm512_dpbusd_epi32(sb, q[k + 4], broadcast4(x + 16 + 4 * k));
+        }
+        const int64_t blk = (m0 + m) * a.blocks + 8 * b + j;
+        const __m512i offset = _mm512_madd_epi16(sc.pair, _mm512_set1_epi32(a.qhalves[blk]));
+        __m512i sum = _mm512_add_epi32(_mm512_mullo_epi32(sa, sc.a), _mm512_mullo_epi32(sb, sc.b));
+        sum = _mm512_sub_epi32(sum, _mm512_slli_epi32(offset, 5));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(a.d[blk])), acc[m]);
+      }
+    }
+  }
+  store_group<M>(acc, bias, out, os, accumulate, n);
+}
+
 // One group through the kernel of its layout.
 template <class P, int M>
 inline void dot_group(const uint8_t* wg, int64_t nblocks, const QuantizedActivations& a, int64_t m0, const float* bias,
                       float* out, int64_t os, bool accumulate, int64_t n) {
   if constexpr (std::is_same_v<P, PackQ4_K>) packed_dot_group_q4k<M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
+  else if constexpr (std::is_same_v<P, PackQ6_K>) packed_dot_group_q6k<M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
   else packed_dot_group<P, M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
 }
 
@@ -192,8 +257,7 @@ inline void packed_matmul_of(const QuantizedActivations& a, int64_t M, const uin
 void packed_matmul(const QuantizedActivations& a, int64_t M, const Weight& w, Out out, bool accumulate) {
   with_packed_type(unpacked_type(w.qtype), [&](auto pack) {
     using P = decltype(pack);
-    if constexpr (std::is_same_v<P, PackQ6_K>) fail("this build packs no Q6_K weights (quant.cpp's packs)");
-    else packed_matmul_of<P>(a, M, static_cast<const uint8_t*>(w.data), w.rows, w.cols, w.bias, out.data, out.stride, accumulate);
+    packed_matmul_of<P>(a, M, static_cast<const uint8_t*>(w.data), w.rows, w.cols, w.bias, out.data, out.stride, accumulate);
   });
 }
 

@@ -79,8 +79,7 @@ struct PackQ4_K {
 //   R d (float16) | the 16 scale bytes, byte i of the R rows at 2R + R i |
 //   ql in 4 runs t of 32 bytes, 8 chunks of 4R bytes each at 18R + 32R t + 4R k |
 //   qh in 2 runs h of 32 bytes, chunk k at 146R + 32R h + 4R k
-// (chunk k: bytes [4k, 4k + 4) of each row's run): the file's 210 bytes a row. Only the 8-row builds
-// have products over it (quant_packed8.cpp; `packs` in quant.cpp).
+// (chunk k: bytes [4k, 4k + 4) of each row's run): the file's 210 bytes a row.
 struct PackQ6_K {
   static constexpr int64_t kBytes = 210;
 };
