@@ -15,7 +15,7 @@ import torch
 
 from cadenza.models.config import SUPPORTED_MODEL_TYPES, ModelArchConfig, RopeConfig
 from cadenza.models.errors import ModelLoadError, UnsupportedModelError
-from cadenza.models.gguf_file import GGUFFile
+from cadenza.models.gguf_file import GGUFFile, GGUFTensor
 from cadenza.models.gguf_tokenizer import read_field
 from cadenza.models.quantized_linear import NATIVE_TYPES, QuantizedTensor
 
@@ -136,10 +136,11 @@ def plan_native_weights(reader: GGUFFile, why_not: str | None) -> frozenset[str]
         group = next((f"{hf_name.split(p)[0]}{g}" for p, g in _FUSED_GROUPS.items() if f".{p}." in hf_name), hf_name)
         groups.setdefault(group, []).append((hf_name, native))
     kept = frozenset(n for members in groups.values() if all(ok for _, ok in members) for n, _ in members)
-    by_type: dict[gguf.GGMLQuantizationType, list[bool]] = {}
+    by_type: dict[gguf.GGMLQuantizationType, list[tuple[GGUFTensor, bool]]] = {}
     for tensor in reader.tensors:
-        by_type.setdefault(tensor.tensor_type, []).append(_hf_name(tensor.name) in kept)
-    for qtype, flags in sorted(by_type.items()):
+        by_type.setdefault(tensor.tensor_type, []).append((tensor, _hf_name(tensor.name) in kept))
+    for qtype, members in sorted(by_type.items()):
+        flags = [ok for _, ok in members]
         if all(flags):
             log.info("GGUF tensors run on the quantized kernels", type=qtype.name, tensors=len(flags))
             continue
@@ -149,7 +150,17 @@ def plan_native_weights(reader: GGUFFile, why_not: str | None) -> frozenset[str]
             reason = "no kernel for this type"
         else:
             reason = why_not or "1-D, or fused with a tensor of a type without a kernel"
-        log.info("GGUF tensors de-quantized", type=qtype.name, tensors=len(flags) - sum(flags), reason=reason)
+        if int(qtype) in NATIVE_TYPES or qtype in _FLOAT_TYPES or why_not is not None:
+            log.info("GGUF tensors de-quantized", type=qtype.name, tensors=len(flags) - sum(flags), reason=reason)
+            continue
+        # A type the kernels cannot read: its weights become 16-bit floats, which every token then
+        # reads in full; say so, with the cost, rather than run slower without a word.
+        lost = [t for t, ok in members if not ok and len(t.shape) == 2]
+        file_mib = sum(t.n_bytes for t in lost) / 2**20
+        wide_mib = sum(2 * int(np.prod(t.shape)) for t in lost) / 2**20
+        log.warning("GGUF tensors de-quantized: no kernel reads this type, so each token reads these weights "
+                    "as 16-bit floats", type=qtype.name, tensors=len(flags) - sum(flags), file_mib=round(file_mib, 1),
+                    bf16_mib=round(wide_mib, 1), names=[t.name for t in lost][:8])  # fmt: skip
     return kept
 
 

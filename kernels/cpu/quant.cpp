@@ -155,6 +155,50 @@ struct BlockQ4_K {  // d, dmin (f16), 12 bytes of scales/mins, 128 bytes of nibb
   }
 };
 
+struct BlockQ5_K {  // d, dmin (f16), 12 bytes of scales/mins (as Q4_K's), 32 bytes of high bits, 128 of nibbles
+  static constexpr int64_t kElems = 256, kBytes = 176, kSubs = 8;
+  static constexpr int64_t kType = kQ5_K;
+  static constexpr bool kHasMin = true;
+  using Sub = SubBlock;
+  static void decode(const uint8_t* b, Sub* s) {
+    const float d = half_at(b), dmin = half_at(b + 2);
+    const __m256i low = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(0x01);
+    // Value l of sub-block j: a nibble of byte 32 (j / 2) + l of qs (low for even j), plus 16 when
+    // bit j of qh byte l is set.
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+    auto high = [&](int j) { return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, j), one), 4); };
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 48 + 32 * c));
+      s[2 * c].q = _mm256_or_si256(_mm256_and_si256(v, low), high(2 * c));
+      s[2 * c + 1].q = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), high(2 * c + 1));
+    }
+    for (int j = 0; j < 8; ++j) {
+      int sc, m;
+      q4k_scale_min(b + 4, j, sc, m);
+      s[j].scale = d * static_cast<float>(sc);
+      s[j].minv = -dmin * static_cast<float>(m);
+    }
+  }
+  // Pairs of vpmaddubsw: at most 2 x 31 x 127 < 2^15.
+  static __m256i dot(const Sub& s, __m256i x) { return dot_u8_i8(s.q, x); }
+  static void dequant(const uint8_t* b, float* y) {
+    const float d = half_at(b), dmin = half_at(b + 2);
+    const uint8_t* qh = b + 16;
+    for (int c = 0; c < 4; ++c) {
+      int sc0, m0, sc1, m1;
+      q4k_scale_min(b + 4, 2 * c, sc0, m0);
+      q4k_scale_min(b + 4, 2 * c + 1, sc1, m1);
+      const uint8_t* q = b + 48 + 32 * c;
+      for (int l = 0; l < 32; ++l) {
+        const int lo = (q[l] & 0x0F) | (((qh[l] >> (2 * c)) & 1) << 4);
+        const int hi = (q[l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4);
+        y[64 * c + l] = d * sc0 * static_cast<float>(lo) - dmin * m0;
+        y[64 * c + 32 + l] = d * sc1 * static_cast<float>(hi) - dmin * m1;
+      }
+    }
+  }
+};
+
 struct BlockQ6_K {  // 128 bytes low 4 bits, 64 bytes high 2 bits, 16 int8 scales, d (f16): x = d * sc * (q - 32)
   static constexpr int64_t kElems = 256, kBytes = 210, kSubs = 8;
   static constexpr int64_t kType = kQ6_K;
@@ -213,10 +257,11 @@ inline auto with_block_type(int64_t qtype, F&& f) {
     case kQ4_0: return f(BlockQ4_0{});
     case kQ4_1: return f(BlockQ4_1{});
     case kQ4_K: return f(BlockQ4_K{});
+    case kQ5_K: return f(BlockQ5_K{});
     case kQ6_K: return f(BlockQ6_K{});
     default: break;
   }
-  fail("no kernel for GGML quantization type ", qtype, " (supported: Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)");
+  fail("no kernel for GGML quantization type ", qtype, " (supported: Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)");
 }
 
 // R weight rows at a time share each activation load; M activation rows share each decoded block.
@@ -405,7 +450,7 @@ void quant_pack(const uint8_t* src, int64_t rows, int64_t row_bytes, int64_t qty
 
 bool packs(int64_t qtype) {
   switch (qtype) {
-    case kQ4_0: case kQ4_1: case kQ8_0: case kQ4_K: case kQ6_K: return true;
+    case kQ4_0: case kQ4_1: case kQ8_0: case kQ4_K: case kQ5_K: case kQ6_K: return true;
     default: return false;
   }
 }

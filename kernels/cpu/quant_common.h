@@ -13,7 +13,7 @@
 namespace cadenza {
 
 // GGML's type ids (enum ggml_type), as gguf.GGMLQuantizationType numbers them.
-enum QuantTypeId : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
+enum QuantTypeId : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
 
 inline float half_at(const uint8_t* p) {
   uint16_t h;

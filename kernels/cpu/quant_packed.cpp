@@ -112,16 +112,19 @@ inline void q4k_scales16(const uint8_t* sb, __m512 d, __m512 dmin, __m512* scale
   }
 }
 
-// Output rows [n, n + 16) of M activation rows from m0 for a packed Q4_K group `wg`.
-template <int M>
+// Output rows [n, n + 16) of M activation rows from m0 for a packed Q4_K or Q5_K group `wg` (P):
+// Q5_K's values are Q4_K's nibbles plus 16 where their bit in qh is set, at most 31, which
+// vpdpbusd sums in int32 as it does the nibbles.
+template <class P, int M>
 inline void packed_dot_group_q4k(const uint8_t* wg, int64_t nblocks, const QuantizedActivations& a, int64_t m0,
                                  const float* bias, float* out, int64_t os, bool accumulate, int64_t n) {
+  constexpr bool kFive = std::is_same_v<P, PackQ5_K>;
   __m512 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i low = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(0x01);
   for (int64_t b = 0; b < nblocks; ++b) {
-    const uint8_t* gb = wg + b * kPackRows * PackQ4_K::kBytes;
-    prefetch_ahead(gb, kPackRows * PackQ4_K::kBytes);
+    const uint8_t* gb = wg + b * kPackRows * P::kBytes;
+    prefetch_ahead(gb, kPackRows * P::kBytes);
     __m512 scale[8], minv[8];
     q4k_scales16(gb + 64, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb))),
                  _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 32))), scale, minv);
@@ -131,6 +134,11 @@ inline void packed_dot_group_q4k(const uint8_t* wg, int64_t nblocks, const Quant
         const __m512i v = _mm512_loadu_si512(gb + 256 + 512 * c + 64 * k);
         lo[k] = _mm512_and_si512(v, low);
         hi[k] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        if constexpr (kFive) {  // bits 2c and 2c + 1 of the chunk's qh bytes, moved to bit 4
+          const __m512i h = _mm512_loadu_si512(gb + 144 * kPackRows + 64 * k);
+          lo[k] = _mm512_or_si512(lo[k], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * c), one), 4));
+          hi[k] = _mm512_or_si512(hi[k], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * c + 1), one), 4));
+        }
       }
       for (int m = 0; m < M; ++m) {
         const int64_t blk = (m0 + m) * a.blocks + 8 * b + 2 * c;
@@ -222,7 +230,8 @@ inline void packed_dot_group_q6k(const uint8_t* wg, int64_t nblocks, const Quant
 template <class P, int M>
 inline void dot_group(const uint8_t* wg, int64_t nblocks, const QuantizedActivations& a, int64_t m0, const float* bias,
                       float* out, int64_t os, bool accumulate, int64_t n) {
-  if constexpr (std::is_same_v<P, PackQ4_K>) packed_dot_group_q4k<M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
+  if constexpr (std::is_same_v<P, PackQ4_K> || std::is_same_v<P, PackQ5_K>)
+    packed_dot_group_q4k<P, M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
   else if constexpr (std::is_same_v<P, PackQ6_K>) packed_dot_group_q6k<M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
   else packed_dot_group<P, M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
 }

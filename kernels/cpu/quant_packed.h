@@ -1,4 +1,4 @@
-// GGUF's 32-value block types (Q4_0, Q4_1, Q8_0), Q4_K and Q6_K re-laid kPackRows output rows at a time
+// GGUF's 32-value block types (Q4_0, Q4_1, Q8_0), Q4_K, Q5_K and Q6_K re-laid kPackRows output rows at a time
 // (16 for AVX-512's 512-bit vectors, 8 for AVX2's 256-bit ones): one instruction then computes a
 // 4-value integer dot product for that many rows at once, and the float scaling of a block (its
 // scale times the activation's) runs once per group of rows, not per row.
@@ -73,6 +73,13 @@ struct PackQ4_K {
   static constexpr int64_t kBytes = 144;
 };
 
+// Q5_K: Q4_K's super-block with a fifth bit a value (bit j of the file's qh byte l: value l of
+// sub-block j). A group-block is Q4_K's (d, dmin, scale bytes, the nibbles' 4 pairs of 8 chunks at
+// 16R + 32R c) with the 32 qh bytes after it, chunk k at 144R + 4R k: the file's 176 bytes a row.
+struct PackQ5_K {
+  static constexpr int64_t kBytes = 176;
+};
+
 // Q6_K: 256-value super-blocks of 16 int8 scales (one per 16 values); each value's low 4 bits in ql
 // (128 bytes: value l of sub-block j = 4h + s is the low (s < 2) or high nibble of ql byte
 // 64h + 32 (s % 2) + l) and its high 2 bits in qh (bits 2s of byte 32h + l). A group-block is
@@ -97,10 +104,11 @@ inline auto with_packed_type(int64_t qtype, F&& f) {
     case kQ4_1: return f(PackQ4_1{});
     case kQ8_0: return f(PackQ8_0{});
     case kQ4_K: return f(PackQ4_K{});
+    case kQ5_K: return f(PackQ5_K{});
     case kQ6_K: return f(PackQ6_K{});
     default: break;
   }
-  fail("GGML type ", qtype, " has no packed layout (Q4_0, Q4_1, Q8_0, Q4_K and Q6_K do)");
+  fail("GGML type ", qtype, " has no packed layout (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K do)");
 }
 
 inline bool is_packed(int64_t qtype) { return (qtype & kPackedFlag) != 0; }
@@ -111,12 +119,15 @@ inline int64_t unpacked_type(int64_t qtype) { return qtype & ~kPackedFlag; }
 // for packing and for re-assembling a row's block alike.
 template <class P, class F>
 inline void for_each_field(F&& f) {
-  if constexpr (std::is_same_v<P, PackQ4_K>) {
+  if constexpr (std::is_same_v<P, PackQ4_K> || std::is_same_v<P, PackQ5_K>) {
+    constexpr int64_t qs = std::is_same_v<P, PackQ5_K> ? 48 : 16;               // the nibbles, in the file's block
     f(0, 0, 2);                                                                   // d
     f(2, 2 * kPackRows, 2);                                                       // dmin
     for (int64_t i = 0; i < 12; ++i) f(4 + i, 4 * kPackRows + kPackRows * i, 1);  // the scale bytes
     for (int64_t c = 0; c < 4; ++c)
-      for (int64_t k = 0; k < 8; ++k) f(16 + 32 * c + 4 * k, 16 * kPackRows + 32 * kPackRows * c + 4 * kPackRows * k, 4);
+      for (int64_t k = 0; k < 8; ++k) f(qs + 32 * c + 4 * k, 16 * kPackRows + 32 * kPackRows * c + 4 * kPackRows * k, 4);
+    if constexpr (std::is_same_v<P, PackQ5_K>)
+      for (int64_t k = 0; k < 8; ++k) f(16 + 4 * k, 144 * kPackRows + 4 * kPackRows * k, 4);  // qh
   } else if constexpr (std::is_same_v<P, PackQ6_K>) {
     f(208, 0, 2);                                                                   // d
     for (int64_t i = 0; i < 16; ++i) f(192 + i, 2 * kPackRows + kPackRows * i, 1);  // the scales

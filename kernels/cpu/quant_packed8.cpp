@@ -52,11 +52,13 @@ inline __m256i pinned(__m256i v) {
   return v;
 }
 
-// The sum over a run of chunks of nibbles u (each byte < 16) times 4 broadcast activation bytes:
-// one int32 lane a row. AVX2 sums the pairs of vpmaddubsw in int16, exact for up to 8 chunks
-// (8 x 2 x 15 x 127 = 30480 < 2^15; activations are within +-127); VNNI adds into int32 in two
-// chains, so that consecutive vpdpbusd do not wait on each other.
-class NibbleDots {
+// The sum over a run of chunks of small unsigned bytes u (nibbles, or Q5_K's 5-bit values) times 4
+// broadcast activation bytes: one int32 lane a row. AVX2 sums the pairs of vpmaddubsw in int16 for
+// kInt16Chunks chunks before widening to int32: 8 of nibbles (8 x 2 x 15 x 127 = 30480 < 2^15;
+// activations are within +-127), 4 of 5-bit values (4 x 2 x 31 x 127 = 31496). VNNI adds into int32
+// in two chains, so that consecutive vpdpbusd do not wait on each other.
+template <int kInt16Chunks>
+class ByteDots {
  public:
   // Chunk k of the run (k even and odd alternate between the chains).
   void add(int k, __m256i u, __m256i x) {
@@ -64,18 +66,24 @@ class NibbleDots {
     if (k % 2) s1_ = dpbusd(s1_, u, x);
     else s0_ = dpbusd(s0_, u, x);
 #else
-    (void)k;
     s0_ = pinned(_mm256_add_epi16(s0_, _mm256_maddubs_epi16(u, x)));
+    if (kInt16Chunks < 8 && k % kInt16Chunks == kInt16Chunks - 1 && k < 7) {
+      s1_ = _mm256_add_epi32(s1_, _mm256_madd_epi16(s0_, _mm256_set1_epi16(1)));
+      s0_ = _mm256_setzero_si256();
+    }
 #endif
   }
   __m256i sum() const {
     if constexpr (kVnni) return _mm256_add_epi32(s0_, s1_);
-    return _mm256_madd_epi16(s0_, _mm256_set1_epi16(1));
+    const __m256i last = _mm256_madd_epi16(s0_, _mm256_set1_epi16(1));
+    return kInt16Chunks < 8 ? _mm256_add_epi32(s1_, last) : last;
   }
 
  private:
   __m256i s0_ = _mm256_setzero_si256(), s1_ = _mm256_setzero_si256();
 };
+
+using NibbleDots = ByteDots<8>;
 
 // The weight's offset left in the integer sum: Q8_0's stored q + 128 under VNNI (unsigned x signed);
 // AVX2 recovers the signed q instead (vpmaddubsw's int16 pairs would overflow on 255 x 127).
@@ -203,24 +211,32 @@ inline void q4k_scales8(const uint8_t* sb, __m256 d, __m256 dmin, __m256* scale,
   }
 }
 
-// Output rows [n, n + 8) of M activation rows from m0 for a packed Q4_K group `wg`.
-template <int M>
+// Output rows [n, n + 8) of M activation rows from m0 for a packed Q4_K or Q5_K group `wg` (P):
+// Q5_K's values are Q4_K's nibbles plus 16 where their bit in qh is set.
+template <class P, int M>
 inline void packed_dot_group_q4k(const uint8_t* wg, int64_t nblocks, const QuantizedActivations& a, int64_t m0,
                                  const float* bias, float* out, int64_t os, bool accumulate, int64_t n) {
+  constexpr bool kFive = std::is_same_v<P, PackQ5_K>;
+  using Dots = ByteDots<kFive ? 4 : 8>;
   __m256 acc[M], macc[M];
   for (int m = 0; m < M; ++m) acc[m] = macc[m] = _mm256_setzero_ps();
-  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i low = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(0x01);
   for (int64_t b = 0; b < nblocks; ++b) {
-    const uint8_t* gb = wg + b * kPackRows * PackQ4_K::kBytes;
-    prefetch_ahead(gb, kPackRows * PackQ4_K::kBytes);
+    const uint8_t* gb = wg + b * kPackRows * P::kBytes;
+    prefetch_ahead(gb, kPackRows * P::kBytes);
     __m256 scale[8], minv[8];
     q4k_scales8(gb + 4 * kPackRows, load_halves8(gb), load_halves8(gb + 2 * kPackRows), scale, minv);
     for (int c = 0; c < 4; ++c) {  // sub-blocks 2c (low nibbles) and 2c + 1 (high)
       const uint8_t* chunks = gb + 16 * kPackRows + 32 * kPackRows * c;
-      NibbleDots lo_dots[M], hi_dots[M];
+      Dots lo_dots[M], hi_dots[M];
       for (int k = 0; k < 8; ++k) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + 4 * kPackRows * k));
-        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        if constexpr (kFive) {  // bits 2c and 2c + 1 of the chunk's qh bytes, moved to bit 4
+          const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 144 * kPackRows + 4 * kPackRows * k));
+          lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * c), one), 4));
+          hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * c + 1), one), 4));
+        }
         for (int m = 0; m < M; ++m) {
           const int8_t* x = a.q.data() + (m0 + m) * a.K + 256 * b + 64 * c;
           lo_dots[m].add(k, lo, broadcast4(x + 4 * k));
@@ -311,7 +327,8 @@ inline void packed_dot_group_q6k(const uint8_t* wg, int64_t nblocks, const Quant
 template <class P, int M>
 inline void dot_group(const uint8_t* wg, int64_t nblocks, const QuantizedActivations& a, int64_t m0, const float* bias,
                       float* out, int64_t os, bool accumulate, int64_t n) {
-  if constexpr (std::is_same_v<P, PackQ4_K>) packed_dot_group_q4k<M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
+  if constexpr (std::is_same_v<P, PackQ4_K> || std::is_same_v<P, PackQ5_K>)
+    packed_dot_group_q4k<P, M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
   else if constexpr (std::is_same_v<P, PackQ6_K>) packed_dot_group_q6k<M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
   else packed_dot_group<P, M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
 }
