@@ -24,7 +24,8 @@ log = structlog.get_logger(__name__)
 # The quantizations we de-quantize (through gguf.quants, the reference implementation).
 SUPPORTED_QUANT_TYPES = frozenset(
     getattr(gguf.GGMLQuantizationType, name)
-    for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+    for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                 "IQ4_NL", "IQ4_XS")
 )
 
 _LAYER_NAMES = {

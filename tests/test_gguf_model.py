@@ -4,7 +4,7 @@ Both de-quantize with `gguf.quants.dequantize` and undo llama.cpp's q/k row inte
 weights must be bit-identical, the logits agree to float rounding and greedy tokens agree. Two files:
 - the embedded default model (SmolLM2-135M-Instruct: Q4_1 and Q8_0, tied embeddings);
 - a tiny random Llama written here with `gguf.GGUFWriter`, its tensors spread over every quant
-  type we promise (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), with attention biases, q/k
+  type we promise (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS), with attention biases, q/k
   weights and biases permuted as llama.cpp's converter does. Its tensors made from known values
   are also checked against those values, which needs no transformers.
 Plus the errors a bad file must give: unsupported quant type or architecture, a corrupt or
@@ -171,10 +171,10 @@ QUANT_TYPES = {
     "blk.1.attn_q.weight": Q.BF16,
     "blk.1.attn_k.weight": Q.Q4_K,
     "blk.1.attn_v.weight": Q.Q6_K,
-    "blk.1.attn_output.weight": Q.Q4_0,
+    "blk.1.attn_output.weight": Q.IQ4_NL,
     "blk.1.ffn_norm.weight": Q.F32,
     "blk.1.ffn_gate.weight": Q.Q4_1,
-    "blk.1.ffn_up.weight": Q.F16,
+    "blk.1.ffn_up.weight": Q.IQ4_XS,
     "blk.1.ffn_down.weight": Q.Q5_K,
     **{f"blk.{i}.attn_{part}.bias": Q.F32 for i in range(LAYERS) for part in ("q", "k", "v", "output")},
 }
@@ -214,6 +214,8 @@ _RAW_SCALES = {
     Q.Q5_K: ((0, 1 / 516), (2, 15.5 / 516)),  # d, dmin; Q4_K's 12 bytes of scales/mins; 32 of fifth bits; 128 of nibbles
     Q.Q6_K: ((208, 1 / 1370),),  # 128 bytes low nibbles, 64 high bits, 16 int8 scales; d last
     Q.IQ4_NL: ((0, 1 / 70),),  # d; 16 bytes of indices into a fixed 4-bit table
+    Q.IQ4_XS: ((0, 1 / 1200),),  # d; 6-bit scales (2 bytes of high bits, 4 of low); 128 bytes of indices
+    Q.IQ2_XXS: ((0, 1 / 100),),  # d; the rest indices into grids (a type no kernel reads)
 }
 
 
@@ -325,7 +327,7 @@ def tiny_reference(tiny_gguf):
 def test_tiny_gguf_covers_every_required_quant_type(tiny_gguf):
     written = {t.name: t.tensor_type for t in gguf.GGUFReader(str(tiny_gguf[0])).tensors}
     assert written == QUANT_TYPES
-    assert set(written.values()) == {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+    assert set(written.values()) == {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS}
 
 
 def test_tiny_gguf_config(tiny_llm):
@@ -415,10 +417,10 @@ def test_a_type_without_a_kernel_is_a_warning_with_its_cost(tmp_path):
 
 
 def test_unsupported_quant_type_names_tensor_and_type(tmp_path):
-    path = tmp_path / "iq4.gguf"
-    # Valid IQ4_NL blocks, which gguf could even de-quantize; we do not claim the type.
-    write_tiny_llama_gguf(path, {**QUANT_TYPES, "blk.1.ffn_up.weight": Q.IQ4_NL})
-    with pytest.raises(UnsupportedModelError, match=r"blk\.1\.ffn_up\.weight.*IQ4_NL") as info:
+    path = tmp_path / "iq2.gguf"
+    # IQ2_XXS blocks, which gguf could even de-quantize; we do not claim the type.
+    write_tiny_llama_gguf(path, {**QUANT_TYPES, "blk.1.ffn_up.weight": Q.IQ2_XXS})
+    with pytest.raises(UnsupportedModelError, match=r"blk\.1\.ffn_up\.weight.*IQ2_XXS") as info:
         load_model(path, dtype=torch.float32)
     assert str(path) in str(info.value)
     assert "Q4_K" in str(info.value)  # and lists the supported ones

@@ -24,7 +24,7 @@ from cadenza.kernels.cpu.features import cpu_has_avx2_fma
 
 pytestmark = pytest.mark.skipif(not cpu_has_avx2_fma(), reason="the quantized kernels need x86-64 with AVX2 and FMA")
 
-TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
 
 
 def random_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -36,8 +36,10 @@ def random_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> n
         values = rng.uniform(low, high, size=blocks.shape[:2]).astype(np.float16)
         blocks[:, :, offset : offset + 2] = values.view(np.uint8).reshape(*blocks.shape[:2], 2)
 
-    if qtype in (Q.Q8_0, Q.Q4_0):
+    if qtype in (Q.Q8_0, Q.Q4_0, Q.IQ4_NL):
         halves(0, -0.05, 0.05)
+    elif qtype == Q.IQ4_XS:
+        halves(0, 0.0005, 0.002)
     elif qtype == Q.Q4_1:
         halves(0, 0.001, 0.02)
         halves(2, -0.1, 0.1)
@@ -143,7 +145,7 @@ def test_rows_dequantize_exactly(kernels, qtype):
     assert torch.equal(as_bf16, whole.bfloat16())
 
 
-PACKABLE = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+PACKABLE = TYPES
 
 
 @pytest.mark.parametrize("qtype", PACKABLE, ids=lambda t: t.name)
@@ -194,7 +196,8 @@ def test_packed_products_hold_at_the_extremes_of_their_integer_sums(kernels, qty
     blocks = random_blocks(qtype, out_features, cols, rng)
     elems, size = gguf.GGML_QUANT_SIZES[qtype]
     view = blocks.reshape(out_features, cols // elems, size)
-    values = {Q.Q8_0: slice(2, 34), Q.Q4_0: slice(2, 18), Q.Q4_1: slice(4, 20), Q.Q4_K: slice(16, 144), Q.Q5_K: slice(16, 176), Q.Q6_K: slice(0, 192)}[qtype]
+    values = {Q.Q8_0: slice(2, 34), Q.Q4_0: slice(2, 18), Q.Q4_1: slice(4, 20), Q.Q4_K: slice(16, 144), Q.Q5_K: slice(16, 176), Q.Q6_K: slice(0, 192),
+              Q.IQ4_NL: slice(2, 18), Q.IQ4_XS: slice(8, 136)}[qtype]
     view[: out_features // 2, :, values] = 0xFF  # nibbles 15 (Q8_0: -1, Q5_K: 31, Q6_K: 63)
     if qtype == Q.Q6_K:  # scales at their extremes too
         view[:, :, 192:208] = np.where(np.arange(out_features) % 2, 0x80, 0x7F).astype(np.uint8)[:, None, None]

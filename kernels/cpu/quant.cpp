@@ -48,6 +48,72 @@ struct SubBlock6 {
   }
 };
 
+// 16 bytes of 4-bit indices -> the 32 signed values they stand for (low nibbles first).
+inline __m256i iq4_values32(const uint8_t* p) {
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
+  return _mm256_shuffle_epi8(table, nibbles32(p));
+}
+
+// Eight int32 partial sums of q * x, both signed: the signs moved onto x (|q| <= 127, so a pair
+// of vpmaddubsw is at most 2 x 127 x 127 < 2^15).
+inline __m256i dot_i8_i8(__m256i q, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q)), _mm256_set1_epi16(1));
+}
+
+struct BlockIQ4_NL {  // d (f16), 16 bytes of indices into kIQ4Values: x = d * kIQ4Values[q]
+  static constexpr int64_t kElems = 32, kBytes = 18, kSubs = 1;
+  static constexpr int64_t kType = kIQ4_NL;
+  static constexpr bool kHasMin = false;
+  using Sub = SubBlock;
+  static void decode(const uint8_t* b, Sub* s) {
+    s[0].q = iq4_values32(b + 2);
+    s[0].scale = half_at(b);
+    s[0].minv = 0.0f;
+  }
+  static __m256i dot(const Sub& s, __m256i x) { return dot_i8_i8(s.q, x); }
+  static void dequant(const uint8_t* b, float* y) {
+    const float d = half_at(b);
+    for (int i = 0; i < 16; ++i) {
+      y[i] = d * static_cast<float>(kIQ4Values[b[2 + i] & 0x0F]);
+      y[i + 16] = d * static_cast<float>(kIQ4Values[b[2 + i] >> 4]);
+    }
+  }
+};
+
+// IQ4_XS's 6-bit scale of sub-block j (of 8), less its offset of 32: 4 low bits in the
+// scales_l bytes at q (two a byte), 2 high bits in the 16-bit scales_h.
+inline int iq4xs_scale(const uint8_t* b, int j) {
+  const int high = (b[2] | (b[3] << 8)) >> (2 * j) & 3;
+  return (((b[4 + j / 2] >> (4 * (j % 2))) & 0x0F) | (high << 4)) - 32;
+}
+
+struct BlockIQ4_XS {  // d (f16), scales_h (u16), scales_l (4 bytes), 8 x 16 bytes of indices: x = d * ls * table[q]
+  static constexpr int64_t kElems = 256, kBytes = 136, kSubs = 8;
+  static constexpr int64_t kType = kIQ4_XS;
+  static constexpr bool kHasMin = false;
+  using Sub = SubBlock;
+  static void decode(const uint8_t* b, Sub* s) {
+    const float d = half_at(b);
+    for (int j = 0; j < 8; ++j) {
+      s[j].q = iq4_values32(b + 8 + 16 * j);
+      s[j].scale = d * static_cast<float>(iq4xs_scale(b, j));
+      s[j].minv = 0.0f;
+    }
+  }
+  static __m256i dot(const Sub& s, __m256i x) { return dot_i8_i8(s.q, x); }
+  static void dequant(const uint8_t* b, float* y) {
+    const float d = half_at(b);
+    for (int j = 0; j < 8; ++j) {
+      const float dl = d * static_cast<float>(iq4xs_scale(b, j));
+      const uint8_t* q = b + 8 + 16 * j;
+      for (int i = 0; i < 16; ++i) {
+        y[32 * j + i] = dl * static_cast<float>(kIQ4Values[q[i] & 0x0F]);
+        y[32 * j + i + 16] = dl * static_cast<float>(kIQ4Values[q[i] >> 4]);
+      }
+    }
+  }
+};
+
 struct BlockQ8_0 {  // d (f16), 32 x int8: x = d * q
   static constexpr int64_t kElems = 32, kBytes = 34, kSubs = 1;
   static constexpr int64_t kType = kQ8_0;
@@ -259,9 +325,11 @@ inline auto with_block_type(int64_t qtype, F&& f) {
     case kQ4_K: return f(BlockQ4_K{});
     case kQ5_K: return f(BlockQ5_K{});
     case kQ6_K: return f(BlockQ6_K{});
+    case kIQ4_NL: return f(BlockIQ4_NL{});
+    case kIQ4_XS: return f(BlockIQ4_XS{});
     default: break;
   }
-  fail("no kernel for GGML quantization type ", qtype, " (supported: Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)");
+  fail("no kernel for GGML quantization type ", qtype, " (supported: Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)");
 }
 
 // R weight rows at a time share each activation load; M activation rows share each decoded block.
@@ -450,7 +518,7 @@ void quant_pack(const uint8_t* src, int64_t rows, int64_t row_bytes, int64_t qty
 
 bool packs(int64_t qtype) {
   switch (qtype) {
-    case kQ4_0: case kQ4_1: case kQ8_0: case kQ4_K: case kQ5_K: case kQ6_K: return true;
+    case kQ4_0: case kQ4_1: case kQ8_0: case kQ4_K: case kQ5_K: case kQ6_K: case kIQ4_NL: case kIQ4_XS: return true;
     default: return false;
   }
 }

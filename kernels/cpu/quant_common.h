@@ -13,7 +13,14 @@
 namespace cadenza {
 
 // GGML's type ids (enum ggml_type), as gguf.GGMLQuantizationType numbers them.
-enum QuantTypeId : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+enum QuantTypeId : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23 };
+
+// The 16 values a 4-bit index of IQ4_NL and IQ4_XS stands for (ggml's kvalues_iq4nl): a non-linear
+// grid, denser near zero, scaled by the block's d.
+alignas(16) constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+// The same plus 128, as unsigned bytes: what vpdpbusd multiplies (the 128 comes off with the
+// activation's sum, as for Q8_0's stored q + 128).
+alignas(16) constexpr uint8_t kIQ4ValuesBiased[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 
 inline float half_at(const uint8_t* p) {
   uint16_t h;

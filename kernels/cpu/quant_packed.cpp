@@ -11,6 +11,12 @@
 namespace cadenza {
 namespace {
 
+// 4-bit indices (bytes < 16) -> the values they stand for plus 128 (kIQ4ValuesBiased).
+inline __m512i iq4_lookup(__m512i idx) {
+  const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4ValuesBiased)));
+  return _mm512_shuffle_epi8(table, idx);
+}
+
 // The 8 vectors of one group-block's values, each 16 rows x 4 consecutive values.
 template <class P>
 inline void packed_values(const uint8_t* chunks, __m512i* q) {
@@ -20,6 +26,10 @@ inline void packed_values(const uint8_t* chunks, __m512i* q) {
       const __m512i v = _mm512_loadu_si512(chunks + 64 * c);
       q[2 * c] = _mm512_and_si512(v, low);
       q[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      if constexpr (P::kTable) {
+        q[2 * c] = iq4_lookup(q[2 * c]);
+        q[2 * c + 1] = iq4_lookup(q[2 * c + 1]);
+      }
     }
   } else {
     for (int c = 0; c < 8; ++c) q[c] = _mm512_loadu_si512(chunks + 64 * c);
@@ -226,6 +236,56 @@ inline void packed_dot_group_q6k(const uint8_t* wg, int64_t nblocks, const Quant
   store_group<M>(acc, bias, out, os, accumulate, n);
 }
 
+// IQ4_XS's 16 rows' scale (d * (ls - 32)) of each sub-block, from scales_h (16 uint16 at sh) and
+// the 4 scales_l bytes (byte i of every row at sl + 16 i), as iq4xs_scale in quant.cpp reads them.
+inline void iq4xs_scales16(const uint8_t* sh, const uint8_t* sl, __m512 d, __m512* scale) {
+  const __m512i high = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sh)));
+  const __m512i m4 = _mm512_set1_epi32(15), m2 = _mm512_set1_epi32(3), bias = _mm512_set1_epi32(32);
+  for (int j = 0; j < 8; ++j) {
+    const __m512i lb = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sl + 16 * (j / 2))));
+    const __m512i ls = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(lb, 4 * (j % 2)), m4),
+                                       _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(high, 2 * j), m2), 4));
+    scale[j] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_sub_epi32(ls, bias)));
+  }
+}
+
+// Output rows [n, n + 16) of M activation rows from m0 for a packed IQ4_XS group `wg`: per
+// sub-block, the looked-up values (plus 128) times x by vpdpbusd, 128 * sum(x) off, then its scale.
+template <int M>
+inline void packed_dot_group_iq4xs(const uint8_t* wg, int64_t nblocks, const QuantizedActivations& a, int64_t m0,
+                                   const float* bias, float* out, int64_t os, bool accumulate, int64_t n) {
+  constexpr int64_t R = kPackRows;
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const uint8_t* gb = wg + b * R * PackIQ4_XS::kBytes;
+    prefetch_ahead(gb, R * PackIQ4_XS::kBytes);
+    __m512 scale[8];
+    iq4xs_scales16(gb + 2 * R, gb + 4 * R, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb))), scale);
+    for (int j = 0; j < 8; ++j) {
+      __m512i q[8];  // q[2k]: values 4k.., q[2k + 1]: values 16 + 4k..
+      for (int k = 0; k < 4; ++k) {
+        const __m512i v = _mm512_loadu_si512(gb + 8 * R + 16 * R * j + 4 * R * k);
+        q[2 * k] = iq4_lookup(_mm512_and_si512(v, low));
+        q[2 * k + 1] = iq4_lookup(_mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+      }
+      for (int m = 0; m < M; ++m) {
+        const int64_t blk = (m0 + m) * a.blocks + 8 * b + j;
+        const int8_t* x = a.q.data() + (m0 + m) * a.K + 32 * (8 * b + j);
+        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+        for (int k = 0; k < 4; ++k) {
+          s0 = _mm512_dpbusd_epi32(s0, q[2 * k], broadcast4(x + 4 * k));
+          s1 = _mm512_dpbusd_epi32(s1, q[2 * k + 1], broadcast4(x + 16 + 4 * k));
+        }
+        const __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), _mm512_set1_epi32(128 * a.qsum[blk]));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale[j], _mm512_set1_ps(a.d[blk])), acc[m]);
+      }
+    }
+  }
+  store_group<M>(acc, bias, out, os, accumulate, n);
+}
+
 // One group through the kernel of its layout.
 template <class P, int M>
 inline void dot_group(const uint8_t* wg, int64_t nblocks, const QuantizedActivations& a, int64_t m0, const float* bias,
@@ -233,6 +293,7 @@ inline void dot_group(const uint8_t* wg, int64_t nblocks, const QuantizedActivat
   if constexpr (std::is_same_v<P, PackQ4_K> || std::is_same_v<P, PackQ5_K>)
     packed_dot_group_q4k<P, M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
   else if constexpr (std::is_same_v<P, PackQ6_K>) packed_dot_group_q6k<M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
+  else if constexpr (std::is_same_v<P, PackIQ4_XS>) packed_dot_group_iq4xs<M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
   else packed_dot_group<P, M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
 }
 

@@ -52,17 +52,23 @@ static_assert(kPackRows == 8 || kPackRows == 16, "packed groups are 8 rows (ymm)
 
 // The packed layouts. kValues: where the values start in the file's block; kOffset: subtracted
 // from every stored value (x = d * (stored - offset) + m).
+// kTable: the nibbles index kIQ4Values (IQ4_NL); the products look each up as that value plus 128
+// (kOffset), as Q8_0's stored q + 128.
 struct PackQ4_0 {
   static constexpr int64_t kBytes = 18, kValues = 2, kOffset = 8, kChunks = 4;
-  static constexpr bool kHasMin = false, kNibbles = true;
+  static constexpr bool kHasMin = false, kNibbles = true, kTable = false;
 };
 struct PackQ4_1 {
   static constexpr int64_t kBytes = 20, kValues = 4, kOffset = 0, kChunks = 4;
-  static constexpr bool kHasMin = true, kNibbles = true;
+  static constexpr bool kHasMin = true, kNibbles = true, kTable = false;
 };
 struct PackQ8_0 {
   static constexpr int64_t kBytes = 34, kValues = 2, kOffset = 128, kChunks = 8;
-  static constexpr bool kHasMin = false, kNibbles = false;
+  static constexpr bool kHasMin = false, kNibbles = false, kTable = false;
+};
+struct PackIQ4_NL {
+  static constexpr int64_t kBytes = 18, kValues = 2, kOffset = 128, kChunks = 4;
+  static constexpr bool kHasMin = false, kNibbles = true, kTable = true;
 };
 
 // Q4_K: 256-value super-blocks of 8 sub-blocks with 6-bit scales and mins. A group-block is
@@ -91,6 +97,15 @@ struct PackQ6_K {
   static constexpr int64_t kBytes = 210;
 };
 
+// IQ4_XS: 256-value super-blocks of 8 sub-blocks, each a 6-bit scale (4 bits in scales_l, 2 in
+// the 16-bit scales_h) and 16 bytes of indices into kIQ4Values. A group-block is
+//   R d (float16) | R scales_h (uint16) at 2R | the 4 scales_l bytes, byte i of the R rows at 4R + R i |
+//   per sub-block j, 4 chunks of 4R bytes at 8R + 16R j + 4R k (chunk k: bytes [4k, 4k + 4) of each
+//   row's 16: low nibbles values 4k.., high ones 16 + 4k..): the file's 136 bytes a row.
+struct PackIQ4_XS {
+  static constexpr int64_t kBytes = 136;
+};
+
 template <class P>
 constexpr int64_t packed_header_bytes() {
   return kPackRows * 2 * (P::kHasMin ? 2 : 1);
@@ -106,9 +121,11 @@ inline auto with_packed_type(int64_t qtype, F&& f) {
     case kQ4_K: return f(PackQ4_K{});
     case kQ5_K: return f(PackQ5_K{});
     case kQ6_K: return f(PackQ6_K{});
+    case kIQ4_NL: return f(PackIQ4_NL{});
+    case kIQ4_XS: return f(PackIQ4_XS{});
     default: break;
   }
-  fail("GGML type ", qtype, " has no packed layout (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K do)");
+  fail("GGML type ", qtype, " has no packed layout (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS do)");
 }
 
 inline bool is_packed(int64_t qtype) { return (qtype & kPackedFlag) != 0; }
@@ -128,6 +145,12 @@ inline void for_each_field(F&& f) {
       for (int64_t k = 0; k < 8; ++k) f(qs + 32 * c + 4 * k, 16 * kPackRows + 32 * kPackRows * c + 4 * kPackRows * k, 4);
     if constexpr (std::is_same_v<P, PackQ5_K>)
       for (int64_t k = 0; k < 8; ++k) f(16 + 4 * k, 144 * kPackRows + 4 * kPackRows * k, 4);  // qh
+  } else if constexpr (std::is_same_v<P, PackIQ4_XS>) {
+    f(0, 0, 2);                                                                  // d
+    f(2, 2 * kPackRows, 2);                                                      // scales_h
+    for (int64_t i = 0; i < 4; ++i) f(4 + i, 4 * kPackRows + kPackRows * i, 1);  // scales_l
+    for (int64_t j = 0; j < 8; ++j)
+      for (int64_t k = 0; k < 4; ++k) f(8 + 16 * j + 4 * k, 8 * kPackRows + 16 * kPackRows * j + 4 * kPackRows * k, 4);
   } else if constexpr (std::is_same_v<P, PackQ6_K>) {
     f(208, 0, 2);                                                                   // d
     for (int64_t i = 0; i < 16; ++i) f(192 + i, 2 * kPackRows + kPackRows * i, 1);  // the scales

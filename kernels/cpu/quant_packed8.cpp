@@ -89,14 +89,55 @@ using NibbleDots = ByteDots<8>;
 // AVX2 recovers the signed q instead (vpmaddubsw's int16 pairs would overflow on 255 x 127).
 template <class P>
 constexpr int64_t sum_offset() {
-  return P::kNibbles || kVnni ? P::kOffset : 0;
+  return (P::kNibbles && !P::kTable) || kVnni ? P::kOffset : 0;
+}
+
+// The 8 rows' integer sums of 32 IQ4 values (4 chunks of 4-bit indices at `chunks`, each 8 rows x 4
+// bytes: low nibbles values 4c.., high ones 16 + 4c..) with the activation values at x[m]. VNNI
+// multiplies the looked-up values plus 128 (the caller takes 128 * sum(x) off: sum_offset); AVX2
+// the signed values, their signs moved onto x (a pair at most 2 x 127 x 127 < 2^15).
+template <int M>
+inline void iq4_sums(const uint8_t* chunks, const int8_t* const* x, __m256i* isum) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+#ifdef CADENZA_YMM_VNNI
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4ValuesBiased)));
+  __m256i s0[M], s1[M];
+  for (int m = 0; m < M; ++m) s0[m] = s1[m] = _mm256_setzero_si256();
+  for (int c = 0; c < 4; ++c) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + 4 * kPackRows * c));
+    const __m256i lo = _mm256_shuffle_epi8(table, _mm256_and_si256(v, low));
+    const __m256i hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+    for (int m = 0; m < M; ++m) {
+      s0[m] = dpbusd(s0[m], lo, broadcast4(x[m] + 4 * c));
+      s1[m] = dpbusd(s1[m], hi, broadcast4(x[m] + 16 + 4 * c));
+    }
+  }
+  for (int m = 0; m < M; ++m) isum[m] = _mm256_add_epi32(s0[m], s1[m]);
+#else
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int m = 0; m < M; ++m) isum[m] = _mm256_setzero_si256();
+  for (int c = 0; c < 4; ++c) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + 4 * kPackRows * c));
+    const __m256i lo = _mm256_shuffle_epi8(table, _mm256_and_si256(v, low));
+    const __m256i hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+    const __m256i alo = _mm256_abs_epi8(lo), ahi = _mm256_abs_epi8(hi);
+    for (int m = 0; m < M; ++m) {
+      const __m256i pl = _mm256_maddubs_epi16(alo, _mm256_sign_epi8(broadcast4(x[m] + 4 * c), lo));
+      const __m256i ph = _mm256_maddubs_epi16(ahi, _mm256_sign_epi8(broadcast4(x[m] + 16 + 4 * c), hi));
+      isum[m] = pinned(_mm256_add_epi32(isum[m], _mm256_add_epi32(_mm256_madd_epi16(pl, ones), _mm256_madd_epi16(ph, ones))));
+    }
+  }
+#endif
 }
 
 // The 8 rows' integer sums of one group-block's values (chunks) with the 32 activation values at
 // x[m], for M activation rows.
 template <class P, int M>
 inline void block_sums(const uint8_t* chunks, const int8_t* const* x, __m256i* isum) {
-  if constexpr (P::kNibbles) {
+  if constexpr (P::kTable) {
+    iq4_sums<M>(chunks, x, isum);
+  } else if constexpr (P::kNibbles) {
     const __m256i low = _mm256_set1_epi8(0x0F);
     NibbleDots dots[M];
     for (int c = 0; c < 4; ++c) {
@@ -323,6 +364,41 @@ inline void packed_dot_group_q6k(const uint8_t* wg, int64_t nblocks, const Quant
   store_group<M>(acc, none, bias, out, os, accumulate, n);
 }
 
+// Output rows [n, n + 8) of M activation rows from m0 for a packed IQ4_XS group `wg`: per
+// sub-block the integer sums of iq4_sums, then its scale d * (ls - 32) (scales_h, 8 uint16 at 2R;
+// scales_l byte i of every row at 4R + R i).
+template <int M>
+inline void packed_dot_group_iq4xs(const uint8_t* wg, int64_t nblocks, const QuantizedActivations& a, int64_t m0,
+                                   const float* bias, float* out, int64_t os, bool accumulate, int64_t n) {
+  constexpr int64_t R = kPackRows;
+  __m256 acc[M], none[M];
+  for (int m = 0; m < M; ++m) acc[m] = none[m] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi32(15), m2 = _mm256_set1_epi32(3), bias32 = _mm256_set1_epi32(32);
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const uint8_t* gb = wg + b * R * PackIQ4_XS::kBytes;
+    prefetch_ahead(gb, R * PackIQ4_XS::kBytes);
+    const __m256 d = load_halves8(gb);
+    const __m256i high = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + 2 * R)));
+    for (int j = 0; j < 8; ++j) {
+      const __m256i lb = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(gb + 4 * R + R * (j / 2))));
+      const __m256i ls = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(lb, 4 * (j % 2)), m4),
+                                         _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(high, 2 * j), m2), 4));
+      const __m256 scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(ls, bias32)));
+      const int8_t* x[M];
+      for (int m = 0; m < M; ++m) x[m] = a.q.data() + (m0 + m) * a.K + 32 * (8 * b + j);
+      __m256i isum[M];
+      iq4_sums<M>(gb + 8 * R + 16 * R * j, x, isum);
+      for (int m = 0; m < M; ++m) {
+        const int64_t blk = (m0 + m) * a.blocks + 8 * b + j;
+        __m256i sum = isum[m];
+        if constexpr (kVnni) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(128 * a.qsum[blk]));
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scale, _mm256_set1_ps(a.d[blk])), acc[m]);
+      }
+    }
+  }
+  store_group<M>(acc, none, bias, out, os, accumulate, n);
+}
+
 // One group through the kernel of its layout.
 template <class P, int M>
 inline void dot_group(const uint8_t* wg, int64_t nblocks, const QuantizedActivations& a, int64_t m0, const float* bias,
@@ -330,6 +406,7 @@ inline void dot_group(const uint8_t* wg, int64_t nblocks, const QuantizedActivat
   if constexpr (std::is_same_v<P, PackQ4_K> || std::is_same_v<P, PackQ5_K>)
     packed_dot_group_q4k<P, M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
   else if constexpr (std::is_same_v<P, PackQ6_K>) packed_dot_group_q6k<M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
+  else if constexpr (std::is_same_v<P, PackIQ4_XS>) packed_dot_group_iq4xs<M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
   else packed_dot_group<P, M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
 }
 
