@@ -10,6 +10,7 @@ import os
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -94,6 +95,17 @@ def test_rotary_in_place_on_a_fused_projection_view(kernels, head_dim):
     assert torch.equal(qkv[:, heads * head_dim :], untouched)
     with pytest.raises(RuntimeError, match="out of range"):
         kernels.rotary_(view, torch.tensor([0, 1, 2, 3, 4, 100]), rope.cos_table, rope.sin_table)
+
+
+def test_stream_read_reads_every_whole_chunk_once(kernels):
+    """bench's memory bandwidth: every byte of each whole 64 KiB chunk read (its xor), the tail not."""
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 2**63, size=(3 << 16) // 8 + 5, dtype=np.int64)  # 3 chunks and a tail
+    expected = np.bitwise_xor.reduce(data[: (3 << 16) // 8])
+    assert kernels.stream_read(torch.from_numpy(data)) == int(expected)
+    assert kernels.stream_read(torch.zeros(100, dtype=torch.uint8)) == 0  # under a chunk: nothing read
+    with pytest.raises(RuntimeError, match="contiguous"):
+        kernels.stream_read(torch.from_numpy(data)[::2])
 
 
 def test_silu_mul(kernels):

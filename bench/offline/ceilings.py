@@ -31,10 +31,17 @@ def _best_seconds(fn, *, min_reps: int = 3, min_seconds: float = 0.3, device: to
     return best
 
 
-def memory_read_bandwidth(num_bytes: int = 512 << 20) -> float:
-    """Bytes per second reading a float32 tensor far larger than the caches (best of several sums)."""
+def memory_read_bandwidth(num_bytes: int = 512 << 20, *, kernels: object | None = None) -> float:
+    """Bytes per second reading a tensor far larger than the caches, best of several reads: every
+    thread streaming its part with the CPU kernels' `stream_read` (no arithmetic to speak of: the
+    rate the decode kernels can reach), or a torch sum where the kernels are unavailable."""
+    if kernels is None:
+        from cadenza.kernels.cpu import loader
+
+        kernels = loader.configure("auto")
     x = torch.ones(num_bytes // 4, dtype=torch.float32)
-    seconds = _best_seconds(lambda: x.sum(), min_reps=5)
+    read = (lambda: kernels.stream_read(x)) if kernels is not None else (lambda: x.sum())
+    seconds = _best_seconds(read, min_reps=5)
     return num_bytes / seconds
 
 

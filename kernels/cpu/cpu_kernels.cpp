@@ -258,6 +258,12 @@ Tensor quant_pack(const Tensor& w, int64_t qtype) {
   return out;
 }
 
+// The xor of x's bytes (whole 64 KiB chunks), read by every thread at once: the memory read rate.
+int64_t stream_read(const Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "x must be a contiguous CPU tensor");
+  return static_cast<int64_t>(cadenza::stream_read(static_cast<const uint8_t*>(x.data_ptr()), x.nbytes()));
+}
+
 // RMSNorm over the last dimension: x * rsqrt(mean(x^2) + eps) * weight, rows in parallel.
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps) {
   check_f32_rows(x, "x");
@@ -519,6 +525,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_path", &cadenza::packed_path, "this build's products over packed weights, e.g. avx2-packed8");
   m.def("packed_kernels_built", [] { return true; }, "whether this build has products over packed weights (every build has)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension, float32", release());
+  m.def("stream_read", &stream_read, "the xor of a tensor's bytes, every thread reading at once", release());
   m.def("rotary_", &rotary_, "in-place NeoX rotary embedding from cos/sin tables", release());
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up for a fused [rows, 2 * I] gate_up", release());
   m.def("paged_decode_attention", &paged_decode_attention,

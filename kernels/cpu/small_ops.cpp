@@ -1,6 +1,7 @@
 // The small ops of small_ops.h, rows in parallel.
 #include "small_ops.h"
 
+#include <atomic>
 #include <cmath>
 
 #include "simd.h"
@@ -72,6 +73,26 @@ void silu_mul(In gate_up, Out out) {
       for (; i < I; ++i) o[i] = g[i] / (1.0f + exp1(-g[i])) * u[i];
     }
   });
+}
+
+uint64_t stream_read(const uint8_t* p, int64_t n) {
+  constexpr int64_t kChunk = 1 << 16;
+  std::atomic<uint64_t> checksum{0};
+  parallel_for(0, n / kChunk, 1, [&](int64_t c0, int64_t c1) {
+    // Four independent xor chains over 128 bytes a step: loads, not arithmetic, bound the loop.
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    for (const uint8_t* q = p + c0 * kChunk; q < p + c1 * kChunk; q += 128) {
+      a0 = _mm256_xor_si256(a0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)));
+      a1 = _mm256_xor_si256(a1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32)));
+      a2 = _mm256_xor_si256(a2, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64)));
+      a3 = _mm256_xor_si256(a3, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 96)));
+    }
+    const __m256i a = _mm256_xor_si256(_mm256_xor_si256(a0, a1), _mm256_xor_si256(a2, a3));
+    const uint64_t sum = static_cast<uint64_t>(_mm256_extract_epi64(a, 0) ^ _mm256_extract_epi64(a, 1) ^
+                                               _mm256_extract_epi64(a, 2) ^ _mm256_extract_epi64(a, 3));
+    checksum.fetch_xor(sum, std::memory_order_relaxed);
+  });
+  return checksum.load();
 }
 
 }  // namespace cadenza
