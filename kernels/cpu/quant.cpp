@@ -185,58 +185,30 @@ inline void q4k_scale_min(const uint8_t* q, int j, int& sc, int& m) {
   }
 }
 
-struct BlockQ4_K {  // d, dmin (f16), 12 bytes of scales/mins, 128 bytes of nibbles; 8 sub-blocks
-  static constexpr int64_t kElems = 256, kBytes = 144, kSubs = 8;
-  static constexpr int64_t kType = kQ4_K;
-  static constexpr bool kHasMin = true;
-  using Sub = SubBlock;
-  static void decode(const uint8_t* b, Sub* s) {
-    const float d = half_at(b), dmin = half_at(b + 2);
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    for (int c = 0; c < 4; ++c) {  // 32 bytes: low nibbles are sub-block 2c, high ones 2c + 1
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * c));
-      s[2 * c].q = _mm256_and_si256(v, low);
-      s[2 * c + 1].q = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-    }
-    for (int j = 0; j < 8; ++j) {
-      int sc, m;
-      q4k_scale_min(b + 4, j, sc, m);
-      s[j].scale = d * static_cast<float>(sc);
-      s[j].minv = -dmin * static_cast<float>(m);
-    }
-  }
-  static __m256i dot(const Sub& s, __m256i x) { return dot_u8_i8(s.q, x); }
-  static void dequant(const uint8_t* b, float* y) {
-    const float d = half_at(b), dmin = half_at(b + 2);
-    for (int c = 0; c < 4; ++c) {
-      int sc0, m0, sc1, m1;
-      q4k_scale_min(b + 4, 2 * c, sc0, m0);
-      q4k_scale_min(b + 4, 2 * c + 1, sc1, m1);
-      const uint8_t* q = b + 16 + 32 * c;
-      for (int l = 0; l < 32; ++l) {
-        y[64 * c + l] = d * sc0 * static_cast<float>(q[l] & 0x0F) - dmin * m0;
-        y[64 * c + 32 + l] = d * sc1 * static_cast<float>(q[l] >> 4) - dmin * m1;
-      }
-    }
-  }
-};
-
-struct BlockQ5_K {  // d, dmin (f16), 12 bytes of scales/mins (as Q4_K's), 32 bytes of high bits, 128 of nibbles
-  static constexpr int64_t kElems = 256, kBytes = 176, kSubs = 8;
-  static constexpr int64_t kType = kQ5_K;
+// Q4_K and Q5_K: d, dmin (f16), 12 bytes of 6-bit scales and mins, then (Q5_K) 32 bytes of fifth
+// bits and 128 of nibbles; 8 sub-blocks. Value l of sub-block j is a nibble of byte 32 (j / 2) + l of
+// the nibbles (low for even j), plus 16 (Q5_K) when bit j of the fifth bits' byte l is set:
+// x = d * sc * q - dmin * m. Pairs of vpmaddubsw stay below 2^15 (2 x 31 x 127).
+template <bool kFive>
+struct BlockQK {
+  static constexpr int64_t kElems = 256, kBytes = kFive ? 176 : 144, kSubs = 8;
+  static constexpr int64_t kType = kFive ? kQ5_K : kQ4_K;
+  static constexpr int64_t kNibbles = kFive ? 48 : 16;  // where the nibbles start
   static constexpr bool kHasMin = true;
   using Sub = SubBlock;
   static void decode(const uint8_t* b, Sub* s) {
     const float d = half_at(b), dmin = half_at(b + 2);
     const __m256i low = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(0x01);
-    // Value l of sub-block j: a nibble of byte 32 (j / 2) + l of qs (low for even j), plus 16 when
-    // bit j of qh byte l is set.
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+    const __m256i qh = kFive ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)) : _mm256_setzero_si256();
     auto high = [&](int j) { return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, j), one), 4); };
-    for (int c = 0; c < 4; ++c) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 48 + 32 * c));
-      s[2 * c].q = _mm256_or_si256(_mm256_and_si256(v, low), high(2 * c));
-      s[2 * c + 1].q = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), high(2 * c + 1));
+    for (int c = 0; c < 4; ++c) {  // 32 bytes: low nibbles are sub-block 2c, high ones 2c + 1
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + kNibbles + 32 * c));
+      s[2 * c].q = _mm256_and_si256(v, low);
+      s[2 * c + 1].q = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      if constexpr (kFive) {
+        s[2 * c].q = _mm256_or_si256(s[2 * c].q, high(2 * c));
+        s[2 * c + 1].q = _mm256_or_si256(s[2 * c + 1].q, high(2 * c + 1));
+      }
     }
     for (int j = 0; j < 8; ++j) {
       int sc, m;
@@ -245,7 +217,6 @@ struct BlockQ5_K {  // d, dmin (f16), 12 bytes of scales/mins (as Q4_K's), 32 by
       s[j].minv = -dmin * static_cast<float>(m);
     }
   }
-  // Pairs of vpmaddubsw: at most 2 x 31 x 127 < 2^15.
   static __m256i dot(const Sub& s, __m256i x) { return dot_u8_i8(s.q, x); }
   static void dequant(const uint8_t* b, float* y) {
     const float d = half_at(b), dmin = half_at(b + 2);
@@ -254,16 +225,18 @@ struct BlockQ5_K {  // d, dmin (f16), 12 bytes of scales/mins (as Q4_K's), 32 by
       int sc0, m0, sc1, m1;
       q4k_scale_min(b + 4, 2 * c, sc0, m0);
       q4k_scale_min(b + 4, 2 * c + 1, sc1, m1);
-      const uint8_t* q = b + 48 + 32 * c;
+      const uint8_t* q = b + kNibbles + 32 * c;
       for (int l = 0; l < 32; ++l) {
-        const int lo = (q[l] & 0x0F) | (((qh[l] >> (2 * c)) & 1) << 4);
-        const int hi = (q[l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4);
+        const int lo = (q[l] & 0x0F) | (kFive ? ((qh[l] >> (2 * c)) & 1) << 4 : 0);
+        const int hi = (q[l] >> 4) | (kFive ? ((qh[l] >> (2 * c + 1)) & 1) << 4 : 0);
         y[64 * c + l] = d * sc0 * static_cast<float>(lo) - dmin * m0;
         y[64 * c + 32 + l] = d * sc1 * static_cast<float>(hi) - dmin * m1;
       }
     }
   }
 };
+using BlockQ4_K = BlockQK<false>;
+using BlockQ5_K = BlockQK<true>;
 
 struct BlockQ6_K {  // 128 bytes low 4 bits, 64 bytes high 2 bits, 16 int8 scales, d (f16): x = d * sc * (q - 32)
   static constexpr int64_t kElems = 256, kBytes = 210, kSubs = 8;
