@@ -239,3 +239,18 @@ def test_the_runner_writes_a_table_per_kind_and_the_json(monkeypatch, tmp_path, 
     native = saved["kinds"][1]
     assert [c["met"] for c in native["comparisons"]] == [True, False, False]
     assert len(saved["markdown"]) == 2
+
+
+def test_kernel_rates_time_every_type_in_both_layouts():
+    from cadenza.bench.cpu.kernel_rates import TYPES, measure, report
+    from cadenza.kernels.cpu import loader
+
+    kernels = loader.configure("auto")
+    if kernels is None:
+        pytest.skip("the CPU kernels are not built here")
+    result = measure(kernels, (32, 512), [1, 3], read_bytes=4 << 20)
+    assert set(result["rates"]) == set(TYPES) and result["read_rate"] > 0
+    for name, layouts in result["rates"].items():
+        assert set(layouts) == {"file", "packed"}, name  # every type the kernels read packs on every build
+        assert all(rate > 0 for by_rows in layouts.values() for rate in by_rows.values())
+    assert "IQ4_XS   packed" in report(result, [1, 3])
