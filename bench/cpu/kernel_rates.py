@@ -1,9 +1,9 @@
 """`python -m cadenza.bench.cpu.kernel_rates`: how fast each GGUF type's products stream its weights.
 
 One weight of a real shape (by default Llama-3.2-1B's ffn_down, 2048 x 8192) in each type the
-kernels read, random blocks with sane scales, multiplied by one activation row (batch-1 decode) or a
-few, in the file's layout and packed; each figure the weight's bytes over the best time of several
-calls, and that as a fraction of the memory's read rate measured in the same run (the kernels'
+kernels read, random blocks with sane scales, in as many copies as fill 512 MiB (beyond the caches),
+multiplied by one activation row (batch-1 decode) or a few, in the file's layout and packed; each
+figure the copies' bytes over the best time of a pass over them all, and that as a fraction of the memory's read rate measured in the same run (the kernels'
 `stream_read`, every thread streaming). A decode step reads its weights once, so at sizes beyond
 the caches a type's packed rate against the read rate is how close its decode can come to the
 bandwidth limit. Run it once per CPU kind (`CADENZA_CPU=avx2 ...`); the machine is checked quiet.
@@ -70,11 +70,19 @@ def measure(kernels, shape: tuple[int, int], row_counts: list[int], seed: int = 
             layouts["packed"] = (kernels.quant_pack(w, qtype), qtype + 256)
         rates[name] = {}
         for layout, (weight, type_id) in layouts.items():
+            # Copies enough to pass the caches (a server CPU's L3 holds one such weight many times
+            # over): a pass over all of them reads from memory, as a decode step of a 1B-8B model does.
+            copies = [weight] + [weight.clone() for _ in range(read_bytes // weight.numel() - 1)]
             rates[name][layout] = {}
             for rows in row_counts:
                 x = torch.randn(rows, in_features)
-                seconds = best_seconds(lambda: kernels.quant_linear(x, weight, type_id, None))
-                rates[name][layout][rows] = weight.numel() / seconds
+
+                def one_pass() -> None:
+                    for copy in copies:
+                        kernels.quant_linear(x, copy, type_id, None)
+
+                rates[name][layout][rows] = len(copies) * weight.numel() / best_seconds(one_pass, min_reps=3)
+            del copies
     return {"read_rate": read_rate, "rates": rates}
 
 
