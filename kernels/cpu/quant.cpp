@@ -54,8 +54,8 @@ inline __m256i iq4_values32(const uint8_t* p) {
   return _mm256_shuffle_epi8(table, nibbles32(p));
 }
 
-// Eight int32 partial sums of q * x, both signed: the signs moved onto x (|q| <= 127, so a pair
-// of vpmaddubsw is at most 2 x 127 x 127 < 2^15).
+// Eight int32 partial sums of q * x, both signed: the signs moved onto x (a pair of vpmaddubsw is
+// at most 2 x 128 x 127 < 2^15).
 inline __m256i dot_i8_i8(__m256i q, __m256i x) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q)), _mm256_set1_epi16(1));
 }
@@ -124,10 +124,7 @@ struct BlockQ8_0 {  // d (f16), 32 x int8: x = d * q
     s[0].scale = half_at(b);
     s[0].minv = 0.0f;
   }
-  static __m256i dot(const Sub& s, __m256i x) {  // signed x signed: move the signs onto x
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(s.q, s.q), _mm256_sign_epi8(x, s.q)),
-                             _mm256_set1_epi16(1));
-  }
+  static __m256i dot(const Sub& s, __m256i x) { return dot_i8_i8(s.q, x); }  // signed x signed
   static void dequant(const uint8_t* b, float* y) {
     const float d = half_at(b);
     for (int i = 0; i < 32; ++i) y[i] = d * static_cast<float>(static_cast<int8_t>(b[2 + i]));
