@@ -269,3 +269,25 @@ def test_each_part_of_the_bench_imports_only_the_parts_below_it():
                 if target[0] == "cli" or target[0] not in BENCH_PARTS[part]:
                     problems.append(f"{path.relative_to(bench)}:{node.lineno} imports {name}")
     assert problems == []
+
+
+def test_a_shape_written_as_gguf_loads_and_generates(tmp_path):
+    """bench/peers/gguf_shapes.py: a shape's F16 GGUF with the default model's tokenizer, as the
+    real-size benches write it (here a shipped shape cut down to 2 tiny layers)."""
+    from pathlib import Path
+
+    from cadenza import LLM, SamplingParams
+    from cadenza.bench.peers.gguf_shapes import write_shape_gguf
+
+    config = json.loads((Path(__file__).resolve().parent.parent / "config/shapes/smollm2-135m.json").read_text())
+    config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16)  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    path = write_shape_gguf(str(tmp_path / "config.json"), tmp_path / "tiny.gguf")
+    assert not (tmp_path / "tiny.gguf.partial").exists()
+    names = {t.name: t.tensor_type for t in gguf.GGUFReader(str(path)).tensors}
+    assert names["blk.1.ffn_down.weight"] == gguf.GGMLQuantizationType.F16 and "output.weight" not in names  # tied
+    with LLM(str(path), dtype="float32", **{"logging.level": "warning"}) as llm:
+        assert llm.runtime.loaded.arch.num_layers == 2 and llm.runtime.loaded.arch.vocab_size == 49152
+        out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].token_ids) == 4

@@ -1,4 +1,4 @@
-"""Build llama.cpp's own binaries (`llama-bench`, `llama-batched-bench`, `llama-server`) for the benches, per CPU kind.
+"""Build llama.cpp's own binaries (`llama-bench`, `llama-batched-bench`, `llama-server`, `llama-quantize`) for the benches, per CPU kind.
 
 llama.cpp is the peer users compare a GGUF against, run the way its users run it: its binaries on
 the file at the file's own precision. No wheel ships the binaries, so this builds them from the
@@ -46,7 +46,7 @@ from cadenza.kernels.cpu import features as cpu_features
 
 SDIST = "llama-cpp-python==0.3.36"  # pinned: the llama.cpp revision the benches were measured against
 VERSION = SDIST.split("==")[1]
-TARGETS = ("llama-bench", "llama-batched-bench", "llama-server")
+TARGETS = ("llama-bench", "llama-batched-bench", "llama-server", "llama-quantize")
 CPU_BACKEND = "libggml-cpu.so"  # the kind's CPU backend, loaded by the tools from their own directory
 
 # Options of every configure: shared libraries with loadable backends, tools only, no network
