@@ -22,8 +22,7 @@ import numpy as np
 
 from cadenza.bench.peers.llamacpp_build import cache_root, find_binary, why_binaries_missing
 
-# Written tensors a block of layers at a time: a shape's F16 weights (16 GB at 8B) never sit in memory whole.
-_INIT_STD = 0.02
+_INIT_STD = 0.02  # transformers' initializer_range: weights of a trained model's scale
 
 
 def gguf_dir() -> Path:
