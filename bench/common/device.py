@@ -41,6 +41,19 @@ def elapsed_seconds(fn: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - started
 
 
+def best_seconds(fn: Callable[[], object], *, min_reps: int = 3, min_seconds: float = 0.3,
+                 device: torch.device = torch.device("cpu")) -> float:
+    """The best of at least `min_reps` timings of `fn` (`elapsed_seconds`) taken over at least
+    `min_seconds`, after one warm-up call (page faults, packed weights, thread pool, kernel choice)."""
+    fn()
+    synchronize(device)
+    best, reps, started = float("inf"), 0, time.perf_counter()
+    while reps < min_reps or time.perf_counter() - started < min_seconds:
+        best = min(best, elapsed_seconds(fn, device))
+        reps += 1
+    return best
+
+
 def describe_device(device: torch.device) -> str:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)

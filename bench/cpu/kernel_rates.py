@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import numpy as np
 import torch
+
+from cadenza.bench.common.device import best_seconds
 
 # Per type: (values a block, bytes a block, offsets of its float16 scales and their ranges). Every
 # other byte is random quant bits, a valid block of the type.
@@ -43,17 +44,6 @@ def random_weight(qtype: int, scales, rows: int, cols: int, rng: np.random.Gener
         values = rng.uniform(low, high, size=blocks.shape[:2]).astype(np.float16)
         blocks[:, :, offset : offset + 2] = values.view(np.uint8).reshape(*blocks.shape[:2], 2)
     return torch.from_numpy(blocks.reshape(rows, -1))
-
-
-def best_seconds(fn, min_reps: int = 10, min_seconds: float = 0.3) -> float:
-    fn()
-    best, reps, started = float("inf"), 0, time.perf_counter()
-    while reps < min_reps or time.perf_counter() - started < min_seconds:
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-        reps += 1
-    return best
 
 
 def measure(kernels, shape: tuple[int, int], row_counts: list[int], seed: int = 0, read_bytes: int = 512 << 20) -> dict:
@@ -81,8 +71,8 @@ def measure(kernels, shape: tuple[int, int], row_counts: list[int], seed: int = 
                     for copy in copies:
                         kernels.quant_linear(x, copy, type_id, None)
 
-                rates[name][layout][rows] = len(copies) * weight.numel() / best_seconds(one_pass, min_reps=3)
-            del copies
+                rates[name][layout][rows] = len(copies) * weight.numel() / best_seconds(one_pass)
+            copies = []  # the copies go before the next type's are made
     return {"read_rate": read_rate, "rates": rates}
 
 

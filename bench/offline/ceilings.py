@@ -8,27 +8,16 @@ device-to-device copy's bytes read and written over its time, as GPU bandwidth i
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from cadenza.bench.common.device import elapsed_seconds, synchronize
+from cadenza.bench.common.device import best_seconds
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_MATMUL_SHAPE = (256, 2048, 2048)
 CUDA_MATMUL_SHAPE = (8192, 8192, 8192)  # about 1 TFLOP: long enough to time, large enough for every SM
-
-
-def _best_seconds(fn, *, min_reps: int = 3, min_seconds: float = 0.3, device: torch.device = torch.device("cpu")) -> float:
-    fn()  # warm up: page faults, packed weights, thread pool, kernel choice
-    synchronize(device)
-    best, reps, started = float("inf"), 0, time.perf_counter()
-    while reps < min_reps or time.perf_counter() - started < min_seconds:
-        best = min(best, elapsed_seconds(fn, device))
-        reps += 1
-    return best
 
 
 def memory_read_bandwidth(num_bytes: int = 512 << 20, *, kernels: object | None = None) -> float:
@@ -41,7 +30,7 @@ def memory_read_bandwidth(num_bytes: int = 512 << 20, *, kernels: object | None 
         kernels = loader.configure("auto")
     x = torch.ones(num_bytes // 4, dtype=torch.float32)
     read = (lambda: kernels.stream_read(x)) if kernels is not None else (lambda: x.sum())
-    seconds = _best_seconds(read, min_reps=5)
+    seconds = best_seconds(read, min_reps=5)
     return num_bytes / seconds
 
 
@@ -50,7 +39,7 @@ def device_copy_bandwidth(num_bytes: int, device: torch.device) -> float:
     `num_bytes` read plus `num_bytes` written per copy (best of several)."""
     src = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    seconds = _best_seconds(lambda: dst.copy_(src), min_reps=5, device=device)
+    seconds = best_seconds(lambda: dst.copy_(src), min_reps=5, device=device)
     return 2 * src.numel() * 4 / seconds
 
 
@@ -61,7 +50,7 @@ def matmul_rate(dtype: torch.dtype, m: int = 256, k: int = 2048, n: int = 2048,
     x = torch.randn(m, k, generator=gen, device=device).to(dtype)
     w = torch.randn(n, k, generator=gen, device=device).to(dtype)
     with torch.inference_mode():
-        seconds = _best_seconds(lambda: F.linear(x, w), device=device)
+        seconds = best_seconds(lambda: F.linear(x, w), device=device)
     return 2 * m * k * n / seconds
 
 
