@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from cadenza.attention_backends.base import AttentionBackend, AttentionMetadata, causal_mask
-from cadenza.kernels.kv_layout import Int8KVCache, read_kv, write_kv
+from cadenza.kernels.kv_layout import KERNEL_FLOAT_CACHES, Int8KVCache, read_kv, write_kv
 
 
 @dataclass(slots=True)
@@ -43,9 +43,6 @@ class _Group:
     def is_decode(self) -> bool:
         return self.max_q == 1
 
-
-# The float caches the kernels read and write in place for float32 activations.
-_KERNEL_FLOAT_CACHES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _packed_f32(x: torch.Tensor) -> bool:
@@ -132,7 +129,7 @@ class TorchSDPABackend(AttentionBackend):
             return False
         if all(isinstance(c, Int8KVCache) for c in kv_caches):
             caches, scales = [c.data for c in kv_caches], [c.scales for c in kv_caches]
-        elif all(isinstance(c, torch.Tensor) and c.dtype in _KERNEL_FLOAT_CACHES for c in kv_caches):
+        elif all(isinstance(c, torch.Tensor) and c.dtype in KERNEL_FLOAT_CACHES for c in kv_caches):
             caches, scales = kv_caches, []
         else:
             return False
@@ -158,7 +155,7 @@ class TorchSDPABackend(AttentionBackend):
         kernel_write = self._kernels is not None and _packed_f32(k) and _packed_f32(v)
         if kernel_write and int8:
             self._kernels.write_kv_int8_(kv_cache.data, kv_cache.scales, k, v, meta.slot_mapping)
-        elif kernel_write and kv_cache.dtype in _KERNEL_FLOAT_CACHES:
+        elif kernel_write and kv_cache.dtype in KERNEL_FLOAT_CACHES:
             self._kernels.write_kv_(kv_cache, k, v, meta.slot_mapping)
         else:
             write_kv(k, v, kv_cache, meta.slot_mapping)
@@ -176,7 +173,7 @@ class TorchSDPABackend(AttentionBackend):
                 return self._kernels.paged_decode_attention_int8(
                     q.float(), kv_cache.data, kv_cache.scales, group.block_tables, group.seq_lens, self.scale, window
                 ).to(q.dtype)
-            if q.dtype == torch.float32 and kv_cache.dtype in _KERNEL_FLOAT_CACHES:
+            if q.dtype == torch.float32 and kv_cache.dtype in KERNEL_FLOAT_CACHES:
                 return self._kernels.paged_decode_attention(
                     q, kv_cache, group.block_tables, group.seq_lens, self.scale, window
                 )

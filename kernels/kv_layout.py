@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+# The float caches the CPU decode kernels read and write in place (besides an Int8KVCache).
+KERNEL_FLOAT_CACHES = (torch.float32, torch.bfloat16, torch.float16)
 KV_SCALE_DTYPE = torch.float16  # 2 bytes a (token, kv head): 66 bytes a 64-wide head, not 128 in bf16
 
 

@@ -36,7 +36,3 @@ def resolve_kv_dtype(name: str, compute_dtype: torch.dtype, int8_activations: bo
             return torch.bfloat16
         return compute_dtype
     return torch.int8 if name == "int8" else _DTYPES[name]
-
-
-# The caches the CPU decode kernels read in place (besides int8): float32 and 16-bit rows.
-KERNEL_FLOAT_CACHES = (torch.float32, torch.bfloat16, torch.float16)

@@ -12,8 +12,9 @@ import torch
 
 from cadenza.config import CadenzaConfig
 from cadenza.config.errors import ConfigError
+from cadenza.kernels.kv_layout import KERNEL_FLOAT_CACHES
 from cadenza.models.loading import LoadedModel, load_model
-from cadenza.runner.device import KERNEL_FLOAT_CACHES, resolve_device, resolve_dtype, resolve_kv_dtype
+from cadenza.runner.device import resolve_device, resolve_dtype, resolve_kv_dtype
 from cadenza.runner.kv_cache import allocate_kv_caches, available_memory, size_cache
 from cadenza.runtime.plugins import Plugins
 from cadenza.speculative.base import DraftModel
