@@ -25,6 +25,11 @@ ROUTERS = ("prefix", "round_robin", "least_loaded")  # parallel.router's choices
 def _add_common(parser: argparse.ArgumentParser, peers: bool = True) -> None:
     """The options every bench shares; `peers=False` leaves out those for peer engines."""
     parser.add_argument("--model", help="HF model directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--shape", help="instead of --model: a shipped shape (llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, ...) "
+                                        "as a random-weight GGUF with the default model's tokenizer, quantized by "
+                                        "llama.cpp's llama-quantize and cached outside the repository (bench/peers/gguf_shapes.py)")
+    parser.add_argument("--quant", help="--shape's type: F16 or a llama-quantize type (Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0, "
+                                        "IQ4_XS, ...); default Q4_K_M")
     parser.add_argument("--config", help="deployment YAML file for cadenza's engine settings")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--num-threads", type=int, help="torch (and llama.cpp) threads; default: torch's")
@@ -93,6 +98,16 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     _add_common(lat)
     _add_device(lat)
 
+    spr = commands.add_parser("spread", help="batch-1 decode in fresh processes, alternating with fresh llama-bench "
+                                             "runs: min, median and max of each")
+    spr.add_argument("--processes", type=int, default=10, help="fresh processes per engine (default 10)")
+    spr.add_argument("--decode-prompt-len", type=int, default=32)
+    spr.add_argument("--decode-tokens", type=int, default=64, help="decode tokens timed per request")
+    spr.add_argument("--repeats", type=int, default=3, help="best of this many in each process")
+    spr.add_argument("--compare", nargs="*", default=["llamacpp"], choices=["llamacpp"], metavar="PEER",
+                     help="llamacpp (default): llama-bench on the same file, same threads; none with --compare alone")
+    _add_common(spr, peers=False)
+
     srv = commands.add_parser("serve", help="a cadenza server under Poisson load over WebSocket and OpenAI HTTP, "
                                             "next to the same work offline")
     srv.add_argument("--url", help="an already running server on this machine, e.g. http://127.0.0.1:8000 "
@@ -152,6 +167,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from cadenza.plugins.errors import PluginError
 
     try:
+        resolve_shape(args)
         if args.bench_command == "throughput":
             return _throughput(args)
         if args.bench_command == "serve" and args.workload == "multi-turn":
@@ -164,10 +180,32 @@ def run_bench(args: argparse.Namespace) -> int:
             return serve_disaggregation(args)
         if args.bench_command == "serve":
             return _serve(args)
+        if args.bench_command == "spread":
+            return _spread(args)
         return _latency(args)
     except (ConfigError, ModelLoadError, PluginError, ValueError) as exc:
         print(f"cadenza bench: error: {exc}", file=sys.stderr)
         return 2
+
+
+def resolve_shape(args: argparse.Namespace) -> None:
+    """`--shape`/`--quant` as `--model`: the shape's GGUF, written and quantized on first use."""
+    shape, quant = getattr(args, "shape", None), getattr(args, "quant", None)
+    if shape is None:
+        if quant is not None:
+            raise ValueError("--quant is the type of a --shape's GGUF; give --shape too")
+        return
+    if args.model is not None:
+        raise ValueError("--shape writes the model the bench runs; give --model or --shape, not both")
+    if getattr(args, "load_format", None) == "dummy":
+        raise ValueError("--shape is a GGUF file of the shape; with --load-format dummy give the shape as --model")
+    from cadenza.bench.peers.gguf_shapes import shape_gguf
+    from cadenza.models.dummy import shipped_shapes
+
+    if shape not in shipped_shapes():
+        raise ValueError(f"--shape {shape!r} is not a shipped shape; shipped shapes: {', '.join(shipped_shapes())}")
+    print(f"--shape {shape} --quant {quant or 'Q4_K_M'}: writing or finding its GGUF ...", flush=True)
+    args.model = str(shape_gguf(shape, quant or "Q4_K_M"))
 
 
 def _load_engine(args: argparse.Namespace):
@@ -276,6 +314,48 @@ def _latency(args: argparse.Namespace) -> int:
                                "plan": {"prefill_lens": list(plan.prefill_lens), "decode_prompt_len": plan.decode_prompt_len,
                                         "decode_tokens": plan.decode_tokens, "batch": plan.batch, "repeats": plan.repeats},
                                "rows": [r.as_dict() for r in rows], "skipped": skipped, "weights_check": weights_check})
+    return 0
+
+
+def _spread(args: argparse.Namespace) -> int:
+    import os
+
+    from cadenza.bench.common.report import environment, write_json
+    from cadenza.bench.offline.spread import SpreadPlan, render_spread, run_spread
+    from cadenza.bench.peers.llamacpp import why_llamacpp_cannot_run
+
+    if args.processes < 1:
+        raise ValueError(f"--processes must be at least 1, got {args.processes}")
+    policy = setup_process(args)
+    if args.model is None:
+        from cadenza.models.default_model import default_model_path
+
+        args.model = str(default_model_path())
+    threads = args.num_threads or os.cpu_count() or 1  # llama-bench's threads, and so cadenza's
+    plan = SpreadPlan(args.processes, args.decode_prompt_len, args.decode_tokens, args.repeats, threads, args.dtype,
+                      args.temperature, args.config, args.quantization)
+    env = environment(threads)
+    print(f"cadenza bench spread: {args.model}, batch-1 decode after {plan.prompt_len} tokens, {plan.decode_tokens} timed, "
+          f"best of {plan.repeats} in each of {plan.processes} fresh processes, {threads} threads, {env['machine']}, "
+          f"cadenza {env['cadenza_revision']}")
+    skipped = {}
+    peer_path = None
+    if "llamacpp" in args.compare:
+        why = why_llamacpp_cannot_run(Path(args.model))
+        if why is None:
+            peer_path = Path(args.model)
+        else:
+            skipped["llama.cpp"] = why
+    spreads = run_spread(args.model, plan, policy, peer_path)
+    print()
+    print(render_spread(spreads))
+    for name, why in skipped.items():
+        print(f"  {name}: skipped ({why})")
+    if args.json:
+        write_json(args.json, {"bench": "spread", "model": args.model, "environment": env,
+                               "plan": {"processes": plan.processes, "prompt_len": plan.prompt_len,
+                                        "decode_tokens": plan.decode_tokens, "repeats": plan.repeats, "threads": threads},
+                               "engines": [s.as_dict() for s in spreads], "skipped": skipped})
     return 0
 
 

@@ -229,6 +229,39 @@ def test_llama_server_runs_the_workload_and_is_stopped():
         os.kill(engine.last_pid, 0)
 
 
+def test_spread_runs_each_process_fresh(tmp_path, capsys):
+    """`bench spread`: each of cadenza's rates comes from a process of its own (its own threads'
+    ticks), beside llama-bench's on the same file when llama.cpp is built."""
+    out = tmp_path / "spread.json"
+    peer = [] if LLAMACPP_MISSING is None else ["--compare"]  # `--compare` alone: no peer
+    code = main(["spread", "--processes", "2", "--decode-prompt-len", "4", "--decode-tokens", "3", "--repeats", "1",
+                 "--num-threads", "1", "--no-quiet-check", "--json", str(out), *peer])
+    assert code == 0
+    result = json.loads(out.read_text())
+    ours = result["engines"][0]
+    assert ours["engine"] == "cadenza" and ours["processes"] + ours["disturbed"] == 2 and len(ours["rates"]) == 2
+    assert ours["min"] <= ours["median"] <= ours["max"] and ours["min"] > 0
+    for detail in ours["details"]:
+        assert len(detail["rates"]) == 1 and detail["busiest_threads"][0]["ticks"] >= 0
+        assert detail["weights_read_gbps"] > 0 and detail["fresh_read_gbps"] > 0  # where the weights sit, read back
+    assert ("min tok/s" in capsys.readouterr().out)
+    if LLAMACPP_MISSING is None:
+        assert result["engines"][1]["engine"] == "llama.cpp Q4_1" and len(result["engines"][1]["rates"]) == 2
+    else:
+        assert len(result["engines"]) == 1
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--quant", "Q4_K_M"], "--quant is the type of a --shape's GGUF; give --shape too"),
+    (["--shape", "llama-3.2-1b", "--model", "x.gguf"], "give --model or --shape, not both"),
+    (["--shape", "llama-9b"], "--shape 'llama-9b' is not a shipped shape; shipped shapes: llama-3.1-8b, llama-3.2-1b"),
+    (["--shape", "llama-3.2-1b", "--load-format", "dummy"], "with --load-format dummy give the shape as --model"),
+])
+def test_shape_flags_are_checked_before_anything_is_written(argv, error, capsys):
+    assert main(["latency", *argv, *TINY_LATENCY]) == 2
+    assert error in capsys.readouterr().err
+
+
 def test_step_rows_times_each_chunk_size(tiny_model_dir, capsys):
     from cadenza.bench.features import step_rows
 

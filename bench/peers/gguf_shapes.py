@@ -115,7 +115,7 @@ def quantize(source: Path, quant: str, path: Path, threads: int | None = None) -
     why = why_binaries_missing()
     binary = find_binary("llama-quantize")
     if why or binary is None:
-        raise SystemExit(why or "llama-quantize is not built")
+        raise ValueError(f"cannot quantize {source.name} to {quant}: {why or 'llama-quantize is not built'}")
     partial = path.with_name(path.name + ".partial")
     command = [str(binary), str(source), str(partial), quant]
     if threads:

@@ -51,8 +51,8 @@ class LlamaBinaryProbe:
         self.path, self.threads, self.bench, self.batched = gguf_path, num_threads, bench, batched
         self.name = f"llama.cpp {kind}"
 
-    def _llama_bench(self, prompt: int, generate: int, depth: int) -> dict:
-        rows = _run_json([str(self.bench), "-m", str(self.path), "-t", str(self.threads), "-r", "1", "-o", "json",
+    def _llama_bench(self, prompt: int, generate: int, depth: int, repeats: int = 1) -> dict:
+        rows = _run_json([str(self.bench), "-m", str(self.path), "-t", str(self.threads), "-r", str(repeats), "-o", "json",
                           "-p", str(prompt), "-n", str(generate), "-d", str(depth)])
         if len(rows) != 1:
             raise LlamaBinaryError(f"llama-bench returned {len(rows)} results, expected 1")
@@ -60,6 +60,11 @@ class LlamaBinaryProbe:
 
     def prefill_seconds(self, length: int, seed: int) -> float:
         return self._llama_bench(length, 0, 0)["avg_ns"] / 1e9
+
+    def best_decode_rate(self, prompt_len: int, num_tokens: int, repeats: int) -> float:
+        """Batch-1 decode in one fresh llama-bench process: the best of its `repeats` runs (tok/s)."""
+        row = self._llama_bench(0, num_tokens, prompt_len, repeats)
+        return float(max(row.get("samples_ts") or [row["avg_ts"]]))
 
     def decode_tokens_per_second(self, batch: int, prompt_len: int, num_tokens: int, seed: int) -> float | None:
         if batch == 1:
