@@ -118,6 +118,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     srv.add_argument("--request-rates", type=float, nargs="+", metavar="RATE",
                      help="Poisson arrival rates in requests/s, one run each; inf sends all at once (default: 1 4 inf; "
                           "multi-turn: one rate, default 2)")
+    srv.add_argument("--max-concurrency", type=int, nargs="+", metavar="N",
+                     help="run each rate once per N, at most N requests in flight (at rate inf: N streams back to "
+                          "back, guidellm's concurrent profile); default: no cap")
     srv.add_argument("--num-requests", type=int, default=32)
     srv.add_argument("--prompt-len", type=int, nargs=2, default=(32, 256), metavar=("A", "B"), help="prompt lengths uniform in [A, B]")
     srv.add_argument("--output-len", type=int, nargs=2, metavar=("C", "D"),
@@ -370,6 +373,8 @@ def _serve(args: argparse.Namespace) -> int:
     args.request_rates = args.request_rates or [1.0, 4.0, math.inf]
     if any(not rate > 0 for rate in args.request_rates):
         raise ValueError(f"--request-rates must be positive (or inf), got {args.request_rates}")
+    if any(n < 1 for n in args.max_concurrency or ()):
+        raise ValueError(f"--max-concurrency must be at least 1, got {args.max_concurrency}")
     if args.max_duration <= 0:
         raise ValueError(f"--max-duration must be positive, got {args.max_duration}")
     if args.api_key and url is None:
@@ -394,7 +399,7 @@ def _serve(args: argparse.Namespace) -> int:
     workload = make_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len or (32, 128)), seed=args.seed,
                              vocab_size=vocab, temperature=args.temperature)
     plan = ServePlan(tuple(dict.fromkeys(args.protocols)), tuple(args.request_rates), args.max_duration, args.seed,
-                     vocab)
+                     vocab, tuple(dict.fromkeys(args.max_concurrency or [None])))
     env = environment(args.num_threads)
     argv = getattr(args, "argv", None) or ["cadenza", *sys.argv[1:]]
     command = shlex.join(argv)

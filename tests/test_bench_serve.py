@@ -87,6 +87,64 @@ def test_serve_bench_launches_and_stops_its_server(tiny_model_dir, tmp_path, cap
     assert "overhead" in printed and "offline output tok/s" in printed
 
 
+def test_max_concurrency_keeps_that_many_in_flight():
+    """`run_load(concurrency=N)` at rate inf: N streams back to back, never more in flight, every
+    request sent (guidellm's concurrent profile)."""
+    import time
+
+    import anyio
+
+    from cadenza.bench.serving.serve import run_load
+
+    class CountingClient:
+        protocol = "fake"
+
+        def __init__(self) -> None:
+            self.in_flight = self.most = self.sent = 0
+
+        async def __aenter__(self):
+            return self
+
+        async def __aexit__(self, *exc_info) -> None:
+            return None
+
+        def start(self, tg) -> None:
+            pass
+
+        async def warmup(self) -> None:
+            pass
+
+        async def send(self, index, request, record: RequestRecord) -> None:
+            self.in_flight += 1
+            self.most, self.sent = max(self.most, self.in_flight), self.sent + 1
+            record.sent_at = time.perf_counter()
+            await anyio.sleep(0.01 * (1 + index % 3))  # uneven lengths: slots free up out of order
+            record.on_tokens(time.perf_counter(), request.max_tokens)
+            record.complete(time.perf_counter(), "length", request.max_tokens, streamed=False)
+            self.in_flight -= 1
+
+    workload = make_workload(9, **WORKLOAD)
+    for cap, most in ((3, 3), (None, 9)):
+        client = CountingClient()
+        records, seconds = anyio.run(run_load, client, workload, [0.0] * 9, 30.0, cap)
+        assert client.sent == 9 and client.most == most and seconds > 0
+        assert [r.status for r in records] == ["completed"] * 9
+
+
+def test_serve_bench_at_a_concurrency(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "serve.json"
+    with running_server(tiny_model_dir("llama3")) as server:
+        code = main(["serve", "--url", server.url, "--vocab-size", str(VOCAB), "--num-requests", "5", *SHAPE,
+                     "--protocols", "http", "--request-rates", "inf", "--max-concurrency", "2", "--no-quiet-check",
+                     "--json", str(out)])
+        printed = capsys.readouterr().out
+        assert code == 0, printed
+    result = json.loads(out.read_text())
+    check_runs(result, 5, ["inf"], protocols=("http",))
+    assert result["runs"][0]["max_concurrency"] == 2 and result["plan"]["max_concurrency"] == [2]
+    assert "inf, 2 streams" in printed
+
+
 @pytest.mark.parametrize("url", ["http://10.1.2.3:8000", "http://example.com:8000", "ws://127.0.0.1:8000", "127.0.0.1:8000"])
 def test_a_non_loopback_url_is_refused(url, capsys):
     assert main(["serve", "--url", url, "--no-quiet-check"]) == 2

@@ -25,7 +25,7 @@ from cadenza.bench.common.report import table
 from cadenza.bench.common.workload import BenchRequest, Workload
 from cadenza.bench.serving.serve_clients import HTTPClient, RequestRecord, WebSocketClient
 from cadenza.bench.serving.serve_process import run_quietly_here, wait_idle
-from cadenza.bench.serving.stats import ServeRun, rate_label
+from cadenza.bench.serving.stats import ServeRun, load_label
 
 PROTOCOLS = ("ws", "http")
 WARMUP_TIMEOUT = 300.0  # a first step on a big model may take a while; a hung server must not hang the bench
@@ -47,9 +47,12 @@ def arrival_offsets(num_requests: int, rate: float, seed: int) -> list[float]:
     return offsets
 
 
-async def run_load(client, workload: Workload, offsets: Sequence[float], max_duration: float
-                   ) -> tuple[list[RequestRecord], float]:
+async def run_load(client, workload: Workload, offsets: Sequence[float], max_duration: float,
+                   concurrency: int | None = None) -> tuple[list[RequestRecord], float]:
     """Connect and warm up (untimed), then send each request at its offset; stop at `max_duration`.
+    With `concurrency`, at most that many are in flight: a request due while they are waits for one
+    to finish (at rate inf, that many streams run back to back: guidellm's concurrent profile,
+    vLLM's --max-concurrency), and its TTFT counts from when it is sent.
 
     Returns every request's record (unfinished ones marked cancelled) and the run's seconds: from
     the first send to the last request's end, or to the deadline when it cut requests short.
@@ -61,6 +64,15 @@ async def run_load(client, workload: Workload, offsets: Sequence[float], max_dur
             await client.warmup()
         if warmup.cancelled_caught:
             raise RuntimeError(f"the warm-up request over {client.protocol} got no answer in {WARMUP_TIMEOUT:.0f}s")
+        limiter = anyio.CapacityLimiter(concurrency) if concurrency else None
+
+        async def send(i: int, request: BenchRequest) -> None:
+            if limiter is None:
+                await client.send(i, request, records[i])
+                return
+            async with limiter:
+                await client.send(i, request, records[i])
+
         started = time.perf_counter()
         with anyio.move_on_after(max_duration):
             async with anyio.create_task_group() as tg:
@@ -68,7 +80,7 @@ async def run_load(client, workload: Workload, offsets: Sequence[float], max_dur
                     delay = started + offset - time.perf_counter()
                     if delay > 0:
                         await anyio.sleep(delay)
-                    tg.start_soon(client.send, i, request, records[i])
+                    tg.start_soon(send, i, request)
         deadline_at = time.perf_counter()
         readers.cancel_scope.cancel()
     for record in records:
@@ -99,6 +111,7 @@ class ServePlan:
     max_duration: float
     seed: int
     vocab_size: int  # prompt token ids are drawn below min(vocab_size, 10000), as make_workload draws them
+    concurrency: tuple[int | None, ...] = (None,)  # each rate runs once per entry (None: no cap)
 
 
 def with_fresh_prompts(workload: Workload, salt: str, vocab_size: int) -> Workload:
@@ -128,7 +141,8 @@ class ServeResult:
         """Per protocol: serving output tok/s at saturation over offline output tok/s."""
         rows = []
         for protocol in self.plan.protocols:
-            run = next((r for r in self.runs if r.protocol == protocol and math.isinf(r.rate)), None)
+            run = next((r for r in self.runs if r.protocol == protocol and math.isinf(r.rate) and r.concurrency is None),
+                       None)
             row = {"protocol": protocol, "serving_output_tokens_per_s": None, "offline_output_tokens_per_s": None,
                    "serving_over_offline": None, "overhead_percent": None, "note": ""}
             if self.offline is not None:
@@ -150,14 +164,14 @@ class ServeResult:
         load = table(
             ["protocol", "rate", "completed", "failed", "cancelled", "seconds", "req/s", "output tok/s", "total tok/s",
              "machine"],
-            [[r.protocol, rate_label(r.rate), len(r.completed), len(r.of_status("failed")), len(r.of_status("cancelled")),
+            [[r.protocol, r.label, len(r.completed), len(r.of_status("failed")), len(r.of_status("cancelled")),
               r.seconds, r.requests_per_second, r.output_tokens_per_second, r.total_tokens_per_second,
               r.quiet.describe() if r.quiet else "-"] for r in self.runs],
         )
         headers = ["protocol", "rate"] + [f"{m} {p}" for m in ("TTFT ms", "TPOT ms", "E2E ms") for p in ("p50", "p90", "p99")]
         rows = []
         for r in self.runs:
-            row = [r.protocol, rate_label(r.rate)]
+            row = [r.protocol, r.label]
             for name in ("ttft", "tpot", "e2e"):
                 s = r.latency(name)
                 row += [s.p50, s.p90, s.p99] if s else [None] * 3
@@ -165,10 +179,10 @@ class ServeResult:
         lines = [load, "", table(headers, rows)]
         for run in self.runs:
             for failure in run.failures[:3]:
-                lines.append(f"  {run.protocol} {rate_label(run.rate)}: request {failure['index']} {failure['status']}: "
+                lines.append(f"  {run.protocol} {run.label}: request {failure['index']} {failure['status']}: "
                              f"{failure['reason']}")
             if len(run.failures) > 3:
-                lines.append(f"  {run.protocol} {rate_label(run.rate)}: ... and {len(run.failures) - 3} more")
+                lines.append(f"  {run.protocol} {run.label}: ... and {len(run.failures) - 3} more")
         overhead = self.overhead()
         if self.offline is not None or any(row["note"] for row in overhead):
             lines += ["", table(
@@ -190,6 +204,7 @@ class ServeResult:
             "workload": self.workload.describe(),
             "plan": {"protocols": list(self.plan.protocols),
                      "request_rates": ["inf" if math.isinf(r) else r for r in self.plan.rates],
+                     "max_concurrency": list(self.plan.concurrency),
                      "max_duration_s": self.plan.max_duration, "seed": self.plan.seed,
                      "prompts": "the workload's lengths with fresh token ids per run, so no run hits another's "
                                 "prefix cache; the offline run uses the workload's own"},
@@ -211,21 +226,25 @@ def run_serve(target: ServeTarget, workload: Workload, plan: ServePlan, policy: 
         result.notes.append("the server's process was not found, so its CPU counts as other processes' in 'machine'")
     for protocol in plan.protocols:
         for rate in plan.rates:
-            log(f"running {protocol} at {rate_label(rate)} ...")
-            offsets = arrival_offsets(workload.num_requests, rate, plan.seed)
-            attempts = iter(range(1 << 30))
+            for concurrency in plan.concurrency:
+                label = load_label(rate, concurrency)
+                log(f"running {protocol} at {label} ...")
+                offsets = arrival_offsets(workload.num_requests, rate, plan.seed)
+                attempts = iter(range(1 << 30))
 
-            def once() -> tuple[list[RequestRecord], float]:
-                if not wait_idle(target.url):
-                    result.notes.append(f"the server was still busy before {protocol} at {rate_label(rate)}")
-                fresh = with_fresh_prompts(workload, f"{plan.seed}-{protocol}-{rate}-{next(attempts)}", plan.vocab_size)
-                return _run_async(lambda: run_load(_client(protocol, target, fresh), fresh, offsets, plan.max_duration))
+                def once() -> tuple[list[RequestRecord], float]:
+                    if not wait_idle(target.url):
+                        result.notes.append(f"the server was still busy before {protocol} at {label}")
+                    salt = f"{plan.seed}-{protocol}-{rate}-{concurrency}-{next(attempts)}"
+                    fresh = with_fresh_prompts(workload, salt, plan.vocab_size)
+                    return _run_async(lambda: run_load(_client(protocol, target, fresh), fresh, offsets, plan.max_duration,
+                                                       concurrency))
 
-            (records, seconds), quiet = run_quietly_here(once, policy, target.pid)
-            run = ServeRun(protocol, rate, records, seconds, quiet)
-            result.runs.append(run)
-            log(f"  {protocol} {rate_label(rate)}: {len(run.completed)}/{len(records)} completed, "
-                f"{run.output_tokens_per_second or 0:.1f} output tok/s in {seconds:.1f}s ({quiet.describe()})")
+                (records, seconds), quiet = run_quietly_here(once, policy, target.pid)
+                run = ServeRun(protocol, rate, records, seconds, quiet, concurrency)
+                result.runs.append(run)
+                log(f"  {protocol} {label}: {len(run.completed)}/{len(records)} completed, "
+                    f"{run.output_tokens_per_second or 0:.1f} output tok/s in {seconds:.1f}s ({quiet.describe()})")
     return result
 
 

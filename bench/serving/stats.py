@@ -63,6 +63,11 @@ class ServeRun:
     records: list[RequestRecord]
     seconds: float
     quiet: QuietReport | None = None
+    concurrency: int | None = None  # most requests in flight at once (None: as they arrive)
+
+    @property
+    def label(self) -> str:
+        return load_label(self.rate, self.concurrency)
 
     def of_status(self, status: str) -> list[RequestRecord]:
         return [r for r in self.records if r.status == status]
@@ -109,6 +114,7 @@ class ServeRun:
         return {
             "protocol": self.protocol,
             "request_rate": "inf" if math.isinf(self.rate) else self.rate,
+            "max_concurrency": self.concurrency,
             "num_requests": len(self.records),
             "completed": len(self.completed),
             "failed": len(self.of_status("failed")),
@@ -142,3 +148,8 @@ def _ms(seconds: float | None) -> float | None:
 
 def rate_label(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}/s"
+
+
+def load_label(rate: float, concurrency: int | None) -> str:
+    """A run's load: its arrival rate, and the streams it keeps at most (`inf, 16 streams`)."""
+    return rate_label(rate) + ("" if concurrency is None else f", {concurrency} streams")
