@@ -86,8 +86,19 @@ class MLP(nn.Module):
     def use_cpu_kernels(self, kernels) -> None:
         self.kernels = kernels
 
+    def _bf16_gate_up(self, x: torch.Tensor) -> torch.Tensor | None:
+        """gate_up(x) in bfloat16 where both quantized projections run this step as bfloat16
+        GEMMs (what the down projection would round the hidden state to anyway), else None."""
+        up, down = self.gate_up_proj, self.down_proj
+        if self.kernels is None or not isinstance(up, QuantizedLinear) or not isinstance(down, QuantizedLinear):
+            return None
+        return up.bf16_product(x) if down.takes_bf16(x.shape[0]) else None
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """`residual` + mlp(x), the sum written into `residual`."""
+        gate_up = self._bf16_gate_up(x)
+        if gate_up is not None:  # a prefill through bfloat16 GEMMs: the hidden state stays bfloat16
+            return self.down_proj.linear_add_(residual, self.kernels.silu_mul_bf16(gate_up))
         gate_up = self.gate_up_proj(x)
         if self.kernels is not None and gate_up.dtype == torch.float32:
             hidden = self.kernels.silu_mul(gate_up)

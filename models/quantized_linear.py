@@ -235,14 +235,20 @@ class QuantizedLinear(nn.Module):
         else:
             self.min_rows = GEMM_MIN_ROWS_BF16 if self.gemm_dtype == torch.bfloat16 else GEMM_MIN_ROWS
 
-    def _checked(self, x: torch.Tensor) -> torch.Tensor:
+    def _checked(self, x: torch.Tensor, keep: torch.dtype = torch.float32) -> torch.Tensor:
+        """`x` as float32 (or left as `keep`, the GEMM's own dtype), rows of unit stride."""
         if self.kernels is None:
             raise RuntimeError("a QuantizedLinear runs only on cadenza's CPU kernels, and they are switched off")
-        x = x if x.dtype == torch.float32 else x.float()
+        x = x if x.dtype in (torch.float32, keep) else x.float()
         return x if x.stride(-1) == 1 else x.contiguous()
 
     def _uses_gemm(self, x: torch.Tensor) -> bool:
         return x.shape[0] >= self.min_rows and self.in_features * self.out_features <= GEMM_MAX_VALUES
+
+    def takes_bf16(self, rows: int) -> bool:
+        """Whether a step of `rows` rows runs this product as a bfloat16 GEMM (bfloat16 input then
+        costs it nothing)."""
+        return self.gemm_dtype == torch.bfloat16 and rows >= self.min_rows and self.in_features * self.out_features <= GEMM_MAX_VALUES
 
     def _dequantized(self) -> torch.Tensor:
         """The weight as `gemm_dtype` [out, in], in this thread's scratch buffer (valid until the next call)."""
@@ -258,6 +264,15 @@ class QuantizedLinear(nn.Module):
         if weight.dtype == torch.float32:
             return F.linear(x, weight)
         return F.linear(x.to(weight.dtype), weight).float()
+
+    def bf16_product(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x @ W^T as the bfloat16 GEMM gives it (no bias, no float32 copy) when `x`'s rows take
+        that GEMM; None otherwise. A prefill's MLP feeds it to `silu_mul_bf16` and the down
+        projection: the same bits as through float32, two large copies fewer."""
+        if self.bias_f32 is not None or not self.takes_bf16(x.shape[0]):
+            return None
+        x = self._checked(x, keep=torch.bfloat16)
+        return F.linear(x.to(torch.bfloat16), self._dequantized())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self._checked(x)
@@ -275,13 +290,14 @@ class QuantizedLinear(nn.Module):
 
     def linear_add_(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """`residual += self(x)`, in place, fused into the product."""
-        x = self._checked(x)
         if self._uses_gemm(x) and residual.dtype == torch.float32:
+            x = self._checked(x, keep=self.gemm_dtype)
             if self.gemm_dtype == torch.float32:
                 residual.addmm_(x, self._dequantized().t())
-            else:
-                residual.add_(self._gemm(x))
+            else:  # the bfloat16 product added as float32 in one pass, with no float32 copy of it
+                residual.add_(F.linear(x.to(self.gemm_dtype), self._dequantized()))
             return residual if self.bias_f32 is None else residual.add_(self.bias_f32)
+        x = self._checked(x)
         if len(self.parts) == 1 and residual.dtype == torch.float32 and residual.stride(-1) == 1:
             return self.kernels.quant_linear_add_(residual, x, self.blocks0, self.parts[0][1], self.bias_f32)
         return residual.add_(self(x))

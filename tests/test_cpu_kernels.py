@@ -115,6 +115,24 @@ def test_silu_mul(kernels):
     assert torch.allclose(kernels.silu_mul(gate_up), expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows,intermediate", [(3, 203), (70, 256)])  # a tail of 3 after 8-wide steps; none
+def test_silu_mul_bf16_is_silu_mul_rounded(kernels, rows, intermediate):
+    """bfloat16 in and out: bit for bit what widening, the float32 op and torch's rounding give,
+    infinities and values that round up into the next exponent included; a NaN stays a NaN."""
+    gen = torch.Generator().manual_seed(rows)
+    gate_up = (torch.randn(rows, 2 * intermediate, generator=gen) * 6).bfloat16()
+    gate_up[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0])
+    gate_up[1, intermediate : intermediate + 2] = torch.tensor([float("inf"), 3.3895e38])
+    got = kernels.silu_mul_bf16(gate_up)
+    want = kernels.silu_mul(gate_up.float()).bfloat16()
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, intermediate)
+    nan = want.isnan()  # a NaN's sign and payload are the converter's choice (torch's differs by CPU)
+    assert torch.equal(got.isnan(), nan) and nan.any()
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        kernels.silu_mul_bf16(gate_up.float())
+
+
 def _paged_case(gen, seq_lens, num_heads, num_kv_heads, head_dim, block_size, num_blocks=64):
     """A cache with random contents and scattered, shuffled block tables (a strided view, as the
     runner's reused buffers are)."""

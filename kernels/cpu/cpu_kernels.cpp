@@ -297,6 +297,17 @@ Tensor silu_mul(const Tensor& gate_up) {
   return out;
 }
 
+// The same for a bfloat16 gate_up (rows of unit stride), into a bfloat16 [M, I].
+Tensor silu_mul_bf16(const Tensor& gate_up) {
+  TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16 && gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 &&
+                  gate_up.stride(1) == 1,
+              "gate_up must be bfloat16 [rows, 2 * intermediate] with rows of unit stride");
+  auto out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  cadenza::silu_mul_bf16(reinterpret_cast<const uint16_t*>(gate_up.data_ptr()), gate_up.size(0), out.size(1),
+                         gate_up.stride(0), reinterpret_cast<uint16_t*>(out.data_ptr()), out.stride(0));
+  return out;
+}
+
 // q [B, H, D]; kv_cache [2, num_blocks, block_size, KVH, D]; block_tables [B, max_blocks]; seq_lens
 // [B] (keys in the cache, the new token's included). Returns [B, H, D].
 Tensor paged_decode_attention(const Tensor& q, const Tensor& kv_cache, const Tensor& block_tables, const Tensor& seq_lens,
@@ -528,6 +539,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stream_read", &stream_read, "the xor of a tensor's bytes, every thread reading at once", release());
   m.def("rotary_", &rotary_, "in-place NeoX rotary embedding from cos/sin tables", release());
   m.def("silu_mul", &silu_mul, "SiLU(gate) * up for a fused [rows, 2 * I] gate_up", release());
+  m.def("silu_mul_bf16", &silu_mul_bf16, "silu_mul of a bfloat16 gate_up, into bfloat16 (rounded as torch rounds)",
+        release());
   m.def("paged_decode_attention", &paged_decode_attention,
         "one-token-per-sequence attention over a paged KV cache", release());
   m.def("write_kv_", &write_kv_, "store keys and values at their cache slots", release());

@@ -101,12 +101,4 @@ inline void quantize_activations(In x, QuantizedActivations& a) {
   else parallel_for(0, M, 16, rows);
 }
 
-// 8 floats to bfloat16, rounded to nearest even as PyTorch's conversion does (weights: no NaN).
-inline __m128i to_bf16x8(__m256 f) {
-  const __m256i x = _mm256_castps_si256(f);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7FFF)), lsb), 16);
-  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-}
-
 }  // namespace cadenza

@@ -56,6 +56,18 @@ void rotary(float* x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t t
   });
 }
 
+namespace {
+
+// SiLU(g) * u, 8 at a time and one at a time: the one arithmetic both silu_mul variants use.
+inline __m256 silu_mul8(__m256 g, __m256 u) {
+  const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+  return _mm256_mul_ps(silu, u);
+}
+
+inline float silu_mul1(float g, float u) { return g / (1.0f + exp1(-g)) * u; }
+
+}  // namespace
+
 void silu_mul(In gate_up, Out out) {
   const int64_t I = gate_up.cols / 2;
   parallel_for(0, gate_up.rows, 1, [&](int64_t m0, int64_t m1) {
@@ -64,13 +76,22 @@ void silu_mul(In gate_up, Out out) {
       const float* u = g + I;
       float* o = out.row(m);
       int64_t i = 0;
-      const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
-      for (; i + 8 <= I; i += 8) {
-        const __m256 gv = _mm256_loadu_ps(g + i);
-        const __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, gv))));
-        _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
-      }
-      for (; i < I; ++i) o[i] = g[i] / (1.0f + exp1(-g[i])) * u[i];
+      for (; i + 8 <= I; i += 8) _mm256_storeu_ps(o + i, silu_mul8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
+      for (; i < I; ++i) o[i] = silu_mul1(g[i], u[i]);
+    }
+  });
+}
+
+void silu_mul_bf16(const uint16_t* gate_up, int64_t rows, int64_t I, int64_t in_stride, uint16_t* out, int64_t out_stride) {
+  parallel_for(0, rows, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const uint16_t* g = gate_up + m * in_stride;
+      const uint16_t* u = g + I;
+      uint16_t* o = out + m * out_stride;
+      int64_t i = 0;
+      for (; i + 8 <= I; i += 8)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o + i), to_bf16x8(silu_mul8(load_bf16x8(g + i), load_bf16x8(u + i))));
+      for (; i < I; ++i) o[i] = float_to_bf16(silu_mul1(bf16_to_float(g[i]), bf16_to_float(u[i])));
     }
   });
 }

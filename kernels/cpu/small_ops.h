@@ -25,6 +25,12 @@ void rotary(float* x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t t
 // out [rows, I] = SiLU(gate) * up of gate_up [rows, 2I].
 void silu_mul(In gate_up, Out out);
 
+// The same of bfloat16 gate_up [rows, 2I] (row stride in_stride) into bfloat16 out [rows, I] (row stride
+// out_stride): computed in float32 as silu_mul does and rounded to nearest even, so the bits are those
+// of widening gate_up, silu_mul, then PyTorch's conversion of its result. What a prefill's MLP runs
+// between two bfloat16 GEMMs, without a float32 copy of either side.
+void silu_mul_bf16(const uint16_t* gate_up, int64_t rows, int64_t I, int64_t in_stride, uint16_t* out, int64_t out_stride);
+
 // A checksum of the n bytes at p, read once by every thread of the pool at the same time, 64 KiB
 // a chunk (a tail under 64 KiB is left unread): the memory's read rate as the decode kernels can
 // reach it. A torch reduction's arithmetic per byte understates it (torch's sum read 36.5 GiB/s
