@@ -74,6 +74,12 @@ class TorchSDPABackend(AttentionBackend):
         # Without native bf16, PyTorch's CPU attention kernels are several times slower in bf16
         # than in float32 (and the softmax is better in float32 anyway): compute there in float32.
         self._upcast = torch.device(self.device).type == "cpu" and not cpu_has_native_bf16()
+        # With it, a prefill chunk of float32 queries over a bfloat16 cache (the cache `auto` gives
+        # where the linears round activations to int8) attends in bfloat16: the keys and values are
+        # bfloat16 already, the queries' rounding (~2^-9) is below the int8 rounding of the
+        # activations they came from, and PyTorch's flash attention then runs on AMX or AVX512-BF16
+        # (a 512-token chunk, 32 heads over 8: 12.3 -> 4.9 ms a layer on a Sapphire Rapids core pair).
+        self._bf16_chunks = torch.device(self.device).type == "cpu" and cpu_has_native_bf16()
         self._kernels = None
         self._groups: list[_Group] = []
 
@@ -179,6 +185,9 @@ class TorchSDPABackend(AttentionBackend):
                 )
         num_seqs, max_q, max_k = group.num_seqs, group.max_q, group.max_k
         compute = torch.float32 if self._upcast and q.dtype != torch.float32 else q.dtype
+        bf16_cache = getattr(kv_cache, "dtype", None) == torch.bfloat16  # an Int8KVCache has no dtype
+        if self._bf16_chunks and not group.is_decode and compute == torch.float32 and bf16_cache:
+            compute = torch.bfloat16
         keys, values = read_kv(kv_cache, self._key_slots(group), compute)
         keys = keys.view(num_seqs, max_k, self.num_kv_heads, self.head_dim)
         values = values.view(num_seqs, max_k, self.num_kv_heads, self.head_dim)

@@ -107,3 +107,37 @@ def test_backend_matches_dense_attention(backend_cls, with_kernels, window, cont
     flat = cache.view(2, -1, KV_HEADS, DIM)
     assert torch.equal(flat[0][meta.slot_mapping], k)
     assert torch.equal(flat[1][meta.slot_mapping], v)
+
+
+@pytest.mark.parametrize("with_kernels", [False, True])
+def test_chunks_over_a_bf16_cache_attend_in_bf16_where_the_cpu_has_it(with_kernels, monkeypatch):
+    """float32 queries over a bfloat16 cache (a GGUF model's): prefill chunks attend in bfloat16
+    on CPUs with native bfloat16 (float32 elsewhere), within bfloat16's rounding of the dense
+    result over the cached (rounded) keys and values; decodes stay float32."""
+    import torch.nn.functional as F
+
+    from cadenza.kernels.cpu.features import cpu_has_native_bf16
+
+    q, k, v, cache, meta, full_keys, full_values = make_step([0, 11, 6], [20, 24, 1])
+    cache = cache.bfloat16()
+    rounded = lambda xs: [x.bfloat16().float() for x in xs]  # noqa: E731
+    backend = TorchSDPABackend(num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=DIM, scale=DIM**-0.5, block_size=BLOCK)
+    if with_kernels:
+        kernels = _kernels()
+        if kernels is None:
+            pytest.skip("the CPU kernels need x86-64 with AVX2 and FMA")
+        backend.use_cpu_kernels(kernels)
+    dtypes = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording(query, *args, **kwargs):
+        dtypes.append((query.shape[2], query.dtype))
+        return sdpa(query, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    backend.begin_step(meta)
+    out = backend.forward(q, k, v, cache, meta)
+    expected = dense_reference(q, meta, rounded(full_keys), rounded(full_values), None)
+    assert out.dtype == torch.float32 and (out - expected).abs().max().item() < 3e-2
+    chunk_dtype = torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+    assert (24, chunk_dtype) in dtypes and all(dtype == torch.float32 for rows, dtype in dtypes if rows == 1)
