@@ -244,6 +244,7 @@ def test_spread_runs_each_process_fresh(tmp_path, capsys):
     for detail in ours["details"]:
         assert len(detail["rates"]) == 1 and detail["busiest_threads"][0]["ticks"] >= 0
         assert detail["weights_read_gbps"] > 0 and detail["fresh_read_gbps"] > 0  # where the weights sit, read back
+        assert detail["load_resident_mib"] > 0.5 * detail["file_mib"]  # the weights, resident once loaded
     assert ("min tok/s" in capsys.readouterr().out)
     if LLAMACPP_MISSING is None:
         assert result["engines"][1]["engine"] == "llama.cpp Q4_1" and len(result["engines"][1]["rates"]) == 2

@@ -83,6 +83,16 @@ def _thread_ticks() -> dict[int, tuple[int, int]]:
     return ticks
 
 
+def _resident_kib() -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
 def _anon_huge_kib() -> int | None:
     try:
         for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
@@ -121,8 +131,12 @@ def child_measure(model: str, plan: SpreadPlan) -> dict:
     from cadenza.threads import compute_thread
 
     overrides = {"model.quantization": plan.quantization} if plan.quantization else {}
+    import torch  # noqa: F401 (its own resident memory is not the model's)
+
+    imported = _resident_kib()
     engine = CadenzaEngine(model, dtype=plan.dtype, num_threads=plan.num_threads, overrides=overrides,
                            config_path=plan.config)
+    loaded = _resident_kib()  # before any step: the KV cache's pages are not resident until written
     probe = CadenzaProbe(engine, plan.temperature)
     probe.decode_tokens_per_second(1, plan.prompt_len, 8, seed=0)  # warm: first-step allocations, page-ins
     before = _thread_ticks()
@@ -131,7 +145,9 @@ def child_measure(model: str, plan: SpreadPlan) -> dict:
     after = _thread_ticks()
     reads = compute_thread.run_sync(_read_rates, engine.runtime.loaded.model)
     busy = sorted(((after[t][0] - before[t][0], after[t][1]) for t in after if t in before), reverse=True)
+    load_mib = None if imported is None or loaded is None else round((loaded - imported) / 1024, 1)
     return {"rates": rates, "best": max(rates), "load_seconds": round(engine.load_seconds, 2),
+            "load_resident_mib": load_mib, "file_mib": round(Path(model).stat().st_size / 2**20, 1),
             "anon_huge_kib": _anon_huge_kib(), **reads,
             "busiest_threads": [{"ticks": t, "last_cpu": cpu} for t, cpu in busy[: max(2, plan.num_threads or 2)]]}
 
@@ -174,6 +190,7 @@ def run_spread(model: str, plan: SpreadPlan, policy: QuietPolicy, llamacpp_path:
         reads = (f"; weights read at {result['weights_read_gbps']} GB/s, fresh memory {result['fresh_read_gbps']}"
                  if "weights_read_gbps" in result else "")
         log(f"  round {round_ + 1}: cadenza {result['best']:.1f} tok/s (repeats {', '.join(f'{r:.1f}' for r in result['rates'])}; "
+            f"load added {result['load_resident_mib']} MiB resident for a {result['file_mib']} MiB file, "
             f"{(result['anon_huge_kib'] or 0) >> 10} MiB in huge pages; threads {threads}{reads}) ({quiet.describe()})")
         if peer is not None:
             rate, quiet = run_quietly(lambda: peer.best_decode_rate(plan.prompt_len, plan.decode_tokens, plan.repeats),
