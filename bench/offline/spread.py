@@ -126,13 +126,13 @@ def _read_rates(model) -> dict:
 
 def child_measure(model: str, plan: SpreadPlan) -> dict:
     """In this (fresh) process: load `model`, decode `plan.repeats` times; rates and the process's look."""
+    import torch  # noqa: F401 (imported before the first reading: its own memory is not the model's)
+
     from cadenza.bench.common.engines import CadenzaEngine
     from cadenza.bench.offline.latency import CadenzaProbe
     from cadenza.threads import compute_thread
 
     overrides = {"model.quantization": plan.quantization} if plan.quantization else {}
-    import torch  # noqa: F401 (its own resident memory is not the model's)
-
     imported = _resident_kib()
     engine = CadenzaEngine(model, dtype=plan.dtype, num_threads=plan.num_threads, overrides=overrides,
                            config_path=plan.config)
