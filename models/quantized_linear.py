@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -97,13 +98,16 @@ def _joined(pieces: list[torch.Tensor], arena) -> torch.Tensor:
     return out
 
 
-# Rows from which a product de-quantizes its weight for a GEMM (see above); at most this many
-# weight values (128 MiB of float32 scratch) to do so: a large LM head stays on the kernel.
+# Rows from which a product de-quantizes its weight for a GEMM (see above); a weight of more than
+# GEMM_SLICE_VALUES values (128 MiB of float32 scratch) is de-quantized and multiplied a slice of
+# output rows at a time, each slice into its columns of the output, so that an 8B's gate/up
+# (117M values) takes the GEMM too rather than staying on the int8 kernel.
 GEMM_MIN_ROWS = 64
 GEMM_MIN_ROWS_BF16 = 20
 GEMM_MIN_ROWS_PACKED = {16: 160, 8: 2048}  # by kernels.pack_rows(), where AMX multiplies the GEMM
 GEMM_MIN_ROWS_PACKED_NO_AMX = 2048  # AVX-512's own bf16 GEMM never beats the 16-row int8 kernel
-GEMM_MAX_VALUES = 32 << 20
+GEMM_SLICE_VALUES = 32 << 20
+GEMM_SLICE_ROWS = 64  # a slice's rows are a multiple of this: whole packed groups (16 or 8 rows)
 _scratch = threading.local()
 
 
@@ -243,27 +247,49 @@ class QuantizedLinear(nn.Module):
         return x if x.stride(-1) == 1 else x.contiguous()
 
     def _uses_gemm(self, x: torch.Tensor) -> bool:
-        return x.shape[0] >= self.min_rows and self.in_features * self.out_features <= GEMM_MAX_VALUES
+        return x.shape[0] >= self.min_rows
 
     def takes_bf16(self, rows: int) -> bool:
         """Whether a step of `rows` rows runs this product as a bfloat16 GEMM (bfloat16 input then
         costs it nothing)."""
-        return self.gemm_dtype == torch.bfloat16 and rows >= self.min_rows and self.in_features * self.out_features <= GEMM_MAX_VALUES
+        return self.gemm_dtype == torch.bfloat16 and rows >= self.min_rows
 
-    def _dequantized(self) -> torch.Tensor:
-        """The weight as `gemm_dtype` [out, in], in this thread's scratch buffer (valid until the next call)."""
-        weight = _scratch_matrix(self.out_features, self.in_features, self.gemm_dtype)
+    def _dequantized_slices(self) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """(first row, end row, those rows as `gemm_dtype` [rows, in]) covering the weight, in this
+        thread's scratch buffer (each valid until the next is made): the whole weight at once when
+        it has at most GEMM_SLICE_VALUES values, else each part GEMM_SLICE_ROWS-aligned slices of it."""
+        if self.out_features * self.in_features <= GEMM_SLICE_VALUES:
+            weight = _scratch_matrix(self.out_features, self.in_features, self.gemm_dtype)
+            for i, (first, qtype) in enumerate(self.parts):
+                blocks = self._blocks(i)
+                self.kernels.quant_dequantize_(weight.narrow(0, first, blocks.shape[0]), blocks, qtype)
+            yield 0, self.out_features, weight
+            return
+        step = max(GEMM_SLICE_ROWS, GEMM_SLICE_VALUES // self.in_features // GEMM_SLICE_ROWS * GEMM_SLICE_ROWS)
         for i, (first, qtype) in enumerate(self.parts):
             blocks = self._blocks(i)
-            self.kernels.quant_dequantize_(weight.narrow(0, first, blocks.shape[0]), blocks, qtype)
-        return weight
+            for row in range(0, blocks.shape[0], step):
+                rows = blocks[row : row + step]  # whole packed groups: `step` and the part's rows are multiples of them
+                weight = _scratch_matrix(rows.shape[0], self.in_features, self.gemm_dtype)
+                self.kernels.quant_dequantize_(weight, rows, qtype)
+                yield first + row, first + row + rows.shape[0], weight
+
+    def _product(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """x @ W^T in `dtype` through the de-quantized weight, without the bias."""
+        x = x if x.dtype == self.gemm_dtype else x.to(self.gemm_dtype)
+        out = None
+        for first, end, weight in self._dequantized_slices():
+            part = F.linear(x, weight)
+            if end - first == self.out_features:
+                return part if part.dtype == dtype else part.to(dtype)
+            if out is None:
+                out = torch.empty(x.shape[0], self.out_features, dtype=dtype)
+            out[:, first:end] = part
+        return out
 
     def _gemm(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T through the de-quantized weight, float32 out, without the bias."""
-        weight = self._dequantized()
-        if weight.dtype == torch.float32:
-            return F.linear(x, weight)
-        return F.linear(x.to(weight.dtype), weight).float()
+        return self._product(x, torch.float32)
 
     def bf16_product(self, x: torch.Tensor) -> torch.Tensor | None:
         """x @ W^T as the bfloat16 GEMM gives it (no bias, no float32 copy) when `x`'s rows take
@@ -271,8 +297,7 @@ class QuantizedLinear(nn.Module):
         projection: the same bits as through float32, two large copies fewer."""
         if self.bias_f32 is not None or not self.takes_bf16(x.shape[0]):
             return None
-        x = self._checked(x, keep=torch.bfloat16)
-        return F.linear(x.to(torch.bfloat16), self._dequantized())
+        return self._product(self._checked(x, keep=torch.bfloat16), torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self._checked(x)
@@ -292,10 +317,13 @@ class QuantizedLinear(nn.Module):
         """`residual += self(x)`, in place, fused into the product."""
         if self._uses_gemm(x) and residual.dtype == torch.float32:
             x = self._checked(x, keep=self.gemm_dtype)
-            if self.gemm_dtype == torch.float32:
-                residual.addmm_(x, self._dequantized().t())
-            else:  # the bfloat16 product added as float32 in one pass, with no float32 copy of it
-                residual.add_(F.linear(x.to(self.gemm_dtype), self._dequantized()))
+            x = x if x.dtype == self.gemm_dtype else x.to(self.gemm_dtype)
+            for first, end, weight in self._dequantized_slices():
+                cols = residual if end - first == self.out_features else residual[:, first:end]
+                if weight.dtype == torch.float32:
+                    cols.addmm_(x, weight.t())
+                else:  # the bfloat16 product added as float32 in one pass, with no float32 copy of it
+                    cols.add_(F.linear(x, weight))
             return residual if self.bias_f32 is None else residual.add_(self.bias_f32)
         x = self._checked(x)
         if len(self.parts) == 1 and residual.dtype == torch.float32 and residual.stride(-1) == 1:
