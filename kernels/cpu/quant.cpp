@@ -131,45 +131,57 @@ struct BlockQ8_0 {  // d (f16), 32 x int8: x = d * q
   }
 };
 
-struct BlockQ4_0 {  // d (f16), 16 bytes of nibbles: x = d * (q - 8)
-  static constexpr int64_t kElems = 32, kBytes = 18, kSubs = 1;
-  static constexpr int64_t kType = kQ4_0;
+// 4 bytes of fifth bits (bit i: value i) -> 32 bytes, 16 where the bit is set: each byte takes the
+// bits' byte of its value (vpshufb within 128-bit halves: values 0-15 from bytes 0-1, 16-31 from
+// bytes 2-3) and tests its own bit in it.
+inline __m256i fifth_bits32(const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, 4);
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(bits)),
+                                             _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201u));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+}
+
+// Q4_0, Q4_1, Q5_0 and Q5_1: d (f16), m (f16; the _1 types), 4 bytes of fifth bits (Q5_x; bit i:
+// value i), 16 bytes of nibbles (byte i: value i low, value 16 + i high). _0: x = d * (q - 8) or
+// d * (q - 16) (Q5_0); _1: x = d * q + m. Pairs of vpmaddubsw stay below 2^15 (2 x 31 x 127).
+template <bool kFive, bool kMin>
+struct BlockQ45 {
+  static constexpr int64_t kBits = kMin ? 4 : 2, kNibbles = kBits + (kFive ? 4 : 0);  // where each starts
+  static constexpr int64_t kElems = 32, kBytes = kNibbles + 16, kSubs = 1;
+  static constexpr int64_t kType = kFive ? (kMin ? kQ5_1 : kQ5_0) : (kMin ? kQ4_1 : kQ4_0);
+  static constexpr int kOffset = kMin ? 0 : (kFive ? 16 : 8);
   static constexpr bool kHasMin = true;
   using Sub = SubBlock;
   static void decode(const uint8_t* b, Sub* s) {
-    s[0].q = nibbles32(b + 2);
+    s[0].q = nibbles32(b + kNibbles);
+    if constexpr (kFive) s[0].q = _mm256_or_si256(s[0].q, fifth_bits32(b + kBits));
     s[0].scale = half_at(b);
-    s[0].minv = -8.0f * s[0].scale;
+    s[0].minv = kMin ? half_at(b + 2) : -static_cast<float>(kOffset) * s[0].scale;
   }
   static __m256i dot(const Sub& s, __m256i x) { return dot_u8_i8(s.q, x); }
   static void dequant(const uint8_t* b, float* y) {
     const float d = half_at(b);
+    uint32_t bits = 0;
+    if constexpr (kFive) std::memcpy(&bits, b + kBits, 4);
     for (int i = 0; i < 16; ++i) {
-      y[i] = d * static_cast<float>((b[2 + i] & 0x0F) - 8);
-      y[i + 16] = d * static_cast<float>((b[2 + i] >> 4) - 8);
+      const int lo = (b[kNibbles + i] & 0x0F) | ((bits >> i) & 1) << 4;
+      const int hi = (b[kNibbles + i] >> 4) | ((bits >> (16 + i)) & 1) << 4;
+      if constexpr (kMin) {
+        y[i] = d * static_cast<float>(lo) + half_at(b + 2);
+        y[i + 16] = d * static_cast<float>(hi) + half_at(b + 2);
+      } else {
+        y[i] = d * static_cast<float>(lo - kOffset);
+        y[i + 16] = d * static_cast<float>(hi - kOffset);
+      }
     }
   }
 };
-
-struct BlockQ4_1 {  // d, m (f16), 16 bytes of nibbles: x = d * q + m
-  static constexpr int64_t kElems = 32, kBytes = 20, kSubs = 1;
-  static constexpr int64_t kType = kQ4_1;
-  static constexpr bool kHasMin = true;
-  using Sub = SubBlock;
-  static void decode(const uint8_t* b, Sub* s) {
-    s[0].q = nibbles32(b + 4);
-    s[0].scale = half_at(b);
-    s[0].minv = half_at(b + 2);
-  }
-  static __m256i dot(const Sub& s, __m256i x) { return dot_u8_i8(s.q, x); }
-  static void dequant(const uint8_t* b, float* y) {
-    const float d = half_at(b), m = half_at(b + 2);
-    for (int i = 0; i < 16; ++i) {
-      y[i] = d * static_cast<float>(b[4 + i] & 0x0F) + m;
-      y[i + 16] = d * static_cast<float>(b[4 + i] >> 4) + m;
-    }
-  }
-};
+using BlockQ4_0 = BlockQ45<false, false>;
+using BlockQ4_1 = BlockQ45<false, true>;
+using BlockQ5_0 = BlockQ45<true, false>;
+using BlockQ5_1 = BlockQ45<true, true>;
 
 // Q4_K's 6-bit scale and min of sub-block j (of 8), packed into 12 bytes.
 inline void q4k_scale_min(const uint8_t* q, int j, int& sc, int& m) {
@@ -292,6 +304,8 @@ inline auto with_block_type(int64_t qtype, F&& f) {
     case kQ8_0: return f(BlockQ8_0{});
     case kQ4_0: return f(BlockQ4_0{});
     case kQ4_1: return f(BlockQ4_1{});
+    case kQ5_0: return f(BlockQ5_0{});
+    case kQ5_1: return f(BlockQ5_1{});
     case kQ4_K: return f(BlockQ4_K{});
     case kQ5_K: return f(BlockQ5_K{});
     case kQ6_K: return f(BlockQ6_K{});
@@ -299,7 +313,7 @@ inline auto with_block_type(int64_t qtype, F&& f) {
     case kIQ4_XS: return f(BlockIQ4_XS{});
     default: break;
   }
-  fail("no kernel for GGML quantization type ", qtype, " (supported: Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)");
+  fail("no kernel for GGML quantization type ", qtype, " (supported: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)");
 }
 
 // R weight rows at a time share each activation load; M activation rows share each decoded block.
@@ -488,7 +502,7 @@ void quant_pack(const uint8_t* src, int64_t rows, int64_t row_bytes, int64_t qty
 
 bool packs(int64_t qtype) {
   switch (qtype) {
-    case kQ4_0: case kQ4_1: case kQ8_0: case kQ4_K: case kQ5_K: case kQ6_K: case kIQ4_NL: case kIQ4_XS: return true;
+    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: case kQ4_K: case kQ5_K: case kQ6_K: case kIQ4_NL: case kIQ4_XS: return true;
     default: return false;
   }
 }

@@ -36,6 +36,23 @@ inline void packed_values(const uint8_t* chunks, __m512i* q) {
   }
 }
 
+// Q5_0 and Q5_1: 16 added to each value of q (in packed_values' order) whose fifth bit is set. Row
+// r's 32 bits lie in lane r of qh (bit i: value i): values 4c + j (chunk c's low nibbles) have theirs
+// in byte c / 2 of the lane, bit 4 (c % 2) + j, values 16 + 4c + j in byte 2 + c / 2. vpshufb copies
+// that byte across its lane, vptestmb picks each value's bit, a masked vpaddb adds the 16.
+inline void add_fifth_bits(__m512i qh, __m512i* q) {
+  const __m512i lane_bytes = _mm512_set4_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0);  // byte 0 of each row's 4
+  const __m512i sixteen = _mm512_set1_epi8(16);
+  for (int t = 0; t < 4; ++t) {  // byte t: chunks 2 (t % 2) and 2 (t % 2) + 1, low nibbles for t < 2
+    const __m512i spread = _mm512_shuffle_epi8(qh, _mm512_add_epi8(lane_bytes, _mm512_set1_epi8(static_cast<char>(t))));
+    for (int h = 0; h < 2; ++h) {
+      const int v = 2 * (2 * (t % 2) + h) + t / 2;
+      const __mmask64 set = _mm512_test_epi8_mask(spread, _mm512_set1_epi32(static_cast<int32_t>(0x08040201u << (4 * h))));
+      q[v] = _mm512_mask_add_epi8(q[v], set, q[v], sixteen);
+    }
+  }
+}
+
 // Which 4 activation values (a group of the 32) vector v of `packed_values` multiplies.
 template <class P>
 constexpr int packed_x_group(int v) {
@@ -83,6 +100,7 @@ inline void packed_dot_group(const uint8_t* wg, int64_t nblocks, const Quantized
     if constexpr (P::kHasMin) mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 32)));
     __m512i q[8];
     packed_values<P>(gb + packed_header_bytes<P>(), q);
+    if constexpr (P::kFive) add_fifth_bits(_mm512_loadu_si512(gb + packed_bits_at<P>()), q);
     for (int m = 0; m < M; ++m) {
       const int64_t blk = (m0 + m) * a.blocks + b;
       const int8_t* x = a.q.data() + (m0 + m) * a.K + 32 * b;

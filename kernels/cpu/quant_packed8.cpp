@@ -52,8 +52,8 @@ inline __m256i pinned(__m256i v) {
   return v;
 }
 
-// The sum over a run of chunks of small unsigned bytes u (nibbles, or Q5_K's 5-bit values) times 4
-// broadcast activation bytes: one int32 lane a row. AVX2 sums the pairs of vpmaddubsw in int16 for
+// The sum over a run of chunks of small unsigned bytes u (nibbles, or the 5-bit values of Q5_0, Q5_1
+// and Q5_K) times 4 broadcast activation bytes: one int32 lane a row. AVX2 sums the pairs of vpmaddubsw in int16 for
 // kInt16Chunks chunks before widening to int32: 8 of nibbles (8 x 2 x 15 x 127 = 30480 < 2^15;
 // activations are within +-127), 4 of 5-bit values (4 x 2 x 31 x 127 = 31496). VNNI adds into int32
 // in two chains, so that consecutive vpdpbusd do not wait on each other.
@@ -82,8 +82,6 @@ class ByteDots {
  private:
   __m256i s0_ = _mm256_setzero_si256(), s1_ = _mm256_setzero_si256();
 };
-
-using NibbleDots = ByteDots<8>;
 
 // The weight's offset left in the integer sum: Q8_0's stored q + 128 under VNNI (unsigned x signed);
 // AVX2 recovers the signed q instead (vpmaddubsw's int16 pairs would overflow on 255 x 127).
@@ -131,18 +129,36 @@ inline void iq4_sums(const uint8_t* chunks, const int8_t* const* x, __m256i* isu
 #endif
 }
 
-// The 8 rows' integer sums of one group-block's values (chunks) with the 32 activation values at
-// x[m], for M activation rows.
+// Q5_0 and Q5_1: 16 added to chunk c's low nibbles (values 4c + j) and high ones (16 + 4c + j)
+// where their fifth bit is set. Row r's 32 bits lie in lane r of qh (bit i: value i), as
+// quant_packed.cpp reads them: vpshufb copies the byte of a value's bit across its lane (byte
+// c / 2 for the low nibbles, 2 + c / 2 for the high), and each byte tests its bit, 4 (c % 2) + j.
+inline void add_fifth_bits(__m256i qh, int c, __m256i& lo, __m256i& hi) {
+  const __m256i lane_bytes = _mm256_set_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0, 0x0C0C0C0C, 0x08080808, 0x04040404, 0);
+  const __m256i bit = _mm256_set1_epi32(static_cast<int32_t>(0x08040201u << (4 * (c % 2))));
+  auto sixteens = [&](int t) {
+    const __m256i spread = _mm256_shuffle_epi8(qh, _mm256_add_epi8(lane_bytes, _mm256_set1_epi8(static_cast<char>(t))));
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+  };
+  lo = _mm256_or_si256(lo, sixteens(c / 2));
+  hi = _mm256_or_si256(hi, sixteens(2 + c / 2));
+}
+
+// The 8 rows' integer sums of one group-block's values with the 32 activation values at x[m], for
+// M activation rows.
 template <class P, int M>
-inline void block_sums(const uint8_t* chunks, const int8_t* const* x, __m256i* isum) {
+inline void block_sums(const uint8_t* gb, const int8_t* const* x, __m256i* isum) {
+  const uint8_t* chunks = gb + packed_header_bytes<P>();
   if constexpr (P::kTable) {
     iq4_sums<M>(chunks, x, isum);
   } else if constexpr (P::kNibbles) {
     const __m256i low = _mm256_set1_epi8(0x0F);
-    NibbleDots dots[M];
+    const __m256i qh = P::kFive ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + packed_bits_at<P>())) : low;
+    ByteDots<P::kFive ? 4 : 8> dots[M];
     for (int c = 0; c < 4; ++c) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + 32 * c));
-      const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      if constexpr (P::kFive) add_fifth_bits(qh, c, lo, hi);
       for (int m = 0; m < M; ++m) {
         dots[m].add(2 * c, lo, broadcast4(x[m] + 4 * c));
         dots[m].add(2 * c + 1, hi, broadcast4(x[m] + 16 + 4 * c));
@@ -216,7 +232,7 @@ inline void packed_dot_group(const uint8_t* wg, int64_t nblocks, const Quantized
     const int8_t* x[M];
     for (int m = 0; m < M; ++m) x[m] = a.q.data() + (m0 + m) * a.K + 32 * b;
     __m256i isum[M];
-    block_sums<P, M>(gb + packed_header_bytes<P>(), x, isum);
+    block_sums<P, M>(gb, x, isum);
     const __m256 d = load_halves8(gb);
     const __m256 mins = P::kHasMin ? load_halves8(gb + 2 * kPackRows) : _mm256_setzero_ps();
     for (int m = 0; m < M; ++m) {
