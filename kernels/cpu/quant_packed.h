@@ -1,8 +1,8 @@
-// GGUF's 32-value block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) and its 256-value ones (Q4_K,
-// Q5_K, Q6_K, IQ4_XS) re-laid kPackRows output rows at a time
-// (16 for AVX-512's 512-bit vectors, 8 for AVX2's 256-bit ones): one instruction then computes a
-// 4-value integer dot product for that many rows at once, and the float scaling of a block (its
-// scale times the activation's) runs once per group of rows, not per row.
+// GGUF's 32-value block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) and its 256-value ones (Q3_K,
+// Q4_K, Q5_K, Q6_K, IQ4_XS) re-laid kPackRows output rows at a time (16 for AVX-512's 512-bit
+// vectors, 8 for AVX2's 256-bit ones): one instruction then computes a 4-value integer dot product
+// for that many rows at once, and the float scaling of a block (its scale times the activation's)
+// runs once per group of rows, not per row.
 //
 // The file's layout keeps each row's blocks together, so a kernel multiplies one row at a time
 // and its 8 lanes of partial sums are one row's: about 18 instructions per 32 weights on AVX2
@@ -106,6 +106,18 @@ struct PackQ5_K {
 // (chunk k: bytes [4k, 4k + 4) of each row's run): the file's 210 bytes a row.
 struct PackQ6_K {
   static constexpr int64_t kBytes = 210;
+  static constexpr int kOffsetBits = 5;  // the values carry 32 (x = d * sc * (q - 32))
+};
+
+// Q3_K: 256-value super-blocks of 16 signed 6-bit scales (one per 16 values, in 12 bytes as
+// quant.cpp's q3k_scale reads them); value l of sub-block j = 4h + s has its low 2 bits at bits 2s
+// of qs byte 32h + l and a third at bit j of hmask byte l. A group-block is
+//   R d (float16) | the 12 scale bytes, byte i of the R rows at 2R + R i |
+//   hmask, chunk k at 14R + 4R k | qs in 2 runs h of 32 bytes, chunk k at 46R + 32R h + 4R k
+// (chunk k: bytes [4k, 4k + 4) of each row's run): the file's 110 bytes a row.
+struct PackQ3_K {
+  static constexpr int64_t kBytes = 110;
+  static constexpr int kOffsetBits = 2;  // the values carry 4 (x = d * sc * (q - 4))
 };
 
 // IQ4_XS: 256-value super-blocks of 8 sub-blocks, each a 6-bit scale (4 bits in scales_l, 2 in
@@ -136,6 +148,7 @@ inline auto with_packed_type(int64_t qtype, F&& f) {
     case kQ5_0: return f(PackQ5_0{});
     case kQ5_1: return f(PackQ5_1{});
     case kQ8_0: return f(PackQ8_0{});
+    case kQ3_K: return f(PackQ3_K{});
     case kQ4_K: return f(PackQ4_K{});
     case kQ5_K: return f(PackQ5_K{});
     case kQ6_K: return f(PackQ6_K{});
@@ -143,7 +156,7 @@ inline auto with_packed_type(int64_t qtype, F&& f) {
     case kIQ4_XS: return f(PackIQ4_XS{});
     default: break;
   }
-  fail("GGML type ", qtype, " has no packed layout (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS do)");
+  fail("GGML type ", qtype, " has no packed layout (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS do)");
 }
 
 inline bool is_packed(int64_t qtype) { return (qtype & kPackedFlag) != 0; }
@@ -169,6 +182,12 @@ inline void for_each_field(F&& f) {
     for (int64_t i = 0; i < 4; ++i) f(4 + i, 4 * kPackRows + kPackRows * i, 1);  // scales_l
     for (int64_t j = 0; j < 8; ++j)
       for (int64_t k = 0; k < 4; ++k) f(8 + 16 * j + 4 * k, 8 * kPackRows + 16 * kPackRows * j + 4 * kPackRows * k, 4);
+  } else if constexpr (std::is_same_v<P, PackQ3_K>) {
+    f(108, 0, 2);                                                                  // d
+    for (int64_t i = 0; i < 12; ++i) f(96 + i, 2 * kPackRows + kPackRows * i, 1);  // the scales
+    for (int64_t k = 0; k < 8; ++k) f(4 * k, 14 * kPackRows + 4 * kPackRows * k, 4);  // hmask
+    for (int64_t h = 0; h < 2; ++h)                                                 // qs
+      for (int64_t k = 0; k < 8; ++k) f(32 + 32 * h + 4 * k, 46 * kPackRows + 32 * kPackRows * h + 4 * kPackRows * k, 4);
   } else if constexpr (std::is_same_v<P, PackQ6_K>) {
     f(208, 0, 2);                                                                   // d
     for (int64_t i = 0; i < 16; ++i) f(192 + i, 2 * kPackRows + kPackRows * i, 1);  // the scales
