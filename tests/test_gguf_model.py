@@ -4,9 +4,10 @@ Both de-quantize with `gguf.quants.dequantize` and undo llama.cpp's q/k row inte
 weights must be bit-identical, the logits agree to float rounding and greedy tokens agree. Two files:
 - the embedded default model (SmolLM2-135M-Instruct: Q4_1 and Q8_0, tied embeddings);
 - a tiny random Llama written here with `gguf.GGUFWriter`, its tensors spread over every quant
-  type we promise (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS), with attention biases, q/k
-  weights and biases permuted as llama.cpp's converter does. Its tensors made from known values
-  are also checked against those values, which needs no transformers.
+  type we promise (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL,
+  IQ4_XS), with attention biases, q/k weights and biases permuted as llama.cpp's converter does.
+  Its tensors made from known values are also checked against those values, which needs no
+  transformers.
 Plus the errors a bad file must give: unsupported quant type or architecture, a corrupt or
 truncated file, a missing path.
 """
@@ -164,16 +165,16 @@ QUANT_TYPES = {
     "blk.0.attn_v.weight": Q.Q4_1,
     "blk.0.attn_output.weight": Q.BF16,
     "blk.0.ffn_norm.weight": Q.F32,
-    "blk.0.ffn_gate.weight": Q.F16,
+    "blk.0.ffn_gate.weight": Q.Q5_0,
     "blk.0.ffn_up.weight": Q.Q8_0,
-    "blk.0.ffn_down.weight": Q.Q6_K,
+    "blk.0.ffn_down.weight": Q.Q3_K,
     "blk.1.attn_norm.weight": Q.F32,
     "blk.1.attn_q.weight": Q.BF16,
     "blk.1.attn_k.weight": Q.Q4_K,
-    "blk.1.attn_v.weight": Q.Q6_K,
+    "blk.1.attn_v.weight": Q.F16,
     "blk.1.attn_output.weight": Q.IQ4_NL,
     "blk.1.ffn_norm.weight": Q.F32,
-    "blk.1.ffn_gate.weight": Q.Q4_1,
+    "blk.1.ffn_gate.weight": Q.Q5_1,
     "blk.1.ffn_up.weight": Q.IQ4_XS,
     "blk.1.ffn_down.weight": Q.Q5_K,
     **{f"blk.{i}.attn_{part}.bias": Q.F32 for i in range(LAYERS) for part in ("q", "k", "v", "output")},
@@ -210,6 +211,7 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 # gguf cannot quantize; every other byte is random quant bits. The multipliers make the values come
 # out roughly zero-mean with that standard deviation.
 _RAW_SCALES = {
+    Q.Q3_K: ((108, 1 / 43),),  # 32 bytes of third bits, 64 of 2-bit values, 12 of 6-bit signed scales; d last
     Q.Q4_K: ((0, 1 / 258), (2, 7.5 / 258)),  # d, dmin; 12 bytes of 6-bit scales/mins; 128 of nibbles
     Q.Q5_K: ((0, 1 / 516), (2, 15.5 / 516)),  # d, dmin; Q4_K's 12 bytes of scales/mins; 32 of fifth bits; 128 of nibbles
     Q.Q6_K: ((208, 1 / 1370),),  # 128 bytes low nibbles, 64 high bits, 16 int8 scales; d last
@@ -327,7 +329,8 @@ def tiny_reference(tiny_gguf):
 def test_tiny_gguf_covers_every_required_quant_type(tiny_gguf):
     written = {t.name: t.tensor_type for t in gguf.GGUFReader(str(tiny_gguf[0])).tensors}
     assert written == QUANT_TYPES
-    assert set(written.values()) == {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS}
+    assert set(written.values()) == {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q3_K, Q.Q4_K, Q.Q5_K,
+                                     Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS}
 
 
 def test_tiny_gguf_config(tiny_llm):
@@ -344,7 +347,7 @@ def test_tiny_gguf_config(tiny_llm):
 
 
 # Largest error of one de-quantized value, relative to the tensor's largest magnitude.
-_QUANT_ERROR = {Q.F32: 0.0, Q.F16: 1e-3, Q.BF16: 4e-3, Q.Q8_0: 1e-2, Q.Q4_0: 0.15, Q.Q4_1: 0.1}
+_QUANT_ERROR = {Q.F32: 0.0, Q.F16: 1e-3, Q.BF16: 4e-3, Q.Q8_0: 1e-2, Q.Q4_0: 0.15, Q.Q4_1: 0.1, Q.Q5_0: 0.08, Q.Q5_1: 0.05}
 
 
 def test_tiny_gguf_weights_close_to_their_source(tiny_gguf):
@@ -394,22 +397,25 @@ def test_tiny_gguf_greedy_matches_transformers(tiny_llm, tiny_reference):
 
 
 # ---------------------------------------------------------------------------------------------
-def test_a_type_without_a_kernel_is_a_warning_with_its_cost(tmp_path):
-    """Q5_0 loads de-quantized (gguf's reference reads it; no kernel does): never silently."""
+def test_a_type_without_a_kernel_is_a_warning_with_its_cost(tmp_path, monkeypatch):
+    """A type gguf's reference reads but no kernel does loads de-quantized: never silently. Every
+    type we load has a kernel now, so Q5_0 plays one here, as a build without its kernel would see it."""
     from structlog.testing import capture_logs
 
+    from cadenza.models import gguf_loader
     from cadenza.models.gguf_file import GGUFFile
-    from cadenza.models.gguf_loader import plan_native_weights
 
     path = tmp_path / "q5_0.gguf"
     write_tiny_llama_gguf(path, {**QUANT_TYPES, "blk.1.ffn_up.weight": Q.Q5_0})
+    assert "model.layers.1.mlp.up_proj.weight" in gguf_loader.plan_native_weights(GGUFFile(path), None)
+    monkeypatch.delitem(gguf_loader.NATIVE_TYPES, int(Q.Q5_0))
     with capture_logs() as logs:
-        kept = plan_native_weights(GGUFFile(path), None)
+        kept = gguf_loader.plan_native_weights(GGUFFile(path), None)
     assert "model.layers.1.mlp.up_proj.weight" not in kept and "model.layers.1.mlp.down_proj.weight" in kept
     [warning] = [e for e in logs if e["log_level"] == "warning"]
-    assert warning["type"] == "Q5_0" and warning["names"] == ["blk.1.ffn_up.weight"]
-    # 512 x 256 values: 22 bytes a block of 32 in the file, 2 bytes a value as bfloat16.
-    assert warning["file_mib"] == round(512 * 256 / 32 * 22 / 2**20, 1) and warning["bf16_mib"] == 0.2
+    assert warning["type"] == "Q5_0" and warning["names"] == ["blk.0.ffn_gate.weight", "blk.1.ffn_up.weight"]
+    # Two 512 x 256 weights: 22 bytes a block of 32 in the file, 2 bytes a value as bfloat16.
+    assert warning["file_mib"] == round(2 * 512 * 256 / 32 * 22 / 2**20, 1) and warning["bf16_mib"] == 0.5
     assert not [e for e in logs if e["log_level"] == "warning" and e.get("type") != "Q5_0"]
 
 

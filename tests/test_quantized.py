@@ -24,7 +24,7 @@ from cadenza.kernels.cpu.features import cpu_has_avx2_fma
 
 pytestmark = pytest.mark.skipif(not cpu_has_avx2_fma(), reason="the quantized kernels need x86-64 with AVX2 and FMA")
 
-TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
+TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
 
 
 def random_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -38,14 +38,18 @@ def random_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> n
 
     if qtype in (Q.Q8_0, Q.Q4_0, Q.IQ4_NL):
         halves(0, -0.05, 0.05)
+    elif qtype == Q.Q5_0:
+        halves(0, -0.025, 0.025)
     elif qtype == Q.IQ4_XS:
         halves(0, 0.0005, 0.002)
-    elif qtype == Q.Q4_1:
+    elif qtype in (Q.Q4_1, Q.Q5_1):
         halves(0, 0.001, 0.02)
         halves(2, -0.1, 0.1)
     elif qtype in (Q.Q4_K, Q.Q5_K):
         halves(0, 0.0005, 0.002)
         halves(2, 0.0005, 0.002)
+    elif qtype == Q.Q3_K:  # d last
+        halves(108, 0.001, 0.005)
     else:  # Q6_K: d last
         halves(208, 0.0002, 0.001)
     return blocks.reshape(rows, -1)
@@ -196,11 +200,14 @@ def test_packed_products_hold_at_the_extremes_of_their_integer_sums(kernels, qty
     blocks = random_blocks(qtype, out_features, cols, rng)
     elems, size = gguf.GGML_QUANT_SIZES[qtype]
     view = blocks.reshape(out_features, cols // elems, size)
-    values = {Q.Q8_0: slice(2, 34), Q.Q4_0: slice(2, 18), Q.Q4_1: slice(4, 20), Q.Q4_K: slice(16, 144), Q.Q5_K: slice(16, 176), Q.Q6_K: slice(0, 192),
-              Q.IQ4_NL: slice(2, 18), Q.IQ4_XS: slice(8, 136)}[qtype]
-    view[: out_features // 2, :, values] = 0xFF  # nibbles 15 (Q8_0: -1, Q5_K: 31, Q6_K: 63)
+    values = {Q.Q8_0: slice(2, 34), Q.Q4_0: slice(2, 18), Q.Q4_1: slice(4, 20), Q.Q5_0: slice(2, 22), Q.Q5_1: slice(4, 24),
+              Q.Q3_K: slice(0, 96), Q.Q4_K: slice(16, 144), Q.Q5_K: slice(16, 176), Q.Q6_K: slice(0, 192), Q.IQ4_NL: slice(2, 18),
+              Q.IQ4_XS: slice(8, 136)}[qtype]
+    view[: out_features // 2, :, values] = 0xFF  # nibbles 15 (Q8_0: -1, Q5_x: 31, Q6_K: 63, Q3_K: 7)
     if qtype == Q.Q6_K:  # scales at their extremes too
         view[:, :, 192:208] = np.where(np.arange(out_features) % 2, 0x80, 0x7F).astype(np.uint8)[:, None, None]
+    if qtype == Q.Q3_K:  # scales -32 and 31
+        view[:, :, 96:108] = np.where(np.arange(out_features) % 2, 0x00, 0xFF).astype(np.uint8)[:, None, None]
     if qtype == Q.Q8_0:  # a group of -128s and one of 127s
         view[out_features // 2 :, :, values] = np.where(np.arange(out_features // 2) < out_features // 4, 0x80, 0x7F)[:, None, None]
     x = torch.from_numpy(np.where(rng.random((3, cols)) < 0.5, -1.0, 1.0).astype(np.float32))
@@ -246,11 +253,11 @@ def test_kernel_rejects_wrong_inputs(kernels):
     with pytest.raises(RuntimeError, match="features"):
         kernels.quant_linear(torch.zeros(1, 64), w, int(Q.Q4_1), None)
     with pytest.raises(RuntimeError, match="no kernel"):
-        kernels.quant_linear(torch.zeros(1, 96), w, int(Q.Q5_0), None)
+        kernels.quant_linear(torch.zeros(1, 96), w, int(Q.IQ2_XXS), None)
     with pytest.raises(RuntimeError, match="whole number"):
         kernels.quant_linear(torch.zeros(1, 96), torch.zeros(4, 61, dtype=torch.uint8), int(Q.Q4_1), None)
-    with pytest.raises(RuntimeError, match="packs no weights of type 6"):  # Q5_0: no packed layout
-        kernels.quant_linear(torch.zeros(1, 32), torch.zeros(8, 22, dtype=torch.uint8), int(Q.Q5_0) + 256, None)
+    with pytest.raises(RuntimeError, match="packs no weights of type 16"):  # IQ2_XXS: no packed layout
+        kernels.quant_linear(torch.zeros(1, 256), torch.zeros(16, 66, dtype=torch.uint8), int(Q.IQ2_XXS) + 256, None)
     with pytest.raises(RuntimeError, match="multiple of"):
         kernels.quant_linear(torch.zeros(1, 32), torch.zeros(4, 20, dtype=torch.uint8), int(Q.Q4_1) + 256, None)
 

@@ -27,6 +27,9 @@ TYPES: dict[str, tuple[int, tuple[tuple[int, float, float], ...]]] = {
     "Q8_0": (8, ((0, -0.05, 0.05),)),
     "Q4_0": (2, ((0, -0.05, 0.05),)),
     "Q4_1": (3, ((0, 0.001, 0.02), (2, -0.1, 0.1))),
+    "Q5_0": (6, ((0, -0.025, 0.025),)),
+    "Q5_1": (7, ((0, 0.001, 0.02), (2, -0.1, 0.1))),
+    "Q3_K": (11, ((108, 0.001, 0.005),)),
     "Q4_K": (12, ((0, 0.0005, 0.002), (2, 0.0005, 0.002))),
     "Q5_K": (13, ((0, 0.0005, 0.002), (2, 0.0005, 0.002))),
     "Q6_K": (14, ((208, 0.0002, 0.001),)),
@@ -46,14 +49,18 @@ def random_weight(qtype: int, scales, rows: int, cols: int, rng: np.random.Gener
     return torch.from_numpy(blocks.reshape(rows, -1))
 
 
-def measure(kernels, shape: tuple[int, int], row_counts: list[int], seed: int = 0, read_bytes: int = 512 << 20) -> dict:
-    """{"rates": {type: {layout: {rows: bytes/s}}}, "read_rate": bytes/s}, all in one run."""
+def measure(kernels, shape: tuple[int, int], row_counts: list[int], seed: int = 0, read_bytes: int = 512 << 20,
+            types: list[str] | None = None) -> dict:
+    """{"rates": {type: {layout: {rows: bytes/s}}}, "read_rate": bytes/s}, all in one run (`types`: these
+    of TYPES only)."""
     rng = np.random.default_rng(seed)
     read = torch.ones(read_bytes // 4)
     read_rate = read.numel() * 4 / best_seconds(lambda: kernels.stream_read(read), min_reps=5)
     out_features, in_features = shape
     rates: dict[str, dict[str, dict[int, float]]] = {}
     for name, (qtype, scales) in TYPES.items():
+        if types is not None and name not in types:
+            continue
         w = random_weight(qtype, scales, out_features, in_features, rng)
         layouts = {"file": (w, qtype)}
         if kernels.quant_packs(qtype):
@@ -92,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch's threads (default: torch's own)")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4], help="activation rows a product")
     parser.add_argument("--shape", type=int, nargs=2, default=[2048, 8192], metavar=("OUT", "IN"))
+    parser.add_argument("--types", nargs="+", choices=list(TYPES), default=None, help="these types only (default: all)")
     parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args(argv)
     from cadenza.bench.common.quiet import QuietPolicy, describe_machine, run_quietly
@@ -100,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     kernels = loader.configure("on")
-    result, quiet = run_quietly(lambda: measure(kernels, tuple(args.shape), args.rows), QuietPolicy(max_wait_seconds=120),
+    result, quiet = run_quietly(lambda: measure(kernels, tuple(args.shape), args.rows, types=args.types), QuietPolicy(max_wait_seconds=120),
                                 on_compute_thread=False)
     print(f"{describe_machine()}; kernels {kernels.packed_path()} ({loader.isa()}); {torch.get_num_threads()} threads; "
           f"weight {args.shape[0]} x {args.shape[1]}; {quiet.describe()}")  # fmt: skip

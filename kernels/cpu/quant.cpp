@@ -36,17 +36,39 @@ struct SubBlock {
   void store(float* y) const { store_affine32(q, scale, minv, y); }  // de-quantized (Q8_0: minv 0)
 };
 
-// Q6_K's sub-blocks carry two int8 scales (one per 16 values), applied inside the integer sum.
-struct SubBlock6 {
-  __m256i q, scales;
+// Q3_K's and Q6_K's sub-blocks carry two signed scales (one per 16 values), applied inside the
+// integer sum; their values are stored unsigned, kOffset above x / (d * sc): dot = scale * dx *
+// sum(sc * (q - kOffset) * x) over both halves.
+template <int kOffset>
+struct SubBlock16 {
+  __m256i q;
+  __m256i scales;  // as vpmaddwd takes them: the first half's scale in each int16 of the low 128 bits
   float scale, minv;
-  float half_scales[2];  // d * the int8 scale of each 16 values
+  float half_scales[2];  // d * the scale of each 16 values
   void store(float* y) const {
     alignas(32) float tmp[32];
-    store_affine32(q, 1.0f, -32.0f, tmp);
+    store_affine32(q, 1.0f, -static_cast<float>(kOffset), tmp);
     for (int i = 0; i < 32; ++i) y[i] = tmp[i] * half_scales[i / 16];
   }
 };
+
+// s's scales and their float products with d, from the two halves' integer scales.
+template <int kOffset>
+inline void set_half_scales(SubBlock16<kOffset>& s, float d, int first, int second) {
+  s.scales = _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(second)), _mm_set1_epi16(static_cast<int16_t>(first)));
+  s.scale = d;
+  s.minv = 0.0f;
+  s.half_scales[0] = d * static_cast<float>(first);
+  s.half_scales[1] = d * static_cast<float>(second);
+}
+
+// sum(sc * (q - kOffset) * x) of each half, q - kOffset as q*x - kOffset*x in int16 (vpmaddubsw
+// pairs: at most 2 x 63 x 127 each), the halves' scales by vpmaddwd.
+template <int kOffset>
+inline __m256i dot_scaled16(const SubBlock16<kOffset>& s, __m256i x) {
+  const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(s.q, x), _mm256_maddubs_epi16(_mm256_set1_epi8(kOffset), x));
+  return _mm256_madd_epi16(p, s.scales);
+}
 
 // 16 bytes of 4-bit indices -> the 32 signed values they stand for (low nibbles first).
 inline __m256i iq4_values32(const uint8_t* p) {
@@ -131,45 +153,57 @@ struct BlockQ8_0 {  // d (f16), 32 x int8: x = d * q
   }
 };
 
-struct BlockQ4_0 {  // d (f16), 16 bytes of nibbles: x = d * (q - 8)
-  static constexpr int64_t kElems = 32, kBytes = 18, kSubs = 1;
-  static constexpr int64_t kType = kQ4_0;
+// 4 bytes of fifth bits (bit i: value i) -> 32 bytes, 16 where the bit is set: each byte takes the
+// bits' byte of its value (vpshufb within 128-bit halves: values 0-15 from bytes 0-1, 16-31 from
+// bytes 2-3) and tests its own bit in it.
+inline __m256i fifth_bits32(const uint8_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, 4);
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(bits)),
+                                             _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201u));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+}
+
+// Q4_0, Q4_1, Q5_0 and Q5_1: d (f16), m (f16; the _1 types), 4 bytes of fifth bits (Q5_x; bit i:
+// value i), 16 bytes of nibbles (byte i: value i low, value 16 + i high). _0: x = d * (q - 8) or
+// d * (q - 16) (Q5_0); _1: x = d * q + m. Pairs of vpmaddubsw stay below 2^15 (2 x 31 x 127).
+template <bool kFive, bool kMin>
+struct BlockQ45 {
+  static constexpr int64_t kBits = kMin ? 4 : 2, kNibbles = kBits + (kFive ? 4 : 0);  // where each starts
+  static constexpr int64_t kElems = 32, kBytes = kNibbles + 16, kSubs = 1;
+  static constexpr int64_t kType = kFive ? (kMin ? kQ5_1 : kQ5_0) : (kMin ? kQ4_1 : kQ4_0);
+  static constexpr int kOffset = kMin ? 0 : (kFive ? 16 : 8);
   static constexpr bool kHasMin = true;
   using Sub = SubBlock;
   static void decode(const uint8_t* b, Sub* s) {
-    s[0].q = nibbles32(b + 2);
+    s[0].q = nibbles32(b + kNibbles);
+    if constexpr (kFive) s[0].q = _mm256_or_si256(s[0].q, fifth_bits32(b + kBits));
     s[0].scale = half_at(b);
-    s[0].minv = -8.0f * s[0].scale;
+    s[0].minv = kMin ? half_at(b + 2) : -static_cast<float>(kOffset) * s[0].scale;
   }
   static __m256i dot(const Sub& s, __m256i x) { return dot_u8_i8(s.q, x); }
   static void dequant(const uint8_t* b, float* y) {
     const float d = half_at(b);
+    uint32_t bits = 0;
+    if constexpr (kFive) std::memcpy(&bits, b + kBits, 4);
     for (int i = 0; i < 16; ++i) {
-      y[i] = d * static_cast<float>((b[2 + i] & 0x0F) - 8);
-      y[i + 16] = d * static_cast<float>((b[2 + i] >> 4) - 8);
+      const int lo = (b[kNibbles + i] & 0x0F) | ((bits >> i) & 1) << 4;
+      const int hi = (b[kNibbles + i] >> 4) | ((bits >> (16 + i)) & 1) << 4;
+      if constexpr (kMin) {
+        y[i] = d * static_cast<float>(lo) + half_at(b + 2);
+        y[i + 16] = d * static_cast<float>(hi) + half_at(b + 2);
+      } else {
+        y[i] = d * static_cast<float>(lo - kOffset);
+        y[i + 16] = d * static_cast<float>(hi - kOffset);
+      }
     }
   }
 };
-
-struct BlockQ4_1 {  // d, m (f16), 16 bytes of nibbles: x = d * q + m
-  static constexpr int64_t kElems = 32, kBytes = 20, kSubs = 1;
-  static constexpr int64_t kType = kQ4_1;
-  static constexpr bool kHasMin = true;
-  using Sub = SubBlock;
-  static void decode(const uint8_t* b, Sub* s) {
-    s[0].q = nibbles32(b + 4);
-    s[0].scale = half_at(b);
-    s[0].minv = half_at(b + 2);
-  }
-  static __m256i dot(const Sub& s, __m256i x) { return dot_u8_i8(s.q, x); }
-  static void dequant(const uint8_t* b, float* y) {
-    const float d = half_at(b), m = half_at(b + 2);
-    for (int i = 0; i < 16; ++i) {
-      y[i] = d * static_cast<float>(b[4 + i] & 0x0F) + m;
-      y[i + 16] = d * static_cast<float>(b[4 + i] >> 4) + m;
-    }
-  }
-};
+using BlockQ4_0 = BlockQ45<false, false>;
+using BlockQ4_1 = BlockQ45<false, true>;
+using BlockQ5_0 = BlockQ45<true, false>;
+using BlockQ5_1 = BlockQ45<true, true>;
 
 // Q4_K's 6-bit scale and min of sub-block j (of 8), packed into 12 bytes.
 inline void q4k_scale_min(const uint8_t* q, int j, int& sc, int& m) {
@@ -239,7 +273,7 @@ struct BlockQ6_K {  // 128 bytes low 4 bits, 64 bytes high 2 bits, 16 int8 scale
   static constexpr int64_t kElems = 256, kBytes = 210, kSubs = 8;
   static constexpr int64_t kType = kQ6_K;
   static constexpr bool kHasMin = false;
-  using Sub = SubBlock6;
+  using Sub = SubBlock16<32>;
   static void decode(const uint8_t* b, Sub* s) {
     const float d = half_at(b + 208);
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
@@ -254,18 +288,9 @@ struct BlockQ6_K {  // 128 bytes low 4 bits, 64 bytes high 2 bits, 16 int8 scale
       s[4 * h + 2].q = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), high(4));
       s[4 * h + 3].q = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), high(6));
     }
-    for (int j = 0; j < 8; ++j) {
-      s[j].scales = _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j]));
-      s[j].scale = d;
-      s[j].minv = 0.0f;
-      s[j].half_scales[0] = d * sc[2 * j];
-      s[j].half_scales[1] = d * sc[2 * j + 1];
-    }
+    for (int j = 0; j < 8; ++j) set_half_scales(s[j], d, sc[2 * j], sc[2 * j + 1]);
   }
-  static __m256i dot(const Sub& s, __m256i x) {  // sum sc * (q - 32) * x, q - 32 as q*x - 32*x in int16
-    const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(s.q, x), _mm256_maddubs_epi16(_mm256_set1_epi8(32), x));
-    return _mm256_madd_epi16(p, s.scales);
-  }
+  static __m256i dot(const Sub& s, __m256i x) { return dot_scaled16(s, x); }
   static void dequant(const uint8_t* b, float* y) {
     const float d = half_at(b + 208);
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
@@ -285,6 +310,61 @@ struct BlockQ6_K {  // 128 bytes low 4 bits, 64 bytes high 2 bits, 16 int8 scale
   }
 };
 
+// Q3_K's signed 6-bit scale of 16-value sub-block i (of 16), from its 12 scale bytes q: 4 low bits
+// in byte i % 8 (its high nibble from i = 8 on), 2 high bits in byte 8 + i % 4 (bits 2 (i / 4)).
+inline int q3k_scale(const uint8_t* q, int i) {
+  const int low = (q[i % 8] >> (4 * (i / 8))) & 0x0F, high = (q[8 + i % 4] >> (2 * (i / 4))) & 3;
+  return (low | high << 4) - 32;
+}
+
+// All 16 of them at once: the low nibbles of bytes 0-7, then their high ones, each or'ed with its 2
+// high bits (lane t of bytes 8-11 shifted by 2t holds those of scales 4t..4t + 3).
+inline void q3k_scales(const uint8_t* q, int8_t* out) {
+  const __m128i l = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)), m4 = _mm_set1_epi8(0x0F);
+  const __m128i low = _mm_unpacklo_epi64(_mm_and_si128(l, m4), _mm_and_si128(_mm_srli_epi16(l, 4), m4));
+  uint32_t h;
+  std::memcpy(&h, q + 8, 4);
+  const __m128i high = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(static_cast<int32_t>(h)), _mm_setr_epi32(0, 2, 4, 6)), _mm_set1_epi8(3));
+  const __m128i sc = _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16(high, 4)), _mm_set1_epi8(32));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), sc);
+}
+
+// Q3_K: hmask (32 bytes), qs (64), 12 bytes of scales, d (f16). Value l of sub-block j = 4h + s (of
+// 8, each two halves with a scale) has its low 2 bits at bits 2s of qs byte 32h + l and a third
+// bit, bit j of hmask byte l: q = those 3 bits, x = d * sc * (q - 4) (ggml's 2 bits less 4 where the
+// hmask bit is clear).
+struct BlockQ3_K {
+  static constexpr int64_t kElems = 256, kBytes = 110, kSubs = 8;
+  static constexpr int64_t kType = kQ3_K;
+  static constexpr bool kHasMin = false;
+  using Sub = SubBlock16<4>;
+  static void decode(const uint8_t* b, Sub* s) {
+    const float d = half_at(b + 108);
+    const __m256i m2 = _mm256_set1_epi8(0x03), bit2 = _mm256_set1_epi8(0x04);
+    const __m256i hm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b));
+    for (int h = 0; h < 2; ++h) {
+      const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 + 32 * h));
+      for (int t = 0; t < 4; ++t) {
+        const int j = 4 * h + t;
+        const __m256i third = j < 2 ? _mm256_slli_epi16(hm, 2 - j) : _mm256_srli_epi16(hm, j - 2);  // bit j to bit 2
+        s[j].q = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qs, 2 * t), m2), _mm256_and_si256(third, bit2));
+      }
+    }
+    int8_t sc[16];
+    q3k_scales(b + 96, sc);
+    for (int j = 0; j < 8; ++j) set_half_scales(s[j], d, sc[2 * j], sc[2 * j + 1]);
+  }
+  static __m256i dot(const Sub& s, __m256i x) { return dot_scaled16(s, x); }
+  static void dequant(const uint8_t* b, float* y) {
+    const float d = half_at(b + 108);
+    for (int e = 0; e < 256; ++e) {
+      const int j = e / 32, l = e % 32;
+      const int q = ((b[32 + 32 * (j / 4) + l] >> (2 * (j % 4))) & 3) | ((b[l] >> j) & 1) << 2;
+      y[e] = d * static_cast<float>(q3k_scale(b + 96, e / 16)) * static_cast<float>(q - 4);
+    }
+  }
+};
+
 // Calls f(Block{}) for the block type of GGML type id `qtype`.
 template <class F>
 inline auto with_block_type(int64_t qtype, F&& f) {
@@ -292,6 +372,9 @@ inline auto with_block_type(int64_t qtype, F&& f) {
     case kQ8_0: return f(BlockQ8_0{});
     case kQ4_0: return f(BlockQ4_0{});
     case kQ4_1: return f(BlockQ4_1{});
+    case kQ5_0: return f(BlockQ5_0{});
+    case kQ5_1: return f(BlockQ5_1{});
+    case kQ3_K: return f(BlockQ3_K{});
     case kQ4_K: return f(BlockQ4_K{});
     case kQ5_K: return f(BlockQ5_K{});
     case kQ6_K: return f(BlockQ6_K{});
@@ -299,7 +382,7 @@ inline auto with_block_type(int64_t qtype, F&& f) {
     case kIQ4_XS: return f(BlockIQ4_XS{});
     default: break;
   }
-  fail("no kernel for GGML quantization type ", qtype, " (supported: Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)");
+  fail("no kernel for GGML quantization type ", qtype, " (supported: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)");
 }
 
 // R weight rows at a time share each activation load; M activation rows share each decoded block.
@@ -488,7 +571,7 @@ void quant_pack(const uint8_t* src, int64_t rows, int64_t row_bytes, int64_t qty
 
 bool packs(int64_t qtype) {
   switch (qtype) {
-    case kQ4_0: case kQ4_1: case kQ8_0: case kQ4_K: case kQ5_K: case kQ6_K: case kIQ4_NL: case kIQ4_XS: return true;
+    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: case kQ3_K: case kQ4_K: case kQ5_K: case kQ6_K: case kIQ4_NL: case kIQ4_XS: return true;
     default: return false;
   }
 }

@@ -1,7 +1,8 @@
-// GGUF's 32-value block types (Q4_0, Q4_1, Q8_0), Q4_K, Q5_K and Q6_K re-laid kPackRows output rows at a time
-// (16 for AVX-512's 512-bit vectors, 8 for AVX2's 256-bit ones): one instruction then computes a
-// 4-value integer dot product for that many rows at once, and the float scaling of a block (its
-// scale times the activation's) runs once per group of rows, not per row.
+// GGUF's 32-value block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) and its 256-value ones (Q3_K,
+// Q4_K, Q5_K, Q6_K, IQ4_XS) re-laid kPackRows output rows at a time (16 for AVX-512's 512-bit
+// vectors, 8 for AVX2's 256-bit ones): one instruction then computes a 4-value integer dot product
+// for that many rows at once, and the float scaling of a block (its scale times the activation's)
+// runs once per group of rows, not per row.
 //
 // The file's layout keeps each row's blocks together, so a kernel multiplies one row at a time
 // and its 8 lanes of partial sums are one row's: about 18 instructions per 32 weights on AVX2
@@ -9,14 +10,14 @@
 // of the default model instruction-bound (20 GB/s of its ~50 GB/s of cache and memory bandwidth).
 // Packed, a group of R = kPackRows rows stores each block as
 //
-//   R float16 scales d | R float16 mins m (Q4_1 only) | value chunks of 4R bytes
+//   R float16 scales d | R float16 mins m (Q4_1, Q5_1) | R x 4 bytes of fifth bits (Q5_x) | value chunks of 4R bytes
 //
 // where chunk c holds bytes [4c, 4c + 4) of each of the R rows' values, row r at offset 4r:
 // 4 chunks of nibbles (Q4_x; a low nibble is value 4c + j, a high one value 16 + 4c + j) or 8 of
 // bytes (Q8_0, stored as q + 128 so that VNNI's unsigned x signed product applies). `vpdpbusd`
 // (or AVX2's `vpmaddubsw` and `vpmaddwd`) with the activation's 4 matching bytes broadcast adds
 // one chunk into R lanes of int32 sums, one per row. The integer sum is exact; the weight's offset
-// (Q4_0: 8, Q8_0: 128) is subtracted in integers (sum(q) of the activation block is known), so
+// (Q4_0: 8, Q5_0: 16, Q8_0: 128) is subtracted in integers (sum(q) of the activation block is known), so
 // packed products equal the unpacked ones' math. A packed weight has the same shape and bytes as
 // the file's ([out, bytes per row], out a multiple of R); its type id is the GGML id plus
 // kPackedFlag, in the layout of the build that packed it (a process runs one build, kernels/cpu.py).
@@ -56,19 +57,29 @@ static_assert(kPackRows == 8 || kPackRows == 16, "packed groups are 8 rows (ymm)
 // (kOffset), as Q8_0's stored q + 128.
 struct PackQ4_0 {
   static constexpr int64_t kBytes = 18, kValues = 2, kOffset = 8, kChunks = 4;
-  static constexpr bool kHasMin = false, kNibbles = true, kTable = false;
+  static constexpr bool kHasMin = false, kNibbles = true, kTable = false, kFive = false;
 };
 struct PackQ4_1 {
   static constexpr int64_t kBytes = 20, kValues = 4, kOffset = 0, kChunks = 4;
-  static constexpr bool kHasMin = true, kNibbles = true, kTable = false;
+  static constexpr bool kHasMin = true, kNibbles = true, kTable = false, kFive = false;
 };
 struct PackQ8_0 {
   static constexpr int64_t kBytes = 34, kValues = 2, kOffset = 128, kChunks = 8;
-  static constexpr bool kHasMin = false, kNibbles = false, kTable = false;
+  static constexpr bool kHasMin = false, kNibbles = false, kTable = false, kFive = false;
 };
 struct PackIQ4_NL {
   static constexpr int64_t kBytes = 18, kValues = 2, kOffset = 128, kChunks = 4;
-  static constexpr bool kHasMin = false, kNibbles = true, kTable = true;
+  static constexpr bool kHasMin = false, kNibbles = true, kTable = true, kFive = false;
+};
+// kFive: Q4_x's nibbles plus a fifth bit each, the file's 4 bytes before the nibbles (bit i: value
+// i), kept as they are: row r's 4 bytes at 4r after the scales (packed_bits_at), a lane each.
+struct PackQ5_0 {
+  static constexpr int64_t kBytes = 22, kValues = 6, kOffset = 16, kChunks = 4;
+  static constexpr bool kHasMin = false, kNibbles = true, kTable = false, kFive = true;
+};
+struct PackQ5_1 {
+  static constexpr int64_t kBytes = 24, kValues = 8, kOffset = 0, kChunks = 4;
+  static constexpr bool kHasMin = true, kNibbles = true, kTable = false, kFive = true;
 };
 
 // Q4_K: 256-value super-blocks of 8 sub-blocks with 6-bit scales and mins. A group-block is
@@ -95,6 +106,18 @@ struct PackQ5_K {
 // (chunk k: bytes [4k, 4k + 4) of each row's run): the file's 210 bytes a row.
 struct PackQ6_K {
   static constexpr int64_t kBytes = 210;
+  static constexpr int kOffsetBits = 5;  // the values carry 32 (x = d * sc * (q - 32))
+};
+
+// Q3_K: 256-value super-blocks of 16 signed 6-bit scales (one per 16 values, in 12 bytes as
+// quant.cpp's q3k_scale reads them); value l of sub-block j = 4h + s has its low 2 bits at bits 2s
+// of qs byte 32h + l and a third at bit j of hmask byte l. A group-block is
+//   R d (float16) | the 12 scale bytes, byte i of the R rows at 2R + R i |
+//   hmask, chunk k at 14R + 4R k | qs in 2 runs h of 32 bytes, chunk k at 46R + 32R h + 4R k
+// (chunk k: bytes [4k, 4k + 4) of each row's run): the file's 110 bytes a row.
+struct PackQ3_K {
+  static constexpr int64_t kBytes = 110;
+  static constexpr int kOffsetBits = 2;  // the values carry 4 (x = d * sc * (q - 4))
 };
 
 // IQ4_XS: 256-value super-blocks of 8 sub-blocks, each a 6-bit scale (4 bits in scales_l, 2 in
@@ -106,9 +129,14 @@ struct PackIQ4_XS {
   static constexpr int64_t kBytes = 136;
 };
 
+// A 32-value group-block's fifth bits (Q5_x) start here, after its scales; its values after both.
+template <class P>
+constexpr int64_t packed_bits_at() {
+  return kPackRows * 2 * (P::kHasMin ? 2 : 1);
+}
 template <class P>
 constexpr int64_t packed_header_bytes() {
-  return kPackRows * 2 * (P::kHasMin ? 2 : 1);
+  return packed_bits_at<P>() + (P::kFive ? 4 * kPackRows : 0);
 }
 
 // Calls f(Pack{}) for the packed layout of GGML type `qtype` (without the flag).
@@ -117,7 +145,10 @@ inline auto with_packed_type(int64_t qtype, F&& f) {
   switch (qtype) {
     case kQ4_0: return f(PackQ4_0{});
     case kQ4_1: return f(PackQ4_1{});
+    case kQ5_0: return f(PackQ5_0{});
+    case kQ5_1: return f(PackQ5_1{});
     case kQ8_0: return f(PackQ8_0{});
+    case kQ3_K: return f(PackQ3_K{});
     case kQ4_K: return f(PackQ4_K{});
     case kQ5_K: return f(PackQ5_K{});
     case kQ6_K: return f(PackQ6_K{});
@@ -125,7 +156,7 @@ inline auto with_packed_type(int64_t qtype, F&& f) {
     case kIQ4_XS: return f(PackIQ4_XS{});
     default: break;
   }
-  fail("GGML type ", qtype, " has no packed layout (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS do)");
+  fail("GGML type ", qtype, " has no packed layout (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS do)");
 }
 
 inline bool is_packed(int64_t qtype) { return (qtype & kPackedFlag) != 0; }
@@ -151,6 +182,12 @@ inline void for_each_field(F&& f) {
     for (int64_t i = 0; i < 4; ++i) f(4 + i, 4 * kPackRows + kPackRows * i, 1);  // scales_l
     for (int64_t j = 0; j < 8; ++j)
       for (int64_t k = 0; k < 4; ++k) f(8 + 16 * j + 4 * k, 8 * kPackRows + 16 * kPackRows * j + 4 * kPackRows * k, 4);
+  } else if constexpr (std::is_same_v<P, PackQ3_K>) {
+    f(108, 0, 2);                                                                  // d
+    for (int64_t i = 0; i < 12; ++i) f(96 + i, 2 * kPackRows + kPackRows * i, 1);  // the scales
+    for (int64_t k = 0; k < 8; ++k) f(4 * k, 14 * kPackRows + 4 * kPackRows * k, 4);  // hmask
+    for (int64_t h = 0; h < 2; ++h)                                                 // qs
+      for (int64_t k = 0; k < 8; ++k) f(32 + 32 * h + 4 * k, 46 * kPackRows + 32 * kPackRows * h + 4 * kPackRows * k, 4);
   } else if constexpr (std::is_same_v<P, PackQ6_K>) {
     f(208, 0, 2);                                                                   // d
     for (int64_t i = 0; i < 16; ++i) f(192 + i, 2 * kPackRows + kPackRows * i, 1);  // the scales
@@ -161,6 +198,7 @@ inline void for_each_field(F&& f) {
   } else {
     f(0, 0, 2);                                        // d
     if constexpr (P::kHasMin) f(2, 2 * kPackRows, 2);  // m
+    if constexpr (P::kFive) f(P::kValues - 4, packed_bits_at<P>(), 4);  // the fifth bits
     for (int64_t c = 0; c < P::kChunks; ++c) f(P::kValues + 4 * c, packed_header_bytes<P>() + 4 * kPackRows * c, 4);
   }
 }

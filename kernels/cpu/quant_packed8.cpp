@@ -52,8 +52,8 @@ inline __m256i pinned(__m256i v) {
   return v;
 }
 
-// The sum over a run of chunks of small unsigned bytes u (nibbles, or Q5_K's 5-bit values) times 4
-// broadcast activation bytes: one int32 lane a row. AVX2 sums the pairs of vpmaddubsw in int16 for
+// The sum over a run of chunks of small unsigned bytes u (nibbles, or the 5-bit values of Q5_0, Q5_1
+// and Q5_K) times 4 broadcast activation bytes: one int32 lane a row. AVX2 sums the pairs of vpmaddubsw in int16 for
 // kInt16Chunks chunks before widening to int32: 8 of nibbles (8 x 2 x 15 x 127 = 30480 < 2^15;
 // activations are within +-127), 4 of 5-bit values (4 x 2 x 31 x 127 = 31496). VNNI adds into int32
 // in two chains, so that consecutive vpdpbusd do not wait on each other.
@@ -82,8 +82,6 @@ class ByteDots {
  private:
   __m256i s0_ = _mm256_setzero_si256(), s1_ = _mm256_setzero_si256();
 };
-
-using NibbleDots = ByteDots<8>;
 
 // The weight's offset left in the integer sum: Q8_0's stored q + 128 under VNNI (unsigned x signed);
 // AVX2 recovers the signed q instead (vpmaddubsw's int16 pairs would overflow on 255 x 127).
@@ -131,18 +129,36 @@ inline void iq4_sums(const uint8_t* chunks, const int8_t* const* x, __m256i* isu
 #endif
 }
 
-// The 8 rows' integer sums of one group-block's values (chunks) with the 32 activation values at
-// x[m], for M activation rows.
+// Q5_0 and Q5_1: 16 added to chunk c's low nibbles (values 4c + j) and high ones (16 + 4c + j)
+// where their fifth bit is set. Row r's 32 bits lie in lane r of qh (bit i: value i), as
+// quant_packed.cpp reads them: vpshufb copies the byte of a value's bit across its lane (byte
+// c / 2 for the low nibbles, 2 + c / 2 for the high), and each byte tests its bit, 4 (c % 2) + j.
+inline void add_fifth_bits(__m256i qh, int c, __m256i& lo, __m256i& hi) {
+  const __m256i lane_bytes = _mm256_set_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0, 0x0C0C0C0C, 0x08080808, 0x04040404, 0);
+  const __m256i bit = _mm256_set1_epi32(static_cast<int32_t>(0x08040201u << (4 * (c % 2))));
+  auto sixteens = [&](int t) {
+    const __m256i spread = _mm256_shuffle_epi8(qh, _mm256_add_epi8(lane_bytes, _mm256_set1_epi8(static_cast<char>(t))));
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+  };
+  lo = _mm256_or_si256(lo, sixteens(c / 2));
+  hi = _mm256_or_si256(hi, sixteens(2 + c / 2));
+}
+
+// The 8 rows' integer sums of one group-block's values with the 32 activation values at x[m], for
+// M activation rows.
 template <class P, int M>
-inline void block_sums(const uint8_t* chunks, const int8_t* const* x, __m256i* isum) {
+inline void block_sums(const uint8_t* gb, const int8_t* const* x, __m256i* isum) {
+  const uint8_t* chunks = gb + packed_header_bytes<P>();
   if constexpr (P::kTable) {
     iq4_sums<M>(chunks, x, isum);
   } else if constexpr (P::kNibbles) {
     const __m256i low = _mm256_set1_epi8(0x0F);
-    NibbleDots dots[M];
+    const __m256i qh = P::kFive ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + packed_bits_at<P>())) : low;
+    ByteDots<P::kFive ? 4 : 8> dots[M];
     for (int c = 0; c < 4; ++c) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + 32 * c));
-      const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+      if constexpr (P::kFive) add_fifth_bits(qh, c, lo, hi);
       for (int m = 0; m < M; ++m) {
         dots[m].add(2 * c, lo, broadcast4(x[m] + 4 * c));
         dots[m].add(2 * c + 1, hi, broadcast4(x[m] + 16 + 4 * c));
@@ -216,7 +232,7 @@ inline void packed_dot_group(const uint8_t* wg, int64_t nblocks, const Quantized
     const int8_t* x[M];
     for (int m = 0; m < M; ++m) x[m] = a.q.data() + (m0 + m) * a.K + 32 * b;
     __m256i isum[M];
-    block_sums<P, M>(gb + packed_header_bytes<P>(), x, isum);
+    block_sums<P, M>(gb, x, isum);
     const __m256 d = load_halves8(gb);
     const __m256 mins = P::kHasMin ? load_halves8(gb + 2 * kPackRows) : _mm256_setzero_ps();
     for (int m = 0; m < M; ++m) {
@@ -296,67 +312,113 @@ inline void packed_dot_group_q4k(const uint8_t* wg, int64_t nblocks, const Quant
   store_group<M>(acc, macc, bias, out, os, accumulate, n);
 }
 
-// Q6_K's 8 rows' int8 scales of sub-block j's two halves of 16 values (a: the first, b: the
-// second), as vpmaddwd takes them: each row's scale in both int16 of its lane (dup_a, dup_b: against
-// pairs of products), and the two in one lane (pair: against the activation's two half sums).
-struct Q6Scales {
+// The 8 rows' signed scales of sub-block j's two halves of 16 values (Q3_K, Q6_K; a: the first, b:
+// the second), from int8 scales (scale i of row r at sc + 8 i + r), as vpmaddwd takes them: each
+// row's scale in both int16 of its lane (dup_a, dup_b: against pairs of products), and the two in one
+// lane (pair: against the activation's two half sums).
+struct Scales8 {
   __m256i dup_a, dup_b, pair;
 };
 
-inline Q6Scales q6k_scales8(const uint8_t* sb, int j) {
-  const __m256i a = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb + kPackRows * 2 * j)));
-  const __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sb + kPackRows * (2 * j + 1))));
+inline Scales8 sub_scales8(const int8_t* sc, int j) {
+  const __m256i a = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8 * (2 * j))));
+  const __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 8 * (2 * j + 1))));
   const __m256i low = _mm256_set1_epi32(0xFFFF);
   const __m256i a_low = _mm256_and_si256(a, low);
-  return {_mm256_or_si256(a_low, _mm256_slli_epi32(a, 16)),
-          _mm256_or_si256(_mm256_and_si256(b, low), _mm256_slli_epi32(b, 16)), _mm256_or_si256(a_low, _mm256_slli_epi32(b, 16))};
+  return {_mm256_or_si256(a_low, _mm256_slli_epi32(a, 16)), _mm256_or_si256(_mm256_and_si256(b, low), _mm256_slli_epi32(b, 16)),
+          _mm256_or_si256(a_low, _mm256_slli_epi32(b, 16))};
 }
 
-// 32 bytes of 6-bit values (0..63), 8 rows x 4: sub-block s (of its half) from a chunk of ql (low
-// nibbles for s < 2, high ones above) and the matching chunk of qh (bits 2s).
-inline __m256i q6k_values(const uint8_t* ql, const uint8_t* qh, int s) {
-  const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
-  const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
+// A group-block's int8 scales in that layout: Q6_K's are stored so (at 2R).
+inline const int8_t* block_scales8(PackQ6_K, const uint8_t* gb, int8_t*) {
+  return reinterpret_cast<const int8_t*>(gb + 2 * kPackRows);
+}
+
+// Q3_K's, decoded into `out` (16 x 8 bytes) from the 12 bytes at 2R as q3k_scale in quant.cpp reads
+// them, 32 bytes at a time: of scales 4t + u (u < 4; vector t, lanes 8u + r), the low 4 bits are
+// nibbles of bytes 0-3 (t = 0, 2: low and high) or 4-7 (t = 1, 3), the high 2 bits bits 2t of bytes 8-11.
+inline const int8_t* block_scales8(PackQ3_K, const uint8_t* gb, int8_t* out) {
+  const uint8_t* sb = gb + 2 * kPackRows;
+  const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb));
+  const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 32));
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + 64));
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x30);
+  const __m256i low[4] = {l0, l1, _mm256_srli_epi16(l0, 4), _mm256_srli_epi16(l1, 4)};
+  const __m256i high[4] = {_mm256_slli_epi16(h, 4), _mm256_slli_epi16(h, 2), h, _mm256_srli_epi16(h, 2)};  // to bits 4-5
+  for (int t = 0; t < 4; ++t) {
+    const __m256i v = _mm256_or_si256(_mm256_and_si256(low[t], m4), _mm256_and_si256(high[t], m2));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out + 32 * t), _mm256_sub_epi8(v, _mm256_set1_epi8(32)));
+  }
+  return out;
+}
+
+// 32 bytes of sub-block j's (4h + s) values, chunk k (of 8), 8 rows x 4, unsigned: Q6_K's 6 bits
+// (0..63) from its ql run (low nibbles for s < 2, high ones above) and qh (bits 2s).
+inline __m256i sub_values8(PackQ6_K, const uint8_t* gb, int j, int k) {
+  constexpr int64_t R = kPackRows;
+  const int h = j / 4, s = j % 4;
+  const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 18 * R + 32 * R * (2 * h + s % 2) + 4 * R * k));
+  const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 146 * R + 32 * R * h + 4 * R * k));
   const __m256i low4 = _mm256_and_si256(s < 2 ? lo : _mm256_srli_epi16(lo, 4), _mm256_set1_epi8(0x0F));
   const __m256i high2 = _mm256_and_si256(_mm256_srli_epi16(hi, 2 * s), _mm256_set1_epi8(0x03));
   return _mm256_or_si256(low4, _mm256_slli_epi16(high2, 4));
 }
 
-// Output rows [n, n + 8) of M activation rows from m0 for a packed Q6_K group `wg`: per 16 values
-// sum(sc * (q - 32) * x) = sum(sc * q * x) - 32 * sc * sum(x), the first from vpmaddubsw's int16
-// pairs (at most 2 x 63 x 127; two chunks' summed: 32004 < 2^15) scaled by vpmaddwd, the second from
-// the activation's half sums. The VNNI builds take the same path: vpdpbusd's int32 sums would need
-// the scales of 16 values applied in int32 or float, one step more than vpmaddwd's.
-template <int M>
-inline void packed_dot_group_q6k(const uint8_t* wg, int64_t nblocks, const QuantizedActivations& a, int64_t m0,
-                                 const float* bias, float* out, int64_t os, bool accumulate, int64_t n) {
+// Q3_K's 3 bits (0..7): bits 2s of its qs run h, and bit j of hmask moved to bit 2.
+inline __m256i sub_values8(PackQ3_K, const uint8_t* gb, int j, int k) {
   constexpr int64_t R = kPackRows;
+  const int h = j / 4, s = j % 4;
+  const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 46 * R + 32 * R * h + 4 * R * k));
+  const __m256i hm = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 14 * R + 4 * R * k));
+  const __m256i third = j < 2 ? _mm256_slli_epi16(hm, 2 - j) : _mm256_srli_epi16(hm, j - 2);
+  return _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qs, 2 * s), _mm256_set1_epi8(0x03)),
+                         _mm256_and_si256(third, _mm256_set1_epi8(0x04)));
+}
+
+// Chunks whose vpmaddubsw pairs sum in int16 before vpmaddwd applies the scale: Q6_K's 6-bit values
+// 2 (2 x 2 x 63 x 127 = 32004 < 2^15), Q3_K's 3-bit ones the 4 of a half (4 x 2 x 7 x 127).
+template <class P>
+constexpr int kInt16Chunks = std::is_same_v<P, PackQ6_K> ? 2 : 4;
+
+// Output rows [n, n + 8) of M activation rows from m0 for a packed Q6_K or Q3_K group `wg` (P), whose
+// values carry an offset of 2^P::kOffsetBits (32, 4): per 16 values sum(sc * (q - offset) * x) =
+// sum(sc * q * x) - offset * sc * sum(x), the first from vpmaddubsw's int16 pairs, kInt16Chunks
+// chunks summed, scaled by vpmaddwd, the second from the activation's half sums. The VNNI builds
+// take the same path: vpdpbusd's int32 sums would need the scales of 16 values applied in int32 or
+// float, one step more than vpmaddwd's.
+template <class P, int M>
+inline void packed_dot_group_scales16(const uint8_t* wg, int64_t nblocks, const QuantizedActivations& a, int64_t m0,
+                                      const float* bias, float* out, int64_t os, bool accumulate, int64_t n) {
+  constexpr int64_t R = kPackRows;
+  constexpr int kRun = kInt16Chunks<P>;
   __m256 acc[M], none[M];
   for (int m = 0; m < M; ++m) acc[m] = none[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nblocks; ++b) {
-    const uint8_t* gb = wg + b * R * PackQ6_K::kBytes;
-    prefetch_ahead(gb, R * PackQ6_K::kBytes);
+    const uint8_t* gb = wg + b * R * P::kBytes;
+    prefetch_ahead(gb, R * P::kBytes);
     const __m256 d = load_halves8(gb);
+    alignas(32) int8_t decoded[16 * R];
+    const int8_t* scales = block_scales8(P{}, gb, decoded);
+    // Unrolled, so that each sub-block's shifts are immediates, as in quant_packed.cpp.
+#pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
-      const int h = j / 4, s = j % 4;
-      const uint8_t* ql = gb + 18 * R + 32 * R * (2 * h + s % 2);
-      const uint8_t* qh = gb + 146 * R + 32 * R * h;
-      const Q6Scales sc = q6k_scales8(gb + 2 * R, j);
+      const Scales8 sc = sub_scales8(scales, j);
       __m256i isum[M];
       for (int m = 0; m < M; ++m) isum[m] = _mm256_setzero_si256();
-      for (int k = 0; k < 8; k += 2) {
-        const __m256i q0 = q6k_values(ql + 4 * R * k, qh + 4 * R * k, s);
-        const __m256i q1 = q6k_values(ql + 4 * R * (k + 1), qh + 4 * R * (k + 1), s);
+      for (int k = 0; k < 8; k += kRun) {
+        __m256i q[kRun];
+        for (int i = 0; i < kRun; ++i) q[i] = sub_values8(P{}, gb, j, k + i);
         for (int m = 0; m < M; ++m) {
           const int8_t* x = a.q.data() + (m0 + m) * a.K + 256 * b + 32 * j + 4 * k;
-          const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(q0, broadcast4(x)), _mm256_maddubs_epi16(q1, broadcast4(x + 4)));
+          __m256i p = _mm256_maddubs_epi16(q[0], broadcast4(x));
+          for (int i = 1; i < kRun; ++i) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(q[i], broadcast4(x + 4 * i)));
           isum[m] = pinned(_mm256_add_epi32(isum[m], _mm256_madd_epi16(p, k < 4 ? sc.dup_a : sc.dup_b)));
         }
       }
       for (int m = 0; m < M; ++m) {
         const int64_t blk = (m0 + m) * a.blocks + 8 * b + j;
         const __m256i offset = _mm256_madd_epi16(sc.pair, _mm256_set1_epi32(a.qhalves[blk]));
-        const __m256i sum = _mm256_sub_epi32(isum[m], _mm256_slli_epi32(offset, 5));
+        const __m256i sum = _mm256_sub_epi32(isum[m], _mm256_slli_epi32(offset, P::kOffsetBits));
         acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(a.d[blk])), acc[m]);
       }
     }
@@ -405,7 +467,8 @@ inline void dot_group(const uint8_t* wg, int64_t nblocks, const QuantizedActivat
                       float* out, int64_t os, bool accumulate, int64_t n) {
   if constexpr (std::is_same_v<P, PackQ4_K> || std::is_same_v<P, PackQ5_K>)
     packed_dot_group_q4k<P, M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
-  else if constexpr (std::is_same_v<P, PackQ6_K>) packed_dot_group_q6k<M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
+  else if constexpr (std::is_same_v<P, PackQ6_K> || std::is_same_v<P, PackQ3_K>)
+    packed_dot_group_scales16<P, M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
   else if constexpr (std::is_same_v<P, PackIQ4_XS>) packed_dot_group_iq4xs<M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
   else packed_dot_group<P, M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
 }
