@@ -4,8 +4,8 @@ Both de-quantize with `gguf.quants.dequantize` and undo llama.cpp's q/k row inte
 weights must be bit-identical, the logits agree to float rounding and greedy tokens agree. Two files:
 - the embedded default model (SmolLM2-135M-Instruct: Q4_1 and Q8_0, tied embeddings);
 - a tiny random Llama written here with `gguf.GGUFWriter`, its tensors spread over every quant
-  type we promise (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL,
-  IQ4_XS), with attention biases, q/k weights and biases permuted as llama.cpp's converter does.
+  type we promise (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
+  IQ4_NL, IQ4_XS), with attention biases, q/k weights and biases permuted as llama.cpp's converter does.
   Its tensors made from known values are also checked against those values, which needs no
   transformers.
 Plus the errors a bad file must give: unsupported quant type or architecture, a corrupt or
@@ -166,7 +166,7 @@ QUANT_TYPES = {
     "blk.0.attn_output.weight": Q.BF16,
     "blk.0.ffn_norm.weight": Q.F32,
     "blk.0.ffn_gate.weight": Q.Q5_0,
-    "blk.0.ffn_up.weight": Q.Q8_0,
+    "blk.0.ffn_up.weight": Q.Q2_K,
     "blk.0.ffn_down.weight": Q.Q3_K,
     "blk.1.attn_norm.weight": Q.F32,
     "blk.1.attn_q.weight": Q.BF16,
@@ -211,6 +211,7 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 # gguf cannot quantize; every other byte is random quant bits. The multipliers make the values come
 # out roughly zero-mean with that standard deviation.
 _RAW_SCALES = {
+    Q.Q2_K: ((80, 1 / 14), (82, 1.5 / 14)),  # 16 bytes of 4-bit scales and mins, 64 of 2-bit values; d, dmin last
     Q.Q3_K: ((108, 1 / 43),),  # 32 bytes of third bits, 64 of 2-bit values, 12 of 6-bit signed scales; d last
     Q.Q4_K: ((0, 1 / 258), (2, 7.5 / 258)),  # d, dmin; 12 bytes of 6-bit scales/mins; 128 of nibbles
     Q.Q5_K: ((0, 1 / 516), (2, 15.5 / 516)),  # d, dmin; Q4_K's 12 bytes of scales/mins; 32 of fifth bits; 128 of nibbles
@@ -329,8 +330,8 @@ def tiny_reference(tiny_gguf):
 def test_tiny_gguf_covers_every_required_quant_type(tiny_gguf):
     written = {t.name: t.tensor_type for t in gguf.GGUFReader(str(tiny_gguf[0])).tensors}
     assert written == QUANT_TYPES
-    assert set(written.values()) == {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q3_K, Q.Q4_K, Q.Q5_K,
-                                     Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS}
+    assert set(written.values()) == {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K,
+                                     Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS}
 
 
 def test_tiny_gguf_config(tiny_llm):

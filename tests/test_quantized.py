@@ -24,7 +24,7 @@ from cadenza.kernels.cpu.features import cpu_has_avx2_fma
 
 pytestmark = pytest.mark.skipif(not cpu_has_avx2_fma(), reason="the quantized kernels need x86-64 with AVX2 and FMA")
 
-TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
+TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
 
 
 def random_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -50,6 +50,9 @@ def random_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> n
         halves(2, 0.0005, 0.002)
     elif qtype == Q.Q3_K:  # d last
         halves(108, 0.001, 0.005)
+    elif qtype == Q.Q2_K:  # d, dmin last
+        halves(80, 0.001, 0.005)
+        halves(82, 0.001, 0.005)
     else:  # Q6_K: d last
         halves(208, 0.0002, 0.001)
     return blocks.reshape(rows, -1)
@@ -201,9 +204,9 @@ def test_packed_products_hold_at_the_extremes_of_their_integer_sums(kernels, qty
     elems, size = gguf.GGML_QUANT_SIZES[qtype]
     view = blocks.reshape(out_features, cols // elems, size)
     values = {Q.Q8_0: slice(2, 34), Q.Q4_0: slice(2, 18), Q.Q4_1: slice(4, 20), Q.Q5_0: slice(2, 22), Q.Q5_1: slice(4, 24),
-              Q.Q3_K: slice(0, 96), Q.Q4_K: slice(16, 144), Q.Q5_K: slice(16, 176), Q.Q6_K: slice(0, 192), Q.IQ4_NL: slice(2, 18),
+              Q.Q2_K: slice(0, 80), Q.Q3_K: slice(0, 96), Q.Q4_K: slice(16, 144), Q.Q5_K: slice(16, 176), Q.Q6_K: slice(0, 192), Q.IQ4_NL: slice(2, 18),
               Q.IQ4_XS: slice(8, 136)}[qtype]
-    view[: out_features // 2, :, values] = 0xFF  # nibbles 15 (Q8_0: -1, Q5_x: 31, Q6_K: 63, Q3_K: 7)
+    view[: out_features // 2, :, values] = 0xFF  # nibbles 15 (Q8_0: -1, Q5_x: 31, Q6_K: 63, Q3_K: 7; Q2_K: 3, scales and mins 15)
     if qtype == Q.Q6_K:  # scales at their extremes too
         view[:, :, 192:208] = np.where(np.arange(out_features) % 2, 0x80, 0x7F).astype(np.uint8)[:, None, None]
     if qtype == Q.Q3_K:  # scales -32 and 31

@@ -34,6 +34,7 @@ struct SubBlock {
   __m256i q;
   float scale, minv;
   void store(float* y) const { store_affine32(q, scale, minv, y); }  // de-quantized (Q8_0: minv 0)
+  float min_sum(const QuantizedActivations& a, int64_t i) const { return a.s[i]; }  // what minv multiplies
 };
 
 // Q3_K's and Q6_K's sub-blocks carry two signed scales (one per 16 values), applied inside the
@@ -66,9 +67,26 @@ inline void set_half_scales(SubBlock16<kOffset>& s, float d, int first, int seco
 // pairs: at most 2 x 63 x 127 each), the halves' scales by vpmaddwd.
 template <int kOffset>
 inline __m256i dot_scaled16(const SubBlock16<kOffset>& s, __m256i x) {
-  const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(s.q, x), _mm256_maddubs_epi16(_mm256_set1_epi8(kOffset), x));
+  __m256i p = _mm256_maddubs_epi16(s.q, x);
+  if constexpr (kOffset != 0) p = _mm256_sub_epi16(p, _mm256_maddubs_epi16(_mm256_set1_epi8(kOffset), x));
   return _mm256_madd_epi16(p, s.scales);
 }
+
+// Q2_K's sub-blocks add a min per 16 values (minv = -dmin): dot as SubBlock16's, plus minv * dx *
+// (m_a * sum(x_a) + m_b * sum(x_b)), that sum from the activation's half sums.
+struct SubBlock2 : SubBlock16<0> {
+  int32_t mins[2];
+  float half_mins[2];  // -dmin * each half's min
+  float min_sum(const QuantizedActivations& a, int64_t i) const {
+    const int32_t halves = a.qhalves[i];
+    return a.d[i] * static_cast<float>(mins[0] * static_cast<int16_t>(halves & 0xFFFF) + mins[1] * (halves >> 16));
+  }
+  void store(float* y) const {
+    alignas(32) float tmp[32];
+    store_affine32(q, 1.0f, 0.0f, tmp);
+    for (int i = 0; i < 32; ++i) y[i] = std::fma(tmp[i], half_scales[i / 16], half_mins[i / 16]);
+  }
+};
 
 // 16 bytes of 4-bit indices -> the 32 signed values they stand for (low nibbles first).
 inline __m256i iq4_values32(const uint8_t* p) {
@@ -310,6 +328,40 @@ struct BlockQ6_K {  // 128 bytes low 4 bits, 64 bytes high 2 bits, 16 int8 scale
   }
 };
 
+// Q2_K: 16 bytes of scales (low 4 bits) and mins (high 4), one a 16 values; qs (64 bytes); d, dmin
+// (f16). Value l of sub-block j = 4h + s (of 8, each two halves) is bits 2s of qs byte 32h + l:
+// x = d * sc * q - dmin * m.
+struct BlockQ2_K {
+  static constexpr int64_t kElems = 256, kBytes = 84, kSubs = 8;
+  static constexpr int64_t kType = kQ2_K;
+  static constexpr bool kHasMin = true;
+  using Sub = SubBlock2;
+  static void decode(const uint8_t* b, Sub* s) {
+    const float d = half_at(b + 80), dmin = half_at(b + 82);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * h));
+      for (int t = 0; t < 4; ++t) s[4 * h + t].q = _mm256_and_si256(_mm256_srli_epi16(qs, 2 * t), _mm256_set1_epi8(0x03));
+    }
+    for (int j = 0; j < 8; ++j) {
+      set_half_scales(s[j], d, b[2 * j] & 0x0F, b[2 * j + 1] & 0x0F);
+      s[j].minv = -dmin;
+      for (int half = 0; half < 2; ++half) {
+        s[j].mins[half] = b[2 * j + half] >> 4;
+        s[j].half_mins[half] = -dmin * static_cast<float>(s[j].mins[half]);
+      }
+    }
+  }
+  static __m256i dot(const Sub& s, __m256i x) { return dot_scaled16(s, x); }
+  static void dequant(const uint8_t* b, float* y) {
+    const float d = half_at(b + 80), dmin = half_at(b + 82);
+    for (int e = 0; e < 256; ++e) {
+      const int j = e / 32, l = e % 32, sm = b[e / 16];
+      const int q = (b[16 + 32 * (j / 4) + l] >> (2 * (j % 4))) & 3;
+      y[e] = d * static_cast<float>(sm & 0x0F) * static_cast<float>(q) - dmin * static_cast<float>(sm >> 4);
+    }
+  }
+};
+
 // Q3_K's signed 6-bit scale of 16-value sub-block i (of 16), from its 12 scale bytes q: 4 low bits
 // in byte i % 8 (its high nibble from i = 8 on), 2 high bits in byte 8 + i % 4 (bits 2 (i / 4)).
 inline int q3k_scale(const uint8_t* q, int i) {
@@ -374,6 +426,7 @@ inline auto with_block_type(int64_t qtype, F&& f) {
     case kQ4_1: return f(BlockQ4_1{});
     case kQ5_0: return f(BlockQ5_0{});
     case kQ5_1: return f(BlockQ5_1{});
+    case kQ2_K: return f(BlockQ2_K{});
     case kQ3_K: return f(BlockQ3_K{});
     case kQ4_K: return f(BlockQ4_K{});
     case kQ5_K: return f(BlockQ5_K{});
@@ -382,7 +435,7 @@ inline auto with_block_type(int64_t qtype, F&& f) {
     case kIQ4_XS: return f(BlockIQ4_XS{});
     default: break;
   }
-  fail("no kernel for GGML quantization type ", qtype, " (supported: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)");
+  fail("no kernel for GGML quantization type ", qtype, " (supported: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)");
 }
 
 // R weight rows at a time share each activation load; M activation rows share each decoded block.
@@ -415,7 +468,7 @@ inline void qdot_rows(const uint8_t* w, int64_t row_bytes, const QuantizedActiva
           acc[r][m] = _mm256_fmadd_ps(p, _mm256_set1_ps(sub[r][j].scale * dx), acc[r][m]);
           // An explicit fma: contracted or not, vectorized or not, a row's sum must not depend on
           // how many rows share the call (batch invariance: greedy tokens alone = in a batch).
-          if constexpr (T::kHasMin) macc[r][m] = std::fma(sub[r][j].minv, a.s[row * a.blocks + blk], macc[r][m]);
+          if constexpr (T::kHasMin) macc[r][m] = std::fma(sub[r][j].minv, sub[r][j].min_sum(a, row * a.blocks + blk), macc[r][m]);
         }
       }
     }
@@ -571,7 +624,8 @@ void quant_pack(const uint8_t* src, int64_t rows, int64_t row_bytes, int64_t qty
 
 bool packs(int64_t qtype) {
   switch (qtype) {
-    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: case kQ3_K: case kQ4_K: case kQ5_K: case kQ6_K: case kIQ4_NL: case kIQ4_XS: return true;
+    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: case kIQ4_NL:
+    case kQ2_K: case kQ3_K: case kQ4_K: case kQ5_K: case kQ6_K: case kIQ4_XS: return true;
     default: return false;
   }
 }

@@ -14,7 +14,7 @@ namespace cadenza {
 
 // GGML's type ids (enum ggml_type), as gguf.GGMLQuantizationType numbers them.
 enum QuantTypeId : int64_t {
-  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
   kIQ4_NL = 20, kIQ4_XS = 23
 };
 

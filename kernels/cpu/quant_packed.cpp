@@ -190,7 +190,7 @@ inline void packed_dot_group_q4k(const uint8_t* wg, int64_t nblocks, const Quant
   store_group<M>(acc, bias, out, os, accumulate, n);
 }
 
-// The 16 rows' signed scales of sub-block j's two halves of 16 values (Q3_K, Q6_K), from int8 scales
+// The 16 rows' signed scales of sub-block j's two halves of 16 values (Q2_K, Q3_K, Q6_K), from int8 scales
 // (scale i of row r at sc + 16 i + r): each as 16 int32 lanes, and both in one lane (the first in its
 // low int16) for vpmaddwd against the activation's two half sums.
 struct Scales16 {
@@ -206,6 +206,17 @@ inline Scales16 sub_scales16(const int8_t* sc, int j) {
 // A group-block's int8 scales in that layout: Q6_K's are stored so (at 2R).
 inline const int8_t* block_scales16(PackQ6_K, const uint8_t* gb, int8_t*) {
   return reinterpret_cast<const int8_t*>(gb + 2 * kPackRows);
+}
+
+// Q2_K's scales and mins: the low and the high nibbles of its 16 bytes at 4R, into out and out + 16 R.
+inline const int8_t* block_scales16(PackQ2_K, const uint8_t* gb, int8_t* out) {
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  for (int t = 0; t < 4; ++t) {
+    const __m512i v = _mm512_loadu_si512(gb + 4 * kPackRows + 64 * t);
+    _mm512_store_si512(out + 64 * t, _mm512_and_si512(v, m4));
+    _mm512_store_si512(out + 16 * kPackRows + 64 * t, _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
+  }
+  return out;
 }
 
 // Q3_K's, decoded into `out` (16 x 16 bytes) from the 12 bytes at 2R as q3k_scale in quant.cpp reads
@@ -236,6 +247,12 @@ inline __m512i sub_values16(PackQ6_K, const uint8_t* gb, int j, int k) {
   return _mm512_or_si512(low4, _mm512_slli_epi16(high2, 4));
 }
 
+// Q2_K's 2 bits (0..3): bits 2s of its qs run h.
+inline __m512i sub_values16(PackQ2_K, const uint8_t* gb, int j, int k) {
+  const __m512i qs = _mm512_loadu_si512(gb + 20 * kPackRows + 32 * kPackRows * (j / 4) + 4 * kPackRows * k);
+  return _mm512_and_si512(_mm512_srli_epi16(qs, 2 * (j % 4)), _mm512_set1_epi8(0x03));
+}
+
 // Q3_K's 3 bits (0..7): bits 2s of its qs run h, and bit j of hmask moved to bit 2.
 inline __m512i sub_values16(PackQ3_K, const uint8_t* gb, int j, int k) {
   constexpr int64_t R = kPackRows;
@@ -247,13 +264,14 @@ inline __m512i sub_values16(PackQ3_K, const uint8_t* gb, int j, int k) {
                          _mm512_and_si512(third, _mm512_set1_epi8(0x04)));
 }
 
-// Output rows [n, n + 16) of M activation rows from m0 for a packed Q6_K or Q3_K group `wg` (P),
-// whose values carry an offset of 2^P::kOffsetBits (32, 4). Per sub-block of 32 values,
-// sum(sc * (q - offset) * x) over its two halves of 16 (scales sc_a, sc_b), in int32 and exactly:
-// vpdpbusd sums each half's unsigned q times x (at most 16 x 63 x 127, two chains), the halves' sums
-// are scaled by their scales, and offset * (sc_a * sum(x_a) + sc_b * sum(x_b)), from the
-// activation's half sums by one vpmaddwd, comes off. The integer equals the 8-row products'
-// (quant_packed8.cpp), so both builds round it alike.
+// Output rows [n, n + 16) of M activation rows from m0 for a packed Q6_K, Q3_K or Q2_K group `wg`
+// (P), whose values carry an offset of 2^P::kOffsetBits (32, 4; Q2_K none, but mins). Per sub-block
+// of 32 values, sum(sc * (q - offset) * x) over its two halves of 16 (scales sc_a, sc_b), in int32
+// and exactly: vpdpbusd sums each half's unsigned q times x (at most 16 x 63 x 127, two chains), the
+// halves' sums are scaled by their scales, and offset * (sc_a * sum(x_a) + sc_b * sum(x_b)), from the
+// activation's half sums by one vpmaddwd, comes off. Q2_K's mins take the same vpmaddwd,
+// m_a * sum(x_a) + m_b * sum(x_b), scaled by dmin. The integers equal the 8-row products'
+// (quant_packed8.cpp), so both builds round them alike.
 template <class P, int M>
 inline void packed_dot_group_scales16(const uint8_t* wg, int64_t nblocks, const QuantizedActivations& a, int64_t m0,
                                       const float* bias, float* out, int64_t os, bool accumulate, int64_t n) {
@@ -264,7 +282,10 @@ inline void packed_dot_group_scales16(const uint8_t* wg, int64_t nblocks, const 
     const uint8_t* gb = wg + b * R * P::kBytes;
     prefetch_ahead(gb, R * P::kBytes);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb)));
-    alignas(64) int8_t decoded[16 * R];
+    __m512 minus_dmin = _mm512_setzero_ps();
+    if constexpr (P::kHasMin)
+      minus_dmin = _mm512_sub_ps(minus_dmin, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 2 * R))));
+    alignas(64) int8_t decoded[(P::kHasMin ? 32 : 16) * R];  // scales (and Q2_K's mins after them)
     const int8_t* scales = block_scales16(P{}, gb, decoded);
     // Unrolled, so that each sub-block's shifts are immediates (gcc kept the loop: shifts by xmm
     // counts, 2 uops each, and a branch a chunk). One core, the weight in L2, batch 1: Q3_K 8.2 ->
@@ -282,10 +303,16 @@ inline void packed_dot_group_scales16(const uint8_t* wg, int64_t nblocks, const 
           sb = _mm512_dpbusd_epi32(sb, q[k + 4], broadcast4(x + 16 + 4 * k));
         }
         const int64_t blk = (m0 + m) * a.blocks + 8 * b + j;
-        const __m512i offset = _mm512_madd_epi16(sc.pair, _mm512_set1_epi32(a.qhalves[blk]));
+        const __m512i halves = _mm512_set1_epi32(a.qhalves[blk]);
         __m512i sum = _mm512_add_epi32(_mm512_mullo_epi32(sa, sc.a), _mm512_mullo_epi32(sb, sc.b));
-        sum = _mm512_sub_epi32(sum, _mm512_slli_epi32(offset, P::kOffsetBits));
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(a.d[blk])), acc[m]);
+        if constexpr (P::kOffsetBits != 0)
+          sum = _mm512_sub_epi32(sum, _mm512_slli_epi32(_mm512_madd_epi16(sc.pair, halves), P::kOffsetBits));
+        const __m512 dx = _mm512_set1_ps(a.d[blk]);
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, dx), acc[m]);
+        if constexpr (P::kHasMin) {
+          const __m512i min_sum = _mm512_madd_epi16(sub_scales16(scales + 16 * R, j).pair, halves);
+          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(min_sum), _mm512_mul_ps(minus_dmin, dx), acc[m]);
+        }
       }
     }
   }
@@ -348,7 +375,7 @@ inline void dot_group(const uint8_t* wg, int64_t nblocks, const QuantizedActivat
                       float* out, int64_t os, bool accumulate, int64_t n) {
   if constexpr (std::is_same_v<P, PackQ4_K> || std::is_same_v<P, PackQ5_K>)
     packed_dot_group_q4k<P, M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
-  else if constexpr (std::is_same_v<P, PackQ6_K> || std::is_same_v<P, PackQ3_K>)
+  else if constexpr (std::is_same_v<P, PackQ6_K> || std::is_same_v<P, PackQ3_K> || std::is_same_v<P, PackQ2_K>)
     packed_dot_group_scales16<P, M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
   else if constexpr (std::is_same_v<P, PackIQ4_XS>) packed_dot_group_iq4xs<M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
   else packed_dot_group<P, M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);

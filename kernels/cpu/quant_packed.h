@@ -1,5 +1,5 @@
-// GGUF's 32-value block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) and its 256-value ones (Q3_K,
-// Q4_K, Q5_K, Q6_K, IQ4_XS) re-laid kPackRows output rows at a time (16 for AVX-512's 512-bit
+// GGUF's 32-value block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) and its 256-value ones (Q2_K,
+// Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS) re-laid kPackRows output rows at a time (16 for AVX-512's 512-bit
 // vectors, 8 for AVX2's 256-bit ones): one instruction then computes a 4-value integer dot product
 // for that many rows at once, and the float scaling of a block (its scale times the activation's)
 // runs once per group of rows, not per row.
@@ -107,6 +107,7 @@ struct PackQ5_K {
 struct PackQ6_K {
   static constexpr int64_t kBytes = 210;
   static constexpr int kOffsetBits = 5;  // the values carry 32 (x = d * sc * (q - 32))
+  static constexpr bool kHasMin = false;
 };
 
 // Q3_K: 256-value super-blocks of 16 signed 6-bit scales (one per 16 values, in 12 bytes as
@@ -118,6 +119,17 @@ struct PackQ6_K {
 struct PackQ3_K {
   static constexpr int64_t kBytes = 110;
   static constexpr int kOffsetBits = 2;  // the values carry 4 (x = d * sc * (q - 4))
+  static constexpr bool kHasMin = false;
+};
+
+// Q2_K: 256-value super-blocks of 16 scale bytes (one per 16 values: a 4-bit scale, and a 4-bit min
+// in the high nibble); value l of sub-block j = 4h + s at bits 2s of qs byte 32h + l. A group-block is
+//   R d | R dmin (float16) | the 16 scale bytes, byte i of the R rows at 4R + R i |
+//   qs in 2 runs h of 32 bytes, chunk k at 20R + 32R h + 4R k: the file's 84 bytes a row.
+struct PackQ2_K {
+  static constexpr int64_t kBytes = 84;
+  static constexpr int kOffsetBits = 0;  // none: x = d * sc * q - dmin * m
+  static constexpr bool kHasMin = true;
 };
 
 // IQ4_XS: 256-value super-blocks of 8 sub-blocks, each a 6-bit scale (4 bits in scales_l, 2 in
@@ -148,6 +160,7 @@ inline auto with_packed_type(int64_t qtype, F&& f) {
     case kQ5_0: return f(PackQ5_0{});
     case kQ5_1: return f(PackQ5_1{});
     case kQ8_0: return f(PackQ8_0{});
+    case kQ2_K: return f(PackQ2_K{});
     case kQ3_K: return f(PackQ3_K{});
     case kQ4_K: return f(PackQ4_K{});
     case kQ5_K: return f(PackQ5_K{});
@@ -156,7 +169,7 @@ inline auto with_packed_type(int64_t qtype, F&& f) {
     case kIQ4_XS: return f(PackIQ4_XS{});
     default: break;
   }
-  fail("GGML type ", qtype, " has no packed layout (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS do)");
+  fail("GGML type ", qtype, " has no packed layout (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS do)");
 }
 
 inline bool is_packed(int64_t qtype) { return (qtype & kPackedFlag) != 0; }
@@ -182,6 +195,12 @@ inline void for_each_field(F&& f) {
     for (int64_t i = 0; i < 4; ++i) f(4 + i, 4 * kPackRows + kPackRows * i, 1);  // scales_l
     for (int64_t j = 0; j < 8; ++j)
       for (int64_t k = 0; k < 4; ++k) f(8 + 16 * j + 4 * k, 8 * kPackRows + 16 * kPackRows * j + 4 * kPackRows * k, 4);
+  } else if constexpr (std::is_same_v<P, PackQ2_K>) {
+    f(80, 0, 2);                                                            // d
+    f(82, 2 * kPackRows, 2);                                                // dmin
+    for (int64_t i = 0; i < 16; ++i) f(i, 4 * kPackRows + kPackRows * i, 1);  // the scales and mins
+    for (int64_t h = 0; h < 2; ++h)                                          // qs
+      for (int64_t k = 0; k < 8; ++k) f(16 + 32 * h + 4 * k, 20 * kPackRows + 32 * kPackRows * h + 4 * kPackRows * k, 4);
   } else if constexpr (std::is_same_v<P, PackQ3_K>) {
     f(108, 0, 2);                                                                  // d
     for (int64_t i = 0; i < 12; ++i) f(96 + i, 2 * kPackRows + kPackRows * i, 1);  // the scales

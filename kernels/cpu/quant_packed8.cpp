@@ -312,7 +312,7 @@ inline void packed_dot_group_q4k(const uint8_t* wg, int64_t nblocks, const Quant
   store_group<M>(acc, macc, bias, out, os, accumulate, n);
 }
 
-// The 8 rows' signed scales of sub-block j's two halves of 16 values (Q3_K, Q6_K; a: the first, b:
+// The 8 rows' signed scales of sub-block j's two halves of 16 values (Q2_K, Q3_K, Q6_K; a: the first, b:
 // the second), from int8 scales (scale i of row r at sc + 8 i + r), as vpmaddwd takes them: each
 // row's scale in both int16 of its lane (dup_a, dup_b: against pairs of products), and the two in one
 // lane (pair: against the activation's two half sums).
@@ -332,6 +332,17 @@ inline Scales8 sub_scales8(const int8_t* sc, int j) {
 // A group-block's int8 scales in that layout: Q6_K's are stored so (at 2R).
 inline const int8_t* block_scales8(PackQ6_K, const uint8_t* gb, int8_t*) {
   return reinterpret_cast<const int8_t*>(gb + 2 * kPackRows);
+}
+
+// Q2_K's scales and mins: the low and the high nibbles of its 16 bytes at 4R, into out and out + 16 R.
+inline const int8_t* block_scales8(PackQ2_K, const uint8_t* gb, int8_t* out) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  for (int t = 0; t < 4; ++t) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 4 * kPackRows + 32 * t));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out + 32 * t), _mm256_and_si256(v, m4));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out + 16 * kPackRows + 32 * t), _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+  }
+  return out;
 }
 
 // Q3_K's, decoded into `out` (16 x 8 bytes) from the 12 bytes at 2R as q3k_scale in quant.cpp reads
@@ -364,6 +375,12 @@ inline __m256i sub_values8(PackQ6_K, const uint8_t* gb, int j, int k) {
   return _mm256_or_si256(low4, _mm256_slli_epi16(high2, 4));
 }
 
+// Q2_K's 2 bits (0..3): bits 2s of its qs run h.
+inline __m256i sub_values8(PackQ2_K, const uint8_t* gb, int j, int k) {
+  const uint8_t* qs = gb + 20 * kPackRows + 32 * kPackRows * (j / 4) + 4 * kPackRows * k;
+  return _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs)), 2 * (j % 4)), _mm256_set1_epi8(0x03));
+}
+
 // Q3_K's 3 bits (0..7): bits 2s of its qs run h, and bit j of hmask moved to bit 2.
 inline __m256i sub_values8(PackQ3_K, const uint8_t* gb, int j, int k) {
   constexpr int64_t R = kPackRows;
@@ -376,14 +393,15 @@ inline __m256i sub_values8(PackQ3_K, const uint8_t* gb, int j, int k) {
 }
 
 // Chunks whose vpmaddubsw pairs sum in int16 before vpmaddwd applies the scale: Q6_K's 6-bit values
-// 2 (2 x 2 x 63 x 127 = 32004 < 2^15), Q3_K's 3-bit ones the 4 of a half (4 x 2 x 7 x 127).
+// 2 (2 x 2 x 63 x 127 = 32004 < 2^15), Q3_K's and Q2_K's the 4 of a half (4 x 2 x 7 x 127).
 template <class P>
 constexpr int kInt16Chunks = std::is_same_v<P, PackQ6_K> ? 2 : 4;
 
-// Output rows [n, n + 8) of M activation rows from m0 for a packed Q6_K or Q3_K group `wg` (P), whose
-// values carry an offset of 2^P::kOffsetBits (32, 4): per 16 values sum(sc * (q - offset) * x) =
-// sum(sc * q * x) - offset * sc * sum(x), the first from vpmaddubsw's int16 pairs, kInt16Chunks
-// chunks summed, scaled by vpmaddwd, the second from the activation's half sums. The VNNI builds
+// Output rows [n, n + 8) of M activation rows from m0 for a packed Q6_K, Q3_K or Q2_K group `wg` (P),
+// whose values carry an offset of 2^P::kOffsetBits (32, 4; Q2_K none, but mins): per 16 values
+// sum(sc * (q - offset) * x) = sum(sc * q * x) - offset * sc * sum(x), the first from vpmaddubsw's
+// int16 pairs, kInt16Chunks chunks summed, scaled by vpmaddwd, the second from the activation's half
+// sums, as Q2_K's m * sum(x), scaled by dmin. The VNNI builds
 // take the same path: vpdpbusd's int32 sums would need the scales of 16 values applied in int32 or
 // float, one step more than vpmaddwd's.
 template <class P, int M>
@@ -391,13 +409,14 @@ inline void packed_dot_group_scales16(const uint8_t* wg, int64_t nblocks, const 
                                       const float* bias, float* out, int64_t os, bool accumulate, int64_t n) {
   constexpr int64_t R = kPackRows;
   constexpr int kRun = kInt16Chunks<P>;
-  __m256 acc[M], none[M];
-  for (int m = 0; m < M; ++m) acc[m] = none[m] = _mm256_setzero_ps();
+  __m256 acc[M], macc[M];
+  for (int m = 0; m < M; ++m) acc[m] = macc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nblocks; ++b) {
     const uint8_t* gb = wg + b * R * P::kBytes;
     prefetch_ahead(gb, R * P::kBytes);
     const __m256 d = load_halves8(gb);
-    alignas(32) int8_t decoded[16 * R];
+    const __m256 minus_dmin = P::kHasMin ? _mm256_sub_ps(_mm256_setzero_ps(), load_halves8(gb + 2 * R)) : _mm256_setzero_ps();
+    alignas(32) int8_t decoded[(P::kHasMin ? 32 : 16) * R];  // scales (and Q2_K's mins after them)
     const int8_t* scales = block_scales8(P{}, gb, decoded);
     // Unrolled, so that each sub-block's shifts are immediates, as in quant_packed.cpp.
 #pragma GCC unroll 8
@@ -417,13 +436,20 @@ inline void packed_dot_group_scales16(const uint8_t* wg, int64_t nblocks, const 
       }
       for (int m = 0; m < M; ++m) {
         const int64_t blk = (m0 + m) * a.blocks + 8 * b + j;
-        const __m256i offset = _mm256_madd_epi16(sc.pair, _mm256_set1_epi32(a.qhalves[blk]));
-        const __m256i sum = _mm256_sub_epi32(isum[m], _mm256_slli_epi32(offset, P::kOffsetBits));
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, _mm256_set1_ps(a.d[blk])), acc[m]);
+        const __m256i halves = _mm256_set1_epi32(a.qhalves[blk]);
+        __m256i sum = isum[m];
+        if constexpr (P::kOffsetBits != 0)
+          sum = _mm256_sub_epi32(sum, _mm256_slli_epi32(_mm256_madd_epi16(sc.pair, halves), P::kOffsetBits));
+        const __m256 dx = _mm256_set1_ps(a.d[blk]);
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, dx), acc[m]);
+        if constexpr (P::kHasMin) {
+          const __m256i min_sum = _mm256_madd_epi16(sub_scales8(scales + 16 * R, j).pair, halves);
+          macc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(min_sum), _mm256_mul_ps(minus_dmin, dx), macc[m]);
+        }
       }
     }
   }
-  store_group<M>(acc, none, bias, out, os, accumulate, n);
+  store_group<M>(acc, macc, bias, out, os, accumulate, n);
 }
 
 // Output rows [n, n + 8) of M activation rows from m0 for a packed IQ4_XS group `wg`: per
@@ -467,7 +493,7 @@ inline void dot_group(const uint8_t* wg, int64_t nblocks, const QuantizedActivat
                       float* out, int64_t os, bool accumulate, int64_t n) {
   if constexpr (std::is_same_v<P, PackQ4_K> || std::is_same_v<P, PackQ5_K>)
     packed_dot_group_q4k<P, M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
-  else if constexpr (std::is_same_v<P, PackQ6_K> || std::is_same_v<P, PackQ3_K>)
+  else if constexpr (std::is_same_v<P, PackQ6_K> || std::is_same_v<P, PackQ3_K> || std::is_same_v<P, PackQ2_K>)
     packed_dot_group_scales16<P, M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
   else if constexpr (std::is_same_v<P, PackIQ4_XS>) packed_dot_group_iq4xs<M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
   else packed_dot_group<P, M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
