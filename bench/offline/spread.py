@@ -83,24 +83,23 @@ def _thread_ticks() -> dict[int, tuple[int, int]]:
     return ticks
 
 
-def _resident_kib() -> int | None:
+def _proc_kib(path: str, key: str) -> int | None:
+    """The kB figure of `key` ("VmRSS", "AnonHugePages") in a /proc file of this process, or None."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(key + ":"):
                 return int(line.split()[1])
     except OSError:
         pass
     return None
+
+
+def _resident_kib() -> int | None:
+    return _proc_kib("/proc/self/status", "VmRSS")
 
 
 def _anon_huge_kib() -> int | None:
-    try:
-        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
-            if line.startswith("AnonHugePages:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return None
+    return _proc_kib("/proc/self/smaps_rollup", "AnonHugePages")
 
 
 def _read_rates(model) -> dict:
