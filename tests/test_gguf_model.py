@@ -7,7 +7,8 @@ weights must be bit-identical, the logits agree to float rounding and greedy tok
   type we promise (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
   IQ4_NL, IQ4_XS), with attention biases, q/k weights and biases permuted as llama.cpp's converter does.
   Its tensors made from known values are also checked against those values, which needs no
-  transformers.
+  transformers; and at bfloat16 every quantized type runs on the CPU kernels, packed, its logits
+  near the exact ones.
 Plus the errors a bad file must give: unsupported quant type or architecture, a corrupt or
 truncated file, a missing path.
 """
@@ -395,6 +396,26 @@ def test_tiny_gguf_greedy_matches_transformers(tiny_llm, tiny_reference):
     for out in outputs:
         assert out.finish_reason == "length"
         assert out.token_ids == reference_greedy(tiny_reference, out.prompt_token_ids, 16), out.prompt
+
+
+def test_tiny_gguf_runs_every_quantized_type_on_the_kernels(tiny_gguf, kernels):
+    """At bfloat16 with quantization auto, each quantized type of the file runs on the kernels,
+    packed (q/k/v and gate/up fused across types), and the logits stay near the exact float32 model's:
+    int8 activations move them by about 2% of their range here."""
+    from model_forward import prefill_logits as forward_logits
+
+    from cadenza.models.quantized_linear import block_layouts
+
+    native = load_model(tiny_gguf[0], dtype=torch.bfloat16, cpu_kernels="on", quantization="auto")
+    exact = load_model(tiny_gguf[0], dtype=torch.float32, cpu_kernels="on", quantization="none")
+    layouts = block_layouts(native.model, native.model.kernels)
+    quantized = {q.name for q in QUANT_TYPES.values() if q not in (Q.F32, Q.F16, Q.BF16)}
+    assert {e["type"] for e in layouts} == quantized and all(e["packed"] for e in layouts)
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 23):
+        ids = torch.randint(3, 300, (n,), generator=g).tolist()
+        got, expected = forward_logits(native, ids)[-1], forward_logits(exact, ids)[-1]
+        assert (got - expected).abs().max() < 0.05 * expected.abs().max()
 
 
 # ---------------------------------------------------------------------------------------------
