@@ -277,7 +277,7 @@ class QuantizedLinear(nn.Module):
 
     def _product(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """x @ W^T in `dtype` through the de-quantized weight, without the bias."""
-        x = x if x.dtype == self.gemm_dtype else x.to(self.gemm_dtype)
+        x = x.to(self.gemm_dtype)  # itself when it is already
         out = None
         for first, end, weight in self._dequantized_slices():
             part = F.linear(x, weight)
@@ -317,8 +317,7 @@ class QuantizedLinear(nn.Module):
     def linear_add_(self, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """`residual += self(x)`, in place, fused into the product."""
         if self._uses_gemm(x) and residual.dtype == torch.float32:
-            x = self._checked(x, keep=self.gemm_dtype)
-            x = x if x.dtype == self.gemm_dtype else x.to(self.gemm_dtype)
+            x = self._checked(x, keep=self.gemm_dtype).to(self.gemm_dtype)
             for first, end, weight in self._dequantized_slices():
                 cols = residual if end - first == self.out_features else residual[:, first:end]
                 if weight.dtype == torch.float32:
