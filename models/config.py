@@ -6,14 +6,9 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from cadenza.models.errors import UnsupportedModelError
+from cadenza.models.families import FAMILIES
 
-# model_type -> (q/k/v bias, q/k RMSNorm)
-SUPPORTED_MODEL_TYPES = {
-    "llama": (False, False),
-    "mistral": (False, False),
-    "qwen2": (True, False),
-    "qwen3": (False, True),
-}
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -25,6 +20,23 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class MoEConfig:
+    """A mixture-of-experts MLP (models/moe.py): each token's `top_k` of `num_experts` experts,
+    each a SiLU-gated MLP of `intermediate_size`, weighted by the router's softmax probabilities
+    (renormalised over the top k when `normalize_top_k`)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    normalize_top_k: bool
+    layers: tuple[int, ...]  # the decoder layers whose MLP is the mixture; the others are dense
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"{self.top_k} experts a token out of {self.num_experts}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,10 +58,12 @@ class ModelArchConfig:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
-    qk_norm: bool
+    qk_norm: str | None  # None, "head" (each head's q and k) or "full" (the whole projections)
     sliding_window: int | None
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    moe: MoEConfig | None = None
+    clip_qkv: float | None = None  # q, k and v clamped to +-this after the projection (OLMoE)
 
     @property
     def q_size(self) -> int:
@@ -62,7 +76,7 @@ class ModelArchConfig:
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any], source: str = "config.json") -> "ModelArchConfig":
         model_type = cfg.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        if model_type not in FAMILIES:
             archs = cfg.get("architectures") or []
             raise UnsupportedModelError(
                 f"{source}: unsupported architecture model_type={model_type!r} {archs}; "
@@ -71,17 +85,19 @@ class ModelArchConfig:
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise UnsupportedModelError(f"{source}: unsupported hidden_act {act!r}; supported: silu")
-        qkv_bias, qk_norm = SUPPORTED_MODEL_TYPES[model_type]
+        family = FAMILIES[model_type]
         attention_bias = bool(cfg.get("attention_bias", False))
         num_heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         head_dim = cfg.get("head_dim") or hidden // num_heads
+        num_layers = int(cfg["num_hidden_layers"])
+        clip = cfg.get("clip_qkv")
         return cls(
             model_type=model_type,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
             head_dim=int(head_dim),
@@ -89,13 +105,15 @@ class ModelArchConfig:
             rope=_rope_from_hf(cfg, source),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=qkv_bias or attention_bias,
-            o_bias=attention_bias and model_type in ("llama", "mistral"),
+            qkv_bias=family.qkv_bias or attention_bias,
+            o_bias=attention_bias and family.o_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=qk_norm,
+            qk_norm=family.qk_norm,
             sliding_window=_sliding_window(cfg, model_type, source),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_as_tuple(cfg.get("eos_token_id")),
+            moe=_moe_from_hf(cfg, model_type, num_layers, source) if family.moe else None,
+            clip_qkv=None if clip is None else float(clip),
         )
 
 
@@ -131,9 +149,32 @@ def _rope_from_hf(cfg: Mapping[str, Any], source: str) -> RopeConfig:
     )
 
 
+def _moe_from_hf(cfg: Mapping[str, Any], model_type: str, num_layers: int, source: str) -> MoEConfig:
+    family = FAMILIES[model_type]
+    # Qwen3-MoE: `decoder_sparse_step` and `mlp_only_layers` leave some layers dense.
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = set(cfg.get("mlp_only_layers") or ())
+    normalize = family.normalize_top_k
+    try:
+        return MoEConfig(
+            # Hub checkpoints write `num_experts` (Qwen, OLMoE) or `num_local_experts` (Mixtral, and
+            # transformers 5 for every family).
+            num_experts=int(cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"]),
+            top_k=int(cfg["num_experts_per_tok"]),
+            # Qwen names the experts' width apart from a dense layer's; Mixtral and OLMoE have only experts.
+            intermediate_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+            normalize_top_k=bool(cfg.get("norm_topk_prob", False)) if normalize is None else normalize,
+            layers=tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0),
+        )
+    except ValueError as exc:
+        raise UnsupportedModelError(f"{source}: {exc}") from exc
+    except KeyError as exc:
+        raise UnsupportedModelError(f"{source}: a {model_type} config needs {exc.args[0]!r}") from exc
+
+
 def _sliding_window(cfg: Mapping[str, Any], model_type: str, source: str) -> int | None:
     window = cfg.get("sliding_window")
-    if model_type == "mistral":
+    if FAMILIES[model_type].honours_sliding_window:
         return int(window) if window else None
     if cfg.get("use_sliding_window") and window:
         # Qwen applies the window to a subset of layers only; we would compute something else.

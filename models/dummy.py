@@ -77,6 +77,7 @@ def hf_weight_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor a Hugging Face checkpoint of `arch` holds, by name, in checkpoint order (a tied
     LM head is not a tensor of its own)."""
     h, inter, q, kv = arch.hidden_size, arch.intermediate_size, arch.q_size, arch.kv_size
+    # Canonical names (models/families.py): a mixture's experts as `mlp.experts.N.gate_proj`.
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (arch.vocab_size, h)}
     for i in range(arch.num_layers):
         p = f"model.layers.{i}."
@@ -89,13 +90,20 @@ def hf_weight_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, ...]]:
         if arch.o_bias:
             shapes[p + "self_attn.o_proj.bias"] = (h,)
         if arch.qk_norm:
-            shapes[p + "self_attn.q_norm.weight"] = (arch.head_dim,)
-            shapes[p + "self_attn.k_norm.weight"] = (arch.head_dim,)
+            full = arch.qk_norm == "full"
+            shapes[p + "self_attn.q_norm.weight"] = (q if full else arch.head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (kv if full else arch.head_dim,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
-        for name, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
-            shapes[f"{p}mlp.{name}.weight"] = shape
-            if arch.mlp_bias:
-                shapes[f"{p}mlp.{name}.bias"] = shape[:1]
+        if arch.moe is not None and i in arch.moe.layers:
+            shapes[p + "mlp.gate.weight"] = (arch.moe.num_experts, h)
+            mlps = [(f"{p}mlp.experts.{e}.", arch.moe.intermediate_size) for e in range(arch.moe.num_experts)]
+        else:
+            mlps = [(f"{p}mlp.", inter)]
+        for prefix, width in mlps:
+            for name, shape in (("gate_proj", (width, h)), ("up_proj", (width, h)), ("down_proj", (h, width))):
+                shapes[f"{prefix}{name}.weight"] = shape
+                if arch.mlp_bias:
+                    shapes[f"{prefix}{name}.bias"] = shape[:1]
     shapes["model.norm.weight"] = (h,)
     if not arch.tie_word_embeddings:
         shapes["lm_head.weight"] = (arch.vocab_size, h)

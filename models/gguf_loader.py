@@ -13,10 +13,12 @@ import numpy as np
 import structlog
 import torch
 
-from cadenza.models.config import SUPPORTED_MODEL_TYPES, ModelArchConfig, RopeConfig
+from cadenza.models.config import ModelArchConfig, MoEConfig, RopeConfig
 from cadenza.models.errors import ModelLoadError, UnsupportedModelError
+from cadenza.models.families import FAMILIES, GGUF_ARCHITECTURES, gguf_model_type
 from cadenza.models.gguf_file import GGUFFile, GGUFTensor
 from cadenza.models.gguf_tokenizer import read_field
+from cadenza.models.moe import is_router_weight
 from cadenza.models.quantized_linear import NATIVE_TYPES, QuantizedTensor
 
 log = structlog.get_logger(__name__)
@@ -40,7 +42,11 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
 }
+# A mixture's experts, one 3-D tensor [experts, rows, cols] a projection: each expert's slice is
+# the checkpoint tensor `mlp.experts.N.<projection>`.
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -60,11 +66,13 @@ def open_gguf(path: Path) -> GGUFFile:
 
 def read_gguf_config(reader: GGUFFile, source: str) -> ModelArchConfig:
     arch = read_field(reader, "general.architecture")
-    model_type = "llama" if arch == "llama" else arch
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    expert_count = int(read_field(reader, f"{arch}.expert_count", 0) or 0)
+    model_type = gguf_model_type(arch, expert_count)
+    if model_type is None:
         raise UnsupportedModelError(
-            f"{source}: unsupported GGUF architecture {arch!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"{source}: unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}"
         )
+    family = FAMILIES[model_type]
 
     def get(key: str, default=None):
         value = read_field(reader, f"{arch}.{key}", default)
@@ -77,14 +85,24 @@ def read_gguf_config(reader: GGUFFile, source: str) -> ModelArchConfig:
     tokens = read_field(reader, "tokenizer.ggml.tokens", [])
     head_dim = int(read_field(reader, f"{arch}.attention.key_length", hidden // num_heads))
     names = {t.name for t in reader.tensors}
-    qkv_bias, qk_norm = SUPPORTED_MODEL_TYPES[model_type]
     eos = read_field(reader, "tokenizer.ggml.eos_token_id")
+    num_layers = int(get("block_count"))
+    moe = None
+    if family.moe:
+        moe = MoEConfig(
+            num_experts=expert_count,
+            top_k=int(get("expert_used_count")),
+            intermediate_size=int(read_field(reader, f"{arch}.expert_feed_forward_length", None)
+                                  or get("feed_forward_length")),
+            normalize_top_k=bool(read_field(reader, f"{arch}.expert_weights_norm", family.gguf_normalize_top_k)),
+            layers=tuple(i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" in names),
+        )
     return ModelArchConfig(
         model_type=model_type,
         vocab_size=int(read_field(reader, f"{arch}.vocab_size", len(tokens))),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(get("attention.head_count_kv", num_heads)),
         head_dim=head_dim,
@@ -92,13 +110,14 @@ def read_gguf_config(reader: GGUFFile, source: str) -> ModelArchConfig:
         rope=_rope(reader, arch, source),
         max_position_embeddings=int(get("context_length", 2048)),
         tie_word_embeddings="output.weight" not in names,
-        qkv_bias=qkv_bias or "blk.0.attn_q.bias" in names,
+        qkv_bias=family.qkv_bias or "blk.0.attn_q.bias" in names,
         o_bias="blk.0.attn_output.bias" in names,
         mlp_bias="blk.0.ffn_up.bias" in names,
-        qk_norm=qk_norm,
+        qk_norm=family.qk_norm,
         sliding_window=None,
         bos_token_id=read_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
+        moe=moe,
     )
 
 
@@ -125,21 +144,24 @@ _FUSED_GROUPS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj":
 
 
 def plan_native_weights(reader: GGUFFile, why_not: str | None) -> frozenset[str]:
-    """The HF names of the weights to keep as raw blocks: 2-D weights of a type with a kernel
-    (quant.h), unless `why_not` says why none can be (quantization none, no kernels...).
-    Logs one line per tensor type: native kernel, or de-quantized and why."""
+    """The HF names of the weights to keep as raw blocks: 2-D weights (and each expert of a 3-D
+    one) of a type with a kernel (quant.h), never a router's, unless `why_not` says why none can be
+    (quantization none, no kernels...). Logs one line per tensor type: native kernel, or
+    de-quantized and why."""
     groups: dict[str, list[tuple[str, bool]]] = {}
     for tensor in reader.tensors:
-        hf_name = _hf_name(tensor.name)
-        if hf_name is None or not hf_name.endswith(".weight"):
-            continue
-        native = why_not is None and int(tensor.tensor_type) in NATIVE_TYPES and len(tensor.shape) == 2
-        group = next((f"{hf_name.split(p)[0]}{g}" for p, g in _FUSED_GROUPS.items() if f".{p}." in hf_name), hf_name)
-        groups.setdefault(group, []).append((hf_name, native))
+        experts = _expert_names(tensor.name, tensor)
+        for hf_name in experts or [_hf_name(tensor.name)]:
+            if hf_name is None or not hf_name.endswith(".weight") or is_router_weight(hf_name):
+                continue
+            native = why_not is None and int(tensor.tensor_type) in NATIVE_TYPES and len(tensor.shape) == 2 + bool(experts)
+            group = next((f"{hf_name.split(p)[0]}{g}" for p, g in _FUSED_GROUPS.items() if f".{p}." in hf_name), hf_name)
+            groups.setdefault(group, []).append((hf_name, native))
     kept = frozenset(n for members in groups.values() if all(ok for _, ok in members) for n, _ in members)
     by_type: dict[gguf.GGMLQuantizationType, list[tuple[GGUFTensor, bool]]] = {}
     for tensor in reader.tensors:
-        by_type.setdefault(tensor.tensor_type, []).append((tensor, _hf_name(tensor.name) in kept))
+        names = _expert_names(tensor.name, tensor) or [_hf_name(tensor.name)]
+        by_type.setdefault(tensor.tensor_type, []).append((tensor, all(n in kept for n in names)))
     for qtype, members in sorted(by_type.items()):
         flags = [ok for _, ok in members]
         if all(flags):
@@ -150,7 +172,7 @@ def plan_native_weights(reader: GGUFFile, why_not: str | None) -> frozenset[str]
         elif int(qtype) not in NATIVE_TYPES:
             reason = "no kernel for this type"
         else:
-            reason = why_not or "1-D, or fused with a tensor of a type without a kernel"
+            reason = why_not or "1-D, a router's, or fused with a tensor of a type without a kernel"
         if int(qtype) in NATIVE_TYPES or qtype in _FLOAT_TYPES or why_not is not None:
             log.info("GGUF tensors de-quantized", type=qtype.name, tensors=len(flags) - sum(flags), reason=reason)
             continue
@@ -169,7 +191,14 @@ def native_nbytes(reader: GGUFFile, native: frozenset[str]) -> int:
     """Bytes a `WeightArena` needs for the raw blocks of the tensors named in `native`."""
     from cadenza.models.weight_arena import aligned
 
-    return sum(aligned(t.n_bytes) for t in reader.tensors if _hf_name(t.name) in native)
+    total = 0
+    for tensor in reader.tensors:
+        experts = _expert_names(tensor.name, tensor)
+        if experts and experts[0] in native:
+            total += len(experts) * aligned(tensor.n_bytes // len(experts))
+        elif not experts and _hf_name(tensor.name) in native:
+            total += aligned(tensor.n_bytes)
+    return total
 
 
 def iter_gguf_weights(
@@ -181,6 +210,11 @@ def iter_gguf_weights(
     a tensor, the map's pages up to it are dropped from resident memory (`GGUFFile.release`)."""
     permute = read_field(reader, "general.architecture") in _PERMUTED_ARCHS
     for tensor in reader.tensors:
+        experts = _expert_names(tensor.name, tensor)
+        if experts:
+            yield from _expert_weights(tensor, experts, dtype, source, native)
+            reader.release(tensor)
+            continue
         hf_name = _hf_name(tensor.name)
         if hf_name is None:
             raise UnsupportedModelError(f"{source}: unexpected tensor {tensor.name!r}")
@@ -193,8 +227,34 @@ def iter_gguf_weights(
             weight = _unpermute(weight, cfg.num_heads)
         elif permute and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             weight = _unpermute(weight, cfg.num_kv_heads)
-        yield hf_name, weight.to(dtype)
+        yield hf_name, weight.to(torch.float32 if is_router_weight(hf_name) else dtype)
         reader.release(tensor)
+
+
+def _expert_weights(tensor, names: list[str], dtype: torch.dtype, source: str, native: frozenset[str]
+                    ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """Each expert's slice of a 3-D expert tensor: raw blocks (a view of the file) or de-quantized,
+    one expert at a time (a whole layer's experts de-quantized at once would be gigabytes)."""
+    in_features = int(tensor.shape[0])
+    for expert, hf_name in enumerate(names):
+        data = tensor.data[expert]
+        if hf_name in native:
+            with warnings.catch_warnings():  # a view of the read-only map: nothing writes to it
+                warnings.simplefilter("ignore", UserWarning)
+                yield hf_name, QuantizedTensor(torch.from_numpy(data), int(tensor.tensor_type), in_features)
+        else:
+            values = _dequantize_array(data, tensor.tensor_type, tensor.name, source)
+            yield hf_name, torch.from_numpy(values.reshape(int(tensor.shape[1]), in_features)).to(dtype)
+
+
+def _expert_names(name: str, tensor) -> list[str] | None:
+    """The per-expert checkpoint names a 3-D expert tensor holds, in expert order; None for any
+    other tensor."""
+    match = _LAYER_TENSOR.fullmatch(name)
+    if match is None or match.group(2) not in _EXPERT_NAMES or len(tensor.shape) != 3:
+        return None
+    layer, part, kind = match.groups()
+    return [f"model.layers.{layer}.mlp.experts.{e}.{_EXPERT_NAMES[part]}.{kind}" for e in range(int(tensor.shape[2]))]
 
 
 def _raw_blocks(tensor, hf_name: str, cfg: ModelArchConfig, permute: bool) -> QuantizedTensor:
@@ -221,16 +281,18 @@ def _hf_name(name: str) -> str | None:
 
 
 def _dequantize(tensor, source: str) -> np.ndarray:
-    if tensor.tensor_type not in SUPPORTED_QUANT_TYPES:
-        supported = ", ".join(sorted(t.name for t in SUPPORTED_QUANT_TYPES))
-        raise UnsupportedModelError(
-            f"{source}: tensor {tensor.name!r} uses quantization {tensor.tensor_type.name}; supported: {supported}"
-        )
-    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
     # GGUF lists dimensions fastest-first; numpy (and HF) want them slowest-first.
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    return _dequantize_array(tensor.data, tensor.tensor_type, tensor.name, source).reshape(shape)
+
+
+def _dequantize_array(data: np.ndarray, qtype, name: str, source: str) -> np.ndarray:
+    """`data` (a tensor's, or a slice of whole rows of it) as float32 values."""
+    if qtype not in SUPPORTED_QUANT_TYPES:
+        supported = ", ".join(sorted(t.name for t in SUPPORTED_QUANT_TYPES))
+        raise UnsupportedModelError(f"{source}: tensor {name!r} uses quantization {qtype.name}; supported: {supported}")
     # A copy: F32/F16 tensors come back as views of the read-only memory map.
-    return np.array(values.reshape(shape), dtype=np.float32)
+    return np.array(gguf.quants.dequantize(data, qtype), dtype=np.float32)
 
 
 def _unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -11,6 +11,8 @@ from safetensors import SafetensorError, safe_open
 
 from cadenza.models.config import ModelArchConfig
 from cadenza.models.errors import ModelLoadError
+from cadenza.models.families import FAMILIES, Family
+from cadenza.models.moe import is_router_weight
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -50,25 +52,29 @@ def safetensors_files(directory: Path) -> list[Path]:
     return files
 
 
-def safetensors_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
-    """Every tensor's shape, read from the files' headers (no tensor is loaded)."""
+def safetensors_shapes(files: list[Path], family: Family = FAMILIES["llama"]) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape under its canonical name, read from the files' headers (no tensor is loaded)."""
     shapes: dict[str, tuple[int, ...]] = {}
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as handle:
                 for name in handle.keys():
-                    shapes[name] = tuple(handle.get_slice(name).get_shape())
+                    shapes[family.canonical_name(name)] = tuple(handle.get_slice(name).get_shape())
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(f"{path}: corrupt or unreadable safetensors file: {exc}") from exc
     return shapes
 
 
-def iter_safetensors(files: list[Path], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(files: list[Path], dtype: torch.dtype, family: Family = FAMILIES["llama"]
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor under its canonical name (`family`'s renames), in `dtype` (a router's in float32)."""
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as handle:
                 for name in handle.keys():
-                    yield name, handle.get_tensor(name).to(dtype)
+                    canonical = family.canonical_name(name)
+                    wanted = torch.float32 if is_router_weight(canonical) else dtype
+                    yield canonical, handle.get_tensor(name).to(wanted)
         except SafetensorError as exc:
             raise ModelLoadError(f"{path}: corrupt or unreadable safetensors file: {exc}") from exc
         except OSError as exc:

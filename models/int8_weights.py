@@ -16,6 +16,7 @@ from typing import Iterable, Iterator, Mapping
 import structlog
 import torch
 
+from cadenza.models.moe import is_router_weight
 from cadenza.models.quantized_linear import QuantizedTensor
 
 log = structlog.get_logger(__name__)
@@ -46,9 +47,10 @@ def quantize_q8_0(weight: torch.Tensor) -> QuantizedTensor:
 
 
 def plan_int8_weights(shapes: Mapping[str, tuple[int, ...]]) -> frozenset[str]:
-    """The checkpoint names (HF layout) to quantize: 2-D weights of width a multiple of 32, fused
-    groups all or none. Logs what stays float and why."""
-    candidates = {name: shape for name, shape in shapes.items() if name.endswith(".weight") and len(shape) == 2}
+    """The checkpoint names (HF layout) to quantize: 2-D weights of width a multiple of 32 (not an
+    expert router's), fused groups all or none. Logs what stays float and why."""
+    candidates = {name: shape for name, shape in shapes.items()
+                  if name.endswith(".weight") and len(shape) == 2 and not is_router_weight(name)}
     fits = {name: shape[1] % GROUP == 0 for name, shape in candidates.items()}
     groups: dict[str, list[str]] = {}
     for name in candidates:

@@ -1,4 +1,6 @@
-"""A Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3) over a paged KV cache.
+"""The decoder every family runs on (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, and the mixtures of
+experts Qwen3-MoE, Mixtral and OLMoE), over a paged KV cache. A family is options of it
+(models/families.py, `ModelArchConfig`), never a copy.
 
 The math mirrors transformers' reference modelling (fp32 RMSNorm, cos/sin cast to the activation
 dtype), so logits agree to rounding; where cadenza's CPU kernels run (`use_cpu_kernels`), norms,
@@ -19,6 +21,7 @@ from cadenza.attention_backends.base import AttentionBackend, AttentionMetadata
 from cadenza.models.config import ModelArchConfig
 from cadenza.models.dual_linear import DualPrecisionLinear, linear_add_
 from cadenza.models.errors import ModelLoadError
+from cadenza.models.moe import SparseMoE
 from cadenza.models.quantized_linear import QuantizedEmbedding, QuantizedLinear, QuantizedTensor, move_into_huge_pages
 from cadenza.models.rotary import RotaryEmbedding, StepRotary
 
@@ -53,7 +56,10 @@ class Attention(nn.Module):
         self.cfg = cfg
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
-        if cfg.qk_norm:
+        if cfg.qk_norm == "full":  # over all heads at once (OLMoE)
+            self.q_norm = RMSNorm(cfg.q_size, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.kv_size, cfg.rms_norm_eps)
+        elif cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
@@ -61,6 +67,17 @@ class Attention(nn.Module):
         """`residual` + attention(x), the sum written into `residual`."""
         cfg = self.cfg
         qkv = self.qkv_proj(x)
+        if cfg.qk_norm == "full":
+            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
+            if cfg.clip_qkv is not None:
+                q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+            q = rotary.rotate(q.reshape(-1, cfg.num_heads, cfg.head_dim))
+            k = rotary.rotate(k.reshape(-1, cfg.num_kv_heads, cfg.head_dim))
+            out = backend.forward(q, k, v.reshape(-1, cfg.num_kv_heads, cfg.head_dim), kv_cache, meta)
+            return linear_add_(self.o_proj, residual, out.reshape(-1, cfg.q_size))
+        if cfg.clip_qkv is not None:
+            qkv = qkv.clamp(-cfg.clip_qkv, cfg.clip_qkv)
         if cfg.qk_norm:
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
             q = self.q_norm(q.reshape(-1, cfg.num_heads, cfg.head_dim))
@@ -76,11 +93,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelArchConfig) -> None:
+    def __init__(self, cfg: ModelArchConfig, intermediate_size: int | None = None) -> None:
+        """A SiLU-gated MLP of `intermediate_size` (the config's by default; a mixture's experts
+        are MLPs of their own width)."""
         super().__init__()
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.intermediate = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=cfg.mlp_bias)
         self.kernels = None
 
     def use_cpu_kernels(self, kernels) -> None:
@@ -94,28 +113,33 @@ class MLP(nn.Module):
             return None
         return up.bf16_product(x) if down.takes_bf16(x.shape[0]) else None
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """`residual` + mlp(x), the sum written into `residual`."""
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate(x)) * up(x): what the down projection multiplies (a new tensor)."""
         gate_up = self._bf16_gate_up(x)
         if gate_up is not None:  # a prefill through bfloat16 GEMMs: the hidden state stays bfloat16
-            return self.down_proj.linear_add_(residual, self.kernels.silu_mul_bf16(gate_up))
+            return self.kernels.silu_mul_bf16(gate_up)
         gate_up = self.gate_up_proj(x)
         if self.kernels is not None and gate_up.dtype == torch.float32:
-            hidden = self.kernels.silu_mul(gate_up)
-        else:
-            gate, up = gate_up.split(self.intermediate, dim=-1)
-            hidden = F.silu(gate) * up
-        return linear_add_(self.down_proj, residual, hidden)
+            return self.kernels.silu_mul(gate_up)
+        gate, up = gate_up.split(self.intermediate, dim=-1)
+        return F.silu(gate) * up
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """`residual` + mlp(x), the sum written into `residual`."""
+        return linear_add_(self.down_proj, residual, self.hidden(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelArchConfig) -> None:
+    def __init__(self, cfg: ModelArchConfig, index: int) -> None:
         super().__init__()
         self.cfg = cfg
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        if cfg.moe is not None and index in cfg.moe.layers:
+            self.mlp = SparseMoE(cfg, lambda width: MLP(cfg, width))
+        else:
+            self.mlp = MLP(cfg)
         # The kernels' whole-layer path (kernels/cpu/decode_layer.h) for steps of few tokens, or None.
         self.fused = None
         self.fused_max_rows = 0
@@ -123,12 +147,15 @@ class DecoderLayer(nn.Module):
     def fuse(self, kernels, rotary: RotaryEmbedding) -> None:
         """Run steps under the kernels' row threshold through `DecoderLayerKernel`: two calls a
         layer around the attention backend. Needs bf16 projections (`DualPrecisionLinear`) or
-        quantized ones of one block type each (`QuantizedLinear`), and no q/k norms; otherwise
+        quantized ones of one block type each (`QuantizedLinear`), a dense MLP, and no q/k norms
+        or clipping; otherwise
         (or with `kernels` None) the modules run one by one."""
         attn, mlp = self.self_attn, self.mlp
+        if kernels is None or self.cfg.qk_norm or self.cfg.clip_qkv is not None or not isinstance(mlp, MLP):
+            self.fused, self.fused_max_rows = None, 0
+            return
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        on_kernels = all(_fusable(m) for m in linears)
-        if kernels is None or self.cfg.qk_norm or not on_kernels:
+        if not all(_fusable(m) for m in linears):
             self.fused, self.fused_max_rows = None, 0
             return
         weights = [_fused_weight(m) for m in linears]
@@ -179,7 +206,7 @@ class LlamaForCausalLM(nn.Module):
         # Uninitialised (the checkpoint fills it): a meta-device normal_ would import torch._dynamo,
         # 1.3 s of a 1.9 s load (and triton with it, where installed).
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -238,21 +265,23 @@ class LlamaForCausalLM(nn.Module):
 
     # --- loading -------------------------------------------------------------------------------
 
-    def _fused_parts(self) -> dict[str, tuple[str, int, int]]:
-        """(our fused module, row offset, rows) for each unfused checkpoint projection."""
+    def _fused_parts(self, expert: bool = False) -> dict[str, tuple[str, int, int]]:
+        """(our fused module, row offset, rows) for each unfused checkpoint projection (of a
+        mixture's expert: gate/up are the experts' width)."""
         cfg = self.cfg
+        inter = cfg.moe.intermediate_size if expert else cfg.intermediate_size
         return {
             "q_proj": ("qkv_proj", 0, cfg.q_size),
             "k_proj": ("qkv_proj", cfg.q_size, cfg.kv_size),
             "v_proj": ("qkv_proj", cfg.q_size + cfg.kv_size, cfg.kv_size),
-            "gate_proj": ("gate_up_proj", 0, cfg.intermediate_size),
-            "up_proj": ("gate_up_proj", cfg.intermediate_size, cfg.intermediate_size),
+            "gate_proj": ("gate_up_proj", 0, inter),
+            "up_proj": ("gate_up_proj", inter, inter),
         }
 
     def _our_name(self, hf_name: str) -> tuple[str, slice]:
         """Our parameter name for a checkpoint tensor, and the rows of it that tensor fills."""
         name = hf_name.removeprefix("model.")
-        for part, (fused_part, offset, size) in self._fused_parts().items():
+        for part, (fused_part, offset, size) in self._fused_parts(".experts." in name).items():
             if f".{part}." in name:
                 return name.replace(f".{part}.", f".{fused_part}."), slice(offset, offset + size)
         return name, slice(None)

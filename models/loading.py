@@ -16,6 +16,7 @@ from cadenza.models.config import ModelArchConfig
 from cadenza.models.default_model import default_model_path
 from cadenza.models.dual_linear import use_dual_precision
 from cadenza.models.errors import ModelLoadError
+from cadenza.models.families import FAMILIES
 from cadenza.models.llama import LlamaForCausalLM
 from cadenza.models.quantized_linear import block_layouts
 from cadenza.models.rotary import RotaryEmbedding
@@ -171,14 +172,16 @@ def _read_hf(directory: Path, dtype: torch.dtype, int8: bool):
     from cadenza.models.int8_weights import iter_int8_weights, plan_int8_weights
 
     arch = read_hf_config(directory)
+    family = FAMILIES[arch.model_type]
     files = safetensors_files(directory)
     tokenizer = load_hf_tokenizer(directory, arch.eos_token_ids)
-    weights = iter_safetensors(files, dtype)
+    weights = iter_safetensors(files, dtype, family)
     if not int8:
         return arch, weights, tokenizer, frozenset()
-    native = plan_int8_weights(safetensors_shapes(files))
+    native = plan_int8_weights(safetensors_shapes(files, family))
     # Quantized from float32 (exact for any checkpoint dtype), not from a bf16 rounding of it.
-    return arch, iter_int8_weights(iter_safetensors(files, torch.float32) if native else weights, native), tokenizer, native
+    float32 = iter_safetensors(files, torch.float32, family)
+    return arch, iter_int8_weights(float32 if native else weights, native), tokenizer, native
 
 
 def _read_dummy(path, dtype: torch.dtype, device: torch.device, seed: int, int8: bool):

@@ -39,6 +39,7 @@ from cadenza.models.quantized_linear import (
     QuantizedLinear,
     QuantizedTensor,
 )
+from cadenza.parallel.errors import ShardingError
 from cadenza.parallel.groups import ParallelContext
 from cadenza.parallel.partition import RankPartition, partition
 
@@ -143,6 +144,12 @@ def local_arch(arch: ModelArchConfig, part: RankPartition) -> ModelArchConfig:
 
 
 def rank_partition(arch: ModelArchConfig, ctx: ParallelContext) -> RankPartition:
+    if ctx.world_size > 1 and arch.moe is not None:
+        raise ShardingError(f"tensor_parallel_size {ctx.world_size}: {arch.model_type} is a mixture of experts, "
+                            "which runs on one rank (its experts are not sharded yet)")
+    if ctx.world_size > 1 and arch.qk_norm == "full":
+        raise ShardingError(f"tensor_parallel_size {ctx.world_size}: {arch.model_type} normalises q and k over "
+                            "all heads at once, which a rank's share of the heads cannot")
     return partition(
         num_heads=arch.num_heads,
         num_kv_heads=arch.num_kv_heads,

@@ -44,6 +44,14 @@ ARCHITECTURES = {
     "mistral": ("MistralConfig", dict(sliding_window=24, rope_theta=1000000.0)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(head_dim=32, tie_word_embeddings=False)),
+    # Mixtures of experts: 8 experts, 2 a token (Qwen3-MoE: renormalised, as Qwen3-30B-A3B; its
+    # second layer dense through mlp_only_layers), the experts' width apart from the dense one.
+    "qwen3_moe": ("Qwen3MoeConfig", dict(
+        head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True,
+        mlp_only_layers=[1],
+    )),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=8, num_experts_per_tok=2, rope_theta=1000000.0)),
+    "olmoe": ("OlmoeConfig", dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, clip_qkv=8.0)),
 }
 
 

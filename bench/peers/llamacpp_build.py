@@ -173,6 +173,15 @@ def build(kind: str | None = None, jobs: int | None = None) -> Path:
     return bin_dir(kind)
 
 
+def source_dir() -> Path:
+    """The llama.cpp source (with its `convert_hf_to_gguf.py` and `gguf-py`), downloaded once into
+    the cache; the same tree the binaries build from."""
+    work = version_dir() / "build"
+    work.mkdir(parents=True, exist_ok=True)
+    with _locked(work / ".lock"):
+        return _source(work)
+
+
 def _source(work: Path) -> Path:
     """The vendored llama.cpp, downloaded and unpacked once into `work`/source."""
     source = work / "source"

@@ -1,0 +1,89 @@
+"""A mixture-of-experts MLP: a float32 router picks each token's top-k experts, and each expert
+that any token picked runs once, over all of its tokens.
+
+Routing is transformers' (Qwen3-MoE, Mixtral, OLMoE): softmax over the router's logits in float32,
+`torch.topk` (so ties break as there), optionally renormalised over the k picked. Each expert is the
+decoder's own `MLP` (models/llama.py) of the experts' width, so a GGUF's quantized experts stay raw
+blocks on the packed kernels, and a float checkpoint's run as bf16 or float32 linears, with nothing
+MoE-specific in either. The router stays float32 at any model dtype: it is small (experts x hidden),
+and llama.cpp keeps it float32 too, so rounding it would move tokens to other experts.
+
+A token's weight scales the expert's hidden activations before the down projection (linear, so the
+same sum to rounding), which lets a single token's product add straight into the residual stream.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cadenza.models.config import ModelArchConfig
+from cadenza.models.dual_linear import linear_add_
+
+ROUTER_SUFFIX = ".mlp.gate.weight"
+
+
+def is_router_weight(name: str) -> bool:
+    """Whether checkpoint tensor `name` (canonical) is a router's: loaders hand it over in float32
+    and never quantize it."""
+    return name.endswith(ROUTER_SUFFIX)
+
+
+class Router(nn.Linear):
+    """The expert router's logits; its weight stays float32 whatever dtype the model is cast to."""
+
+    def __init__(self, hidden_size: int, num_experts: int) -> None:
+        super().__init__(hidden_size, num_experts, bias=False)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        if self.weight.dtype != torch.float32:
+            self.weight = nn.Parameter(self.weight.float(), requires_grad=False)
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight)
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, mlp_factory) -> None:
+        """`mlp_factory(intermediate_size)` builds one expert (the decoder's `MLP`)."""
+        super().__init__()
+        moe = cfg.moe
+        self.num_experts, self.top_k, self.normalize = moe.num_experts, moe.top_k, moe.normalize_top_k
+        self.gate = Router(cfg.hidden_size, moe.num_experts)
+        self.experts = nn.ModuleList(mlp_factory(moe.intermediate_size) for _ in range(moe.num_experts))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] float32, expert ids [T, k]) for tokens `x` [T, hidden]."""
+        probs = torch.softmax(self.gate(x), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            weights /= weights.sum(dim=-1, keepdim=True)
+        return weights, experts
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """`residual` + the mixture's output for `x`, the sum written into `residual`."""
+        weights, experts = self.route(x)
+        if x.shape[0] == 1:
+            for weight, expert in zip(weights[0].tolist(), experts[0].tolist()):
+                mlp = self.experts[expert]
+                linear_add_(mlp.down_proj, residual, mlp.hidden(x).mul_(weight))
+            return residual
+        flat = experts.flatten()
+        # The (token, slot) pairs grouped by expert, each group in token order.
+        order = torch.argsort(flat, stable=True)
+        tokens = order // self.top_k
+        scales = weights.flatten()[order]
+        start = 0
+        for expert, count in enumerate(torch.bincount(flat, minlength=self.num_experts).tolist()):
+            if count == 0:
+                continue
+            rows = tokens[start : start + count]
+            mlp = self.experts[expert]
+            hidden = mlp.hidden(x.index_select(0, rows))
+            hidden.mul_(scales[start : start + count, None].to(hidden.dtype))
+            residual.index_add_(0, rows, mlp.down_proj(hidden).to(residual.dtype))
+            start += count
+        return residual

@@ -1,0 +1,197 @@
+"""Mixtures of experts (Qwen3-MoE, Mixtral, OLMoE): routing as transformers routes, only the picked
+experts read, quantized experts on the packed kernels, and each family's GGUF as llama.cpp's own
+converter writes it.
+
+Logits and greedy tokens against transformers, through the paged cache and mixed batches, are in
+test_model_parity.py (the three families are among its architectures).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from cadenza.models.llama import MLP
+from cadenza.models.loading import load_model
+from cadenza.models.moe import SparseMoE
+from cadenza.models.quantized_linear import PACKED_FLAG, QuantizedLinear
+from tests.model_forward import prefill_logits
+from tests.tiny_models import build_tiny_model
+
+MOE_ARCHS = ("qwen3_moe", "mixtral", "olmoe")
+PROMPT = [5, 17, 101, 33, 250, 7, 64, 12, 199, 3, 80, 41, 9, 300, 2, 77]
+
+
+def reference_logits(directory, tokens: list[int]) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].float()
+
+
+def mixtures(loaded) -> list[SparseMoE]:
+    return [layer.mlp for layer in loaded.model.layers if isinstance(layer.mlp, SparseMoE)]
+
+
+def routed_logits(loaded, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prefill logits, each mixture's experts for each token, sorted: [layers, tokens, k])."""
+    routes = []
+    for moe in mixtures(loaded):
+        def route(x, original=moe.route):
+            weights, experts = original(x)
+            routes.append(experts.sort(dim=-1).values)
+            return weights, experts
+
+        moe.route = route
+    logits = prefill_logits(loaded, tokens)
+    for moe in mixtures(loaded):
+        del moe.route
+    return logits, torch.stack(routes)
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_the_config_reads_as_a_mixture(tiny_model_dir, arch):
+    loaded = load_model(tiny_model_dir(arch), dtype=torch.float32)
+    moe = loaded.arch.moe
+    assert (moe.num_experts, moe.top_k) == (8, 2)
+    # The tiny Qwen3-MoE leaves layer 1 dense (mlp_only_layers), as Qwen's configs can.
+    assert moe.layers == ((0,) if arch == "qwen3_moe" else (0, 1))
+    assert len(mixtures(loaded)) == len(moe.layers)
+    assert mixtures(loaded)[0].gate.weight.dtype == torch.float32
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_ties_in_the_router_break_as_transformers_breaks_them(tmp_path, arch):
+    """A router of zeros gives every expert the same probability: `topk` then picks by its own
+    tie rule, and the same experts must run in both engines."""
+    directory = build_tiny_model(tmp_path / arch, arch)
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(directory / "model.safetensors")
+    for name in weights:
+        if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+            weights[name] = torch.zeros_like(weights[name])
+    save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
+    want = reference_logits(directory, PROMPT)
+    got = prefill_logits(load_model(directory, dtype=torch.float32), PROMPT)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_one_token_runs_only_the_experts_it_picked(tiny_model_dir):
+    loaded = load_model(tiny_model_dir("mixtral"), dtype=torch.float32)
+    ran: list[tuple[int, int]] = []  # (layer, expert) each time an expert computes
+    routed: list[tuple[int, int]] = []  # (layer, expert) for each pick of the router
+    for index, moe in enumerate(mixtures(loaded)):
+        def route(x, original=moe.route, layer=index):
+            weights, experts = original(x)
+            routed.extend((layer, int(e)) for e in experts.flatten())
+            return weights, experts
+
+        moe.route = route
+        for number, expert in enumerate(moe.experts):
+            def counted(x, original=expert.hidden, key=(index, number)):
+                ran.append(key)
+                return original(x)
+
+            expert.hidden = counted
+    prefill_logits(loaded, [42])
+    assert len(ran) == 2 * len(mixtures(loaded))
+    assert sorted(ran) == sorted(routed)  # the two picked a layer, each once, and no other
+    # A prompt of many tokens runs each picked expert once, over all of its tokens.
+    ran.clear()
+    routed.clear()
+    prefill_logits(loaded, PROMPT)
+    assert sorted(ran) == sorted(set(routed))
+
+
+def test_grouped_tokens_give_what_each_token_alone_gives(tiny_model_dir):
+    """A step of many tokens groups them by expert; one token at a time takes the direct path.
+    The two must agree (float32, to rounding)."""
+    loaded = load_model(tiny_model_dir("qwen3_moe"), dtype=torch.float32)
+    moe = mixtures(loaded)[0]
+    x = torch.randn(12, loaded.arch.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        together = moe(x, torch.zeros_like(x))
+        alone = torch.cat([moe(x[i : i + 1], torch.zeros(1, x.shape[1])) for i in range(x.shape[0])])
+    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-6)
+
+
+def test_experts_quantized_on_load_run_packed_close_to_float(kernels, tiny_model_dir):
+    directory = tiny_model_dir("qwen3_moe")
+    exact = load_model(directory, dtype=torch.float32)
+    int8 = load_model(directory, dtype=torch.bfloat16, quantization="int8", cpu_kernels="auto")
+    experts = [e for moe in mixtures(int8) for e in moe.experts]
+    assert experts and all(isinstance(e.gate_up_proj, QuantizedLinear) and isinstance(e.down_proj, QuantizedLinear)
+                           for e in experts)
+    if kernels.quant_packs(8):
+        assert all(q & PACKED_FLAG for e in experts for _, q in e.gate_up_proj.parts)
+    assert all(isinstance(moe.gate, torch.nn.Linear) and moe.gate.weight.dtype == torch.float32 for moe in mixtures(int8))
+    (want, exact_routes), (got, int8_routes) = routed_logits(exact, PROMPT), routed_logits(int8, PROMPT)
+    # A token the rounding sends to another expert gets another function of its input (measured:
+    # 1 of 16 here, 31% off); the others are off by the weights' and activations' rounding only:
+    # Q8_0 weights and int8 activations, as for the dense models (test_int8_weights.py: 2.5-5.2%).
+    same = (exact_routes == int8_routes).all(dim=(0, 2))
+    assert same.sum() >= 0.75 * len(PROMPT)
+    error = (got - want)[same].norm() / want[same].norm()
+    assert error < 0.08
+
+
+def test_a_dense_mlp_layer_beside_experts_stays_an_mlp(tiny_model_dir):
+    loaded = load_model(tiny_model_dir("qwen3_moe"), dtype=torch.float32)
+    assert isinstance(loaded.model.layers[1].mlp, MLP) and not isinstance(loaded.model.layers[1].mlp, SparseMoE)
+    assert loaded.model.layers[1].mlp.intermediate == 128  # the dense width, not the experts' 64
+    assert mixtures(loaded)[0].experts[0].intermediate == 64
+
+
+# --- each family's GGUF, written by llama.cpp's convert_hf_to_gguf.py -------------------------------
+
+# llama.cpp's converter has no dense layers beside experts for Qwen3-MoE, and writes OLMoE's norm
+# epsilon as 1e-5 whatever the config says: the checkpoints converted are made to fit.
+GGUF_OVERRIDES = {"qwen3_moe": dict(mlp_only_layers=[]), "mixtral": {}, "olmoe": dict(rms_norm_eps=1e-5)}
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """arch -> (HF directory, its F32 GGUF, its Q8_0 GGUF), made once per module."""
+    from cadenza.bench.peers.convert import convert_hf_to_gguf
+
+    made = {}
+
+    def get(arch: str):
+        if arch not in made:
+            root = tmp_path_factory.mktemp(f"{arch}-gguf")
+            directory = build_tiny_model(root / "hf", arch, **GGUF_OVERRIDES[arch])
+            files = [convert_hf_to_gguf(directory, root / f"{arch}-{kind}.gguf", kind, pre_tokenizer="qwen2")
+                     for kind in ("f32", "q8_0")]
+            made[arch] = (directory, *files)
+        return made[arch]
+
+    return get
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_the_gguf_of_llamacpps_converter_computes_as_transformers(converted, arch):
+    directory, f32, _ = converted(arch)
+    from_gguf = load_model(f32, dtype=torch.float32)
+    assert from_gguf.arch.model_type == arch
+    assert from_gguf.arch.moe == load_model(directory, dtype=torch.float32).arch.moe
+    torch.testing.assert_close(prefill_logits(from_gguf, PROMPT), reference_logits(directory, PROMPT),
+                               rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_a_q8_0_gguf_runs_its_experts_on_the_kernels(kernels, converted, arch):
+    _, f32, q8 = converted(arch)
+    native = load_model(q8, dtype=torch.bfloat16, quantization="auto", cpu_kernels="auto")
+    experts = [e for moe in mixtures(native) for e in moe.experts]
+    assert all(isinstance(e.down_proj, QuantizedLinear) for e in experts)
+    exact = load_model(q8, dtype=torch.float32)  # the file's own values, de-quantized
+    (want, want_routes), (got, got_routes) = routed_logits(exact, PROMPT), routed_logits(native, PROMPT)
+    # Tokens routed alike differ by the activations' int8 rounding (or a bf16 GEMM's) only.
+    same = (want_routes == got_routes).all(dim=(0, 2))
+    assert same.sum() >= 0.75 * len(PROMPT)
+    assert (got - want)[same].norm() / want[same].norm() < 0.05
+    f32_logits, f32_routes = routed_logits(load_model(f32, dtype=torch.float32), PROMPT)
+    same = (want_routes == f32_routes).all(dim=(0, 2))
+    assert same.sum() >= 0.75 * len(PROMPT)
+    assert (want - f32_logits)[same].norm() / f32_logits[same].norm() < 0.08
