@@ -30,6 +30,9 @@ def _add_common(parser: argparse.ArgumentParser, peers: bool = True) -> None:
                                         "llama.cpp's llama-quantize and cached outside the repository (bench/peers/gguf_shapes.py)")
     parser.add_argument("--quant", help="--shape's type: F16 or a llama-quantize type (Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0, "
                                         "IQ4_XS, ...); default Q4_K_M")
+    parser.add_argument("--shape-layers", type=int, help="--shape's first N decoder layers only: the real layer shapes, "
+                                                           "fewer of them, for a model too large for the machine "
+                                                           "(qwen3-30b-a3b is 61 GB as F16)")
     parser.add_argument("--config", help="deployment YAML file for cadenza's engine settings")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--num-threads", type=int, help="torch (and llama.cpp) threads; default: torch's")
@@ -193,10 +196,10 @@ def run_bench(args: argparse.Namespace) -> int:
 
 def resolve_shape(args: argparse.Namespace) -> None:
     """`--shape`/`--quant` as `--model`: the shape's GGUF, written and quantized on first use."""
-    shape, quant = getattr(args, "shape", None), getattr(args, "quant", None)
+    shape, quant, layers = getattr(args, "shape", None), getattr(args, "quant", None), getattr(args, "shape_layers", None)
     if shape is None:
-        if quant is not None:
-            raise ValueError("--quant is the type of a --shape's GGUF; give --shape too")
+        if quant is not None or layers is not None:
+            raise ValueError("--quant and --shape-layers describe a --shape's GGUF; give --shape too")
         return
     if args.model is not None:
         raise ValueError("--shape writes the model the bench runs; give --model or --shape, not both")
@@ -207,8 +210,9 @@ def resolve_shape(args: argparse.Namespace) -> None:
 
     if shape not in shipped_shapes():
         raise ValueError(f"--shape {shape!r} is not a shipped shape; shipped shapes: {', '.join(shipped_shapes())}")
-    print(f"--shape {shape} --quant {quant or 'Q4_K_M'}: writing or finding its GGUF ...", flush=True)
-    args.model = str(shape_gguf(shape, quant or "Q4_K_M"))
+    cut = "" if layers is None else f" --shape-layers {layers}"
+    print(f"--shape {shape}{cut} --quant {quant or 'Q4_K_M'}: writing or finding its GGUF ...", flush=True)
+    args.model = str(shape_gguf(shape, quant or "Q4_K_M", layers=layers))
 
 
 def _load_engine(args: argparse.Namespace):

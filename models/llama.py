@@ -151,6 +151,8 @@ class DecoderLayer(nn.Module):
         or clipping; otherwise
         (or with `kernels` None) the modules run one by one."""
         attn, mlp = self.self_attn, self.mlp
+        if isinstance(mlp, SparseMoE):
+            mlp.fuse(kernels)
         if kernels is None or self.cfg.qk_norm or self.cfg.clip_qkv is not None or not isinstance(mlp, MLP):
             self.fused, self.fused_max_rows = None, 0
             return

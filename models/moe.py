@@ -20,6 +20,7 @@ from torch import nn
 
 from cadenza.models.config import ModelArchConfig
 from cadenza.models.dual_linear import linear_add_
+from cadenza.models.quantized_linear import QuantizedLinear
 
 ROUTER_SUFFIX = ".mlp.gate.weight"
 
@@ -54,6 +55,24 @@ class SparseMoE(nn.Module):
         self.num_experts, self.top_k, self.normalize = moe.num_experts, moe.top_k, moe.normalize_top_k
         self.gate = Router(cfg.hidden_size, moe.num_experts)
         self.experts = nn.ModuleList(mlp_factory(moe.intermediate_size) for _ in range(moe.num_experts))
+        # The kernels' `MoEKernel` (kernels/cpu/moe.h) for steps of few tokens, or None.
+        self.fused = None
+        self.fused_max_rows = 0
+
+    def fuse(self, kernels) -> None:
+        """Run steps under the experts' GEMM threshold through the kernels' `MoEKernel`: one call
+        for all of a step's experts. Needs every expert's projections quantized (`QuantizedLinear`,
+        one block type each, no bias); otherwise (or with `kernels` None) experts run one by one.
+        Called once the blocks are where they stay (packed, in huge pages)."""
+        self.fused, self.fused_max_rows = None, 0
+        linears = [m for e in self.experts for m in (e.gate_up_proj, e.down_proj)]
+        if kernels is None or not all(isinstance(m, QuantizedLinear) and m.kernels is not None and len(m.parts) == 1
+                                      and m.bias is None for m in linears):
+            return
+        ups, downs = linears[0::2], linears[1::2]
+        self.fused = kernels.MoEKernel([m.blocks0 for m in ups], [m.parts[0][1] for m in ups],
+                                       [m.blocks0 for m in downs], [m.parts[0][1] for m in downs], self.gate.in_features)
+        self.fused_max_rows = min(m.min_rows for m in linears) - 1
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, expert ids [T, k]) for tokens `x` [T, hidden]."""
@@ -66,6 +85,8 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """`residual` + the mixture's output for `x`, the sum written into `residual`."""
         weights, experts = self.route(x)
+        if self.fused is not None and x.shape[0] <= self.fused_max_rows and x.dtype == torch.float32 and x.is_contiguous():
+            return self.fused.add_(residual, x, experts, weights)
         if x.shape[0] == 1:
             for weight, expert in zip(weights[0].tolist(), experts[0].tolist()):
                 mlp = self.experts[expert]

@@ -118,6 +118,30 @@ def test_model_cost_counts_the_projections():
     assert cost.decode_step_seconds(ceilings, torch.bfloat16, 1000, 0) == pytest.approx(1000 * cost.decode_flops(0) / 1e9)
 
 
+def test_model_cost_of_a_mixture_counts_the_experts_a_step_reads():
+    from dataclasses import replace
+
+    from cadenza.models.config import MoEConfig
+
+    dense = ModelArchConfig(
+        model_type="qwen3_moe", vocab_size=100, hidden_size=8, intermediate_size=16, num_layers=2, num_heads=2,
+        num_kv_heads=1, head_dim=4, rms_norm_eps=1e-6, rope=RopeConfig(theta=10000.0),
+        max_position_embeddings=64, tie_word_embeddings=True, qkv_bias=False, o_bias=False, mlp_bias=False,
+        qk_norm="head", sliding_window=None, bos_token_id=None, eos_token_ids=(),
+    )
+    arch = replace(dense, moe=MoEConfig(num_experts=8, top_k=2, intermediate_size=4, normalize_top_k=True, layers=(0,)))
+    cost = ModelCost.from_arch(arch, torch.bfloat16)
+    attention, mlp, expert, router = 8 * (8 + 2 * 4) + 8 * 8, 3 * 8 * 16, 3 * 8 * 4, 8 * 8
+    # A token multiplies the attention, layer 1's dense MLP, the router and 2 of layer 0's 8 experts.
+    assert cost.body_params == 2 * attention + mlp + router + 2 * expert
+    assert cost.expert_bytes == 2 * 8 * expert
+    assert cost.weight_bytes == 2 * (2 * attention + mlp + 800) + 4 * router + 2 * 2 * expert
+    assert cost.step_weight_bytes(1) == cost.weight_bytes
+    # Eight tokens pick 1 - (3/4)^8 of the experts on average; a large step reads them all.
+    assert cost.step_weight_bytes(8) == round(cost.weight_bytes + 2 * expert * (8 * (1 - 0.75**8) - 2))
+    assert cost.step_weight_bytes(10_000) == pytest.approx(cost.weight_bytes + 2 * expert * 6)
+
+
 def test_proc_stat_snapshot_and_share():
     snap = quiet.take_snapshot()
     if snap is None:
@@ -253,7 +277,8 @@ def test_spread_runs_each_process_fresh(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv, error", [
-    (["--quant", "Q4_K_M"], "--quant is the type of a --shape's GGUF; give --shape too"),
+    (["--quant", "Q4_K_M"], "--quant and --shape-layers describe a --shape's GGUF; give --shape too"),
+    (["--shape-layers", "4"], "--quant and --shape-layers describe a --shape's GGUF; give --shape too"),
     (["--shape", "llama-3.2-1b", "--model", "x.gguf"], "give --model or --shape, not both"),
     (["--shape", "llama-9b"], "--shape 'llama-9b' is not a shipped shape; shipped shapes: llama-3.1-8b, llama-3.2-1b"),
     (["--shape", "llama-3.2-1b", "--load-format", "dummy"], "with --load-format dummy give the shape as --model"),

@@ -195,3 +195,33 @@ def test_a_q8_0_gguf_runs_its_experts_on_the_kernels(kernels, converted, arch):
     same = (want_routes == f32_routes).all(dim=(0, 2))
     assert same.sum() >= 0.75 * len(PROMPT)
     assert (want - f32_logits)[same].norm() / f32_logits[same].norm() < 0.08
+
+
+def test_the_experts_kernel_gives_what_the_experts_one_by_one_give(kernels, tiny_model_dir):
+    """Decode-sized steps run all of a step's experts in one kernel call (kernels/cpu/moe.h); the
+    same products one expert at a time from Python must agree, for one token and for several
+    (some experts then shared by tokens)."""
+    loaded = load_model(tiny_model_dir("mixtral"), dtype=torch.bfloat16, quantization="int8", cpu_kernels="auto")
+    moe = mixtures(loaded)[0]
+    assert moe.fused is not None and moe.fused_max_rows >= 8
+    generator = torch.Generator().manual_seed(5)
+    for rows in (1, 3, 8):
+        x = torch.randn(rows, loaded.arch.hidden_size, generator=generator)
+        residual = torch.randn(rows, loaded.arch.hidden_size, generator=generator)
+        with torch.no_grad():
+            fused = moe(x, residual.clone())
+            kernel, moe.fused = moe.fused, None
+            try:
+                one_by_one = moe(x, residual.clone())
+            finally:
+                moe.fused = kernel
+        torch.testing.assert_close(fused, one_by_one, rtol=1e-5, atol=1e-5)
+        assert not torch.equal(fused, residual)
+
+
+def test_the_experts_kernel_refuses_a_bad_expert_id(kernels, tiny_model_dir):
+    loaded = load_model(tiny_model_dir("mixtral"), dtype=torch.bfloat16, quantization="int8", cpu_kernels="auto")
+    moe = mixtures(loaded)[0]
+    x = torch.zeros(1, loaded.arch.hidden_size)
+    with pytest.raises(RuntimeError, match="expert id 8 out of 8"):
+        moe.fused.add_(x.clone(), x, torch.tensor([[0, 8]]), torch.ones(1, 2))

@@ -103,44 +103,80 @@ def measure_ceilings(read_bytes: int = 512 << 20, device: torch.device = torch.d
     return ceilings
 
 
-def quantized_block_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the GGUF blocks a decode step reads (every quantized linear, the LM head
-    included; a tied head's blocks once); 0 where the model keeps none."""
+def quantized_block_bytes(model: torch.nn.Module, experts: bool = False) -> int:
+    """Bytes of the GGUF blocks of every quantized linear outside a mixture's experts (the LM
+    head included; a tied head's blocks once), or with `experts` of the experts' only; 0 where
+    the model keeps none."""
+    from cadenza.models.moe import SparseMoE
     from cadenza.models.quantized_linear import QuantizedLinear
 
-    seen = {b.data_ptr(): b.numel() for m in model.modules() if isinstance(m, QuantizedLinear) for b in m.block_tensors()}
+    expert_modules = {id(m) for moe in model.modules() if isinstance(moe, SparseMoE) for m in moe.experts.modules()}
+    seen = {b.data_ptr(): b.numel() for m in model.modules()
+            if isinstance(m, QuantizedLinear) and (id(m) in expert_modules) == experts for b in m.block_tensors()}
     return sum(seen.values())
+
+
+def expected_expert_share(num_experts: int, top_k: int, tokens: int) -> float:
+    """The share of a mixture's experts a step of `tokens` tokens reads, routing uniform and
+    independent per token: 1 - (1 - k/E)^tokens (top_k/E for one token)."""
+    return 1 - (1 - top_k / num_experts) ** tokens
 
 
 @dataclass(frozen=True, slots=True)
 class ModelCost:
-    """Bytes and FLOPs of one Llama-family model; counts the projections and the attention."""
+    """Bytes and FLOPs of one model; counts the projections and the attention. A mixture of
+    experts' layers count the experts a token uses (FLOPs) and the experts a step reads (bytes:
+    `step_weight_bytes`, expected under uniform routing)."""
 
     num_layers: int
-    body_params: int  # every layer's projections
+    body_params: int  # every layer's projections a token multiplies (a mixture's: its top k experts)
     head_params: int  # lm_head (read even when tied to the embedding)
     attn_width: int  # num_heads * head_dim
     kv_bytes_per_token: int  # keys and values of all layers
-    weight_bytes: int  # what a decode step reads of the projections and the LM head
+    weight_bytes: int  # what a decode step of one token reads of the projections and the LM head
+    expert_bytes: int = 0  # every expert of every mixture
+    num_experts: int = 0
+    top_k: int = 0
 
     @classmethod
     def from_arch(cls, arch, dtype: torch.dtype, kv_dtype: torch.dtype | None = None,
                   model: torch.nn.Module | None = None) -> "ModelCost":
         """`dtype`: the weights' (the smallest copy a decode step reads); `kv_dtype`: the KV cache's.
         With `model`, its projections' stored bytes (GGUF blocks as kept) replace `dtype`'s count."""
-        h, inter = arch.hidden_size, arch.intermediate_size
-        per_layer = h * (arch.q_size + 2 * arch.kv_size) + arch.q_size * h + h * 2 * inter + inter * h
+        h, inter, moe = arch.hidden_size, arch.intermediate_size, arch.moe
+        attention = h * (arch.q_size + 2 * arch.kv_size) + arch.q_size * h
+        sparse = 0 if moe is None else len(moe.layers)
+        dense_params = attention * arch.num_layers + 3 * h * inter * (arch.num_layers - sparse)
+        expert_params = 0 if moe is None else sparse * moe.num_experts * 3 * h * moe.intermediate_size
+        router_params = 0 if moe is None else sparse * moe.num_experts * h
         size = torch.empty((), dtype=dtype).element_size()
         kv_size = torch.empty((), dtype=kv_dtype or dtype).element_size()
+        share = 0.0 if moe is None else moe.top_k / moe.num_experts
+        if model is not None and quantized_block_bytes(model):
+            dense_bytes = quantized_block_bytes(model) + 4 * router_params  # routers stay float32
+            expert_bytes = quantized_block_bytes(model, experts=True) if moe is not None else 0
+        else:
+            dense_bytes = (dense_params + h * arch.vocab_size) * size + 4 * router_params
+            expert_bytes = expert_params * size
         return cls(
             num_layers=arch.num_layers,
-            body_params=arch.num_layers * per_layer,
+            body_params=dense_params + router_params + round(expert_params * share),
             head_params=h * arch.vocab_size,
             attn_width=arch.num_heads * arch.head_dim,
             kv_bytes_per_token=arch.num_layers * 2 * arch.kv_size * kv_size,
-            weight_bytes=(arch.num_layers * per_layer + h * arch.vocab_size) * size
-            if model is None or not quantized_block_bytes(model) else quantized_block_bytes(model),
+            weight_bytes=dense_bytes + round(expert_bytes * share),
+            expert_bytes=expert_bytes,
+            num_experts=0 if moe is None else moe.num_experts,
+            top_k=0 if moe is None else moe.top_k,
         )
+
+    def step_weight_bytes(self, batch: int) -> int:
+        """Weight bytes a decode step of `batch` tokens reads: every dense weight once, and the
+        experts the step's tokens are expected to pick."""
+        if not self.expert_bytes:
+            return self.weight_bytes
+        one = self.expert_bytes * self.top_k / self.num_experts
+        return round(self.weight_bytes - one + self.expert_bytes * expected_expert_share(self.num_experts, self.top_k, batch))
 
     def decode_flops(self, context: int) -> float:
         """One decode token attending to `context` keys, logits included."""
@@ -153,18 +189,19 @@ class ModelCost:
 
     def decode_step_seconds(self, ceilings: Ceilings, dtype: torch.dtype, batch: int, context: int) -> float:
         """The roofline: reading weights and each sequence's keys, or the matmuls, whichever is slower."""
-        read = (self.weight_bytes + batch * context * self.kv_bytes_per_token) / ceilings.memory_bandwidth
+        read = (self.step_weight_bytes(batch) + batch * context * self.kv_bytes_per_token) / ceilings.memory_bandwidth
         compute = batch * self.decode_flops(context) / ceilings.matmul(dtype)
         return max(read, compute)
 
     def prefill_seconds(self, ceilings: Ceilings, dtype: torch.dtype, length: int) -> float:
         compute = self.prefill_flops(length) / ceilings.matmul(dtype)
-        return max(compute, self.weight_bytes / ceilings.memory_bandwidth)
+        return max(compute, self.step_weight_bytes(length) / ceilings.memory_bandwidth)
 
     def as_dict(self) -> dict:
         return {
             "params_body": self.body_params,
             "params_lm_head": self.head_params,
             "weight_MB": round(self.weight_bytes / 1e6, 1),
+            "expert_MB": round(self.expert_bytes / 1e6, 1),
             "decode_MFLOP_per_token": round(self.decode_flops(0) / 1e6, 1),
         }

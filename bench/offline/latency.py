@@ -251,8 +251,10 @@ def describe_ceilings(ceilings: Ceilings, cost: ModelCost, dtype: torch.dtype, q
         f"ceilings: {ceilings.memory_measure} {ceilings.memory_bandwidth / 1e9:.2f} GB/s{copied}, matmul bf16 "
         f"{flops(ceilings.matmul_bf16)}, fp32 {flops(ceilings.matmul_fp32)} "
         f"(F.linear {'x'.join(map(str, ceilings.matmul_shape))}) ({quiet.describe()})",
-        f"model: {cost.weight_bytes / 1e6:.0f} MB of weights read per decode step, "
-        f"{cost.decode_flops(0) / 1e6:.0f} MFLOP per token",
+        f"model: {cost.weight_bytes / 1e6:.0f} MB of weights read per decode step of one token, "
+        f"{cost.decode_flops(0) / 1e6:.0f} MFLOP per token"
+        + (f" (a mixture: {cost.top_k} of {cost.num_experts} experts a token, {cost.expert_bytes / 1e6:.0f} MB of "
+           f"experts in all; a step of 8 tokens reads {cost.step_weight_bytes(8) / 1e6:.0f} MB)" if cost.expert_bytes else ""),
         f"predicted batch-1 decode step: weights / bandwidth {read_ms:.2f} ms, FLOPs / "
         f"{str(dtype).removeprefix('torch.')} matmul rate {1e3 * cost.decode_flops(0) / rate:.2f} ms; prefill: "
         f"{prefill_ms:.4f} ms per token at 512 (best matmul rate)",

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cadenza.bench.peers.llamacpp_build import cache_root, find_binary, why_binaries_missing
+from cadenza.bench.peers.llamacpp_build import cache_root, find_binary, locked, why_binaries_missing
 
 _INIT_STD = 0.02  # transformers' initializer_range: weights of a trained model's scale
 
@@ -29,11 +29,27 @@ def gguf_dir() -> Path:
     return cache_root().parent / "gguf"
 
 
-def _config(shape: str):
+# model_type -> GGUF architecture name (llama.cpp's) of the shapes this writes.
+_GGUF_ARCH = {"llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
+
+
+def _config(shape: str, layers: int | None = None):
+    """The shape's architecture; with `layers`, its first `layers` decoder layers only (a
+    mixture of experts too large for this machine keeps its real layer shape, fewer of them)."""
+    from dataclasses import replace
+
     from cadenza.models.dummy import read_dummy_arch
 
     arch, _ = read_dummy_arch(shape)
-    return arch
+    if arch.model_type not in _GGUF_ARCH:
+        raise ValueError(f"shape {shape}: writing a {arch.model_type} GGUF is not supported; "
+                         f"supported: {', '.join(_GGUF_ARCH)}")
+    if layers is None or layers == arch.num_layers:
+        return arch
+    if not 0 < layers < arch.num_layers:
+        raise ValueError(f"shape {shape} has {arch.num_layers} layers; cannot keep {layers}")
+    moe = arch.moe and replace(arch.moe, layers=tuple(i for i in arch.moe.layers if i < layers))
+    return replace(arch, num_layers=layers, moe=moe)
 
 
 def _tokenizer_fields():
@@ -59,24 +75,34 @@ def _tensors(arch, vocab: int) -> list[tuple[str, tuple[int, ...], bool]]:
         b = f"blk.{i}."
         out += [(b + "attn_norm.weight", (h,), True), (b + "attn_q.weight", (q, h), False),
                 (b + "attn_k.weight", (kv, h), False), (b + "attn_v.weight", (kv, h), False),
-                (b + "attn_output.weight", (h, q), False), (b + "ffn_norm.weight", (h,), True),
-                (b + "ffn_gate.weight", (inter, h), False), (b + "ffn_up.weight", (inter, h), False),
-                (b + "ffn_down.weight", (h, inter), False)]  # fmt: skip
+                (b + "attn_output.weight", (h, q), False), (b + "ffn_norm.weight", (h,), True)]  # fmt: skip
+        if arch.qk_norm:
+            out += [(b + "attn_q_norm.weight", (arch.head_dim,), True), (b + "attn_k_norm.weight", (arch.head_dim,), True)]
+        if arch.moe is not None and i in arch.moe.layers:
+            n, width = arch.moe.num_experts, arch.moe.intermediate_size
+            # The router stays float32 (written as a "norm": llama-quantize leaves it so too, but
+            # random rather than ones).
+            out += [(b + "ffn_gate_inp.weight", (n, h), False), (b + "ffn_gate_exps.weight", (n, width, h), False),
+                    (b + "ffn_up_exps.weight", (n, width, h), False), (b + "ffn_down_exps.weight", (n, h, width), False)]
+        else:
+            out += [(b + "ffn_gate.weight", (inter, h), False), (b + "ffn_up.weight", (inter, h), False),
+                    (b + "ffn_down.weight", (h, inter), False)]
     return out
 
 
-def write_shape_gguf(shape: str, path: Path, seed: int = 0) -> Path:
-    """Write `shape` as an F16 GGUF at `path` (tensor by tensor); returns `path`."""
+def write_shape_gguf(shape: str, path: Path, seed: int = 0, layers: int | None = None) -> Path:
+    """Write `shape` (its first `layers` layers) as an F16 GGUF at `path` (tensor by tensor);
+    returns `path`."""
     import gguf
 
-    arch = _config(shape)
+    arch = _config(shape, layers)
     fields = list(_tokenizer_fields())
     vocab = len(next(v for k, v, _, _ in fields if k == "tokenizer.ggml.tokens"))
     tensors = _tensors(arch, vocab)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")  # renamed when whole: a killed write leaves no torn file
-    writer = gguf.GGUFWriter(str(partial), "llama")
-    writer.add_name(f"{shape} (random weights)")
+    writer = gguf.GGUFWriter(str(partial), _GGUF_ARCH[arch.model_type])
+    writer.add_name(f"{shape} (random weights{'' if layers is None else f', {arch.num_layers} layers'})")
     writer.add_context_length(min(arch.max_position_embeddings, 8192))
     writer.add_embedding_length(arch.hidden_size)
     writer.add_block_count(arch.num_layers)
@@ -89,11 +115,16 @@ def write_shape_gguf(shape: str, path: Path, seed: int = 0) -> Path:
     writer.add_rope_freq_base(arch.rope.theta)
     writer.add_layer_norm_rms_eps(arch.rms_norm_eps)
     writer.add_vocab_size(vocab)
+    if arch.moe is not None:
+        writer.add_expert_count(arch.moe.num_experts)
+        writer.add_expert_used_count(arch.moe.top_k)
+        writer.add_expert_feed_forward_length(arch.moe.intermediate_size)
+        writer.add_expert_weights_norm(arch.moe.normalize_top_k)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     for key, value, vtype, sub in fields:
         writer.add_key_value(key, value, vtype, sub)
     for name, dims, norm in tensors:
-        dtype = np.float32 if norm else np.float16
+        dtype = np.float32 if norm or name.endswith("ffn_gate_inp.weight") else np.float16
         writer.add_tensor_info(name, dims, np.dtype(dtype), int(np.prod(dims)) * np.dtype(dtype).itemsize)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -101,10 +132,14 @@ def write_shape_gguf(shape: str, path: Path, seed: int = 0) -> Path:
     rng = np.random.default_rng(seed)
     for name, dims, norm in tensors:
         if norm:
-            data = np.ones(dims, dtype=np.float32)
-        else:
-            data = (rng.standard_normal(dims, dtype=np.float32) * _INIT_STD).astype(np.float16)
-        writer.write_tensor_data(data)
+            writer.write_tensor_data(np.ones(dims, dtype=np.float32))
+        elif name.endswith("ffn_gate_inp.weight"):
+            writer.write_tensor_data(rng.standard_normal(dims, dtype=np.float32) * _INIT_STD)
+        else:  # a slice at a time: a layer's experts are billions of values
+            data = np.empty(dims, dtype=np.float16)
+            for row in range(dims[0]):
+                data[row] = rng.standard_normal(dims[1:], dtype=np.float32) * _INIT_STD
+            writer.write_tensor_data(data)
     writer.close()
     partial.rename(path)
     return path
@@ -125,16 +160,20 @@ def quantize(source: Path, quant: str, path: Path, threads: int | None = None) -
     return path
 
 
-def shape_gguf(shape: str, quant: str = "F16", seed: int = 0) -> Path:
-    """The cached GGUF of `shape` in `quant` (F16, or a llama-quantize type such as Q4_K_M), written
-    and quantized on first use."""
-    f16 = gguf_dir() / f"{shape}-random{seed}-F16.gguf"
-    if not f16.is_file():
-        write_shape_gguf(shape, f16, seed)
-    if quant.upper() == "F16":
-        return f16
-    path = gguf_dir() / f"{shape}-random{seed}-{quant.upper()}.gguf"
-    return path if path.is_file() else quantize(f16, quant.upper(), path)
+def shape_gguf(shape: str, quant: str = "F16", seed: int = 0, layers: int | None = None) -> Path:
+    """The cached GGUF of `shape` (its first `layers` layers) in `quant` (F16, or a llama-quantize
+    type such as Q4_K_M), written and quantized on first use."""
+    stem = shape if layers is None else f"{shape}-{layers}layers"
+    f16 = gguf_dir() / f"{stem}-random{seed}-F16.gguf"
+    path = f16 if quant.upper() == "F16" else gguf_dir() / f"{stem}-random{seed}-{quant.upper()}.gguf"
+    if path.is_file():
+        return path
+    gguf_dir().mkdir(parents=True, exist_ok=True)
+    # One writer per file: a second bench started meanwhile waits for the first's file.
+    with locked(gguf_dir() / f".{stem}.lock"):
+        if not f16.is_file():
+            write_shape_gguf(shape, f16, seed, layers)
+        return path if path.is_file() else quantize(f16, quant.upper(), path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,8 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", required=True, help="a shipped shape (config/shapes/), e.g. llama-3.2-1b")
     parser.add_argument("--quant", default="F16", help="F16, or a llama-quantize type (Q4_K_M, Q6_K, IQ4_XS, ...)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layers", type=int, help="keep only the first N decoder layers (real layer shapes, fewer)")
     args = parser.parse_args(argv)
-    print(shape_gguf(args.shape, args.quant, args.seed))
+    print(shape_gguf(args.shape, args.quant, args.seed, args.layers))
     return 0
 
 

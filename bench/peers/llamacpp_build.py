@@ -157,7 +157,7 @@ def build(kind: str | None = None, jobs: int | None = None) -> Path:
     jobs = jobs or os.cpu_count() or 1
     work = version_dir() / "build"
     work.mkdir(parents=True, exist_ok=True)
-    with _locked(work / ".lock"):
+    with locked(work / ".lock"):
         if why_binaries_missing(kind) is None:  # another process built it while this one waited
             return bin_dir(kind)
         source = _source(work)
@@ -178,7 +178,7 @@ def source_dir() -> Path:
     the cache; the same tree the binaries build from."""
     work = version_dir() / "build"
     work.mkdir(parents=True, exist_ok=True)
-    with _locked(work / ".lock"):
+    with locked(work / ".lock"):
         return _source(work)
 
 
@@ -218,8 +218,9 @@ def _install(base_bin: Path, cpu_backend: Path, target: Path) -> None:
 
 
 @contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """One build at a time in a cache: a second waits for the first (which may build its kind)."""
+def locked(path: Path) -> Iterator[None]:
+    """One writer at a time under `path` (an exclusive file lock): a second waits for the first
+    (a build of a kind, a shape's GGUF)."""
     import fcntl
 
     with open(path, "w") as handle:

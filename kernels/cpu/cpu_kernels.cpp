@@ -33,6 +33,7 @@
 #include "decode_layer.h"
 #include "kernels.h"
 #include "linear.h"
+#include "moe.h"
 #include "paged_attention.h"
 #include "quant.h"
 #include "small_ops.h"
@@ -362,6 +363,51 @@ struct Projection {
   cadenza::Weight plain() const { return weight(w, qtype, bias); }
 };
 
+// A mixture's experts (moe.h), held by reference and checked once: each expert's gate_up [2I, H]
+// and down [H, I] raw GGUF blocks of its own type (packed or not), no biases.
+class MoEKernel {
+ public:
+  MoEKernel(std::vector<Tensor> gate_up, std::vector<int64_t> gate_up_types, std::vector<Tensor> down,
+            std::vector<int64_t> down_types, int64_t hidden)
+      : gate_up_(std::move(gate_up)), down_(std::move(down)), hidden_(hidden) {
+    TORCH_CHECK(!gate_up_.empty() && gate_up_.size() == down_.size() && gate_up_types.size() == gate_up_.size() &&
+                    down_types.size() == down_.size(),
+                "one gate_up, one down and their types for each expert");
+    for (size_t e = 0; e < gate_up_.size(); ++e) {
+      const Projection up{gate_up_[e], std::nullopt, gate_up_types[e]}, dn{down_[e], std::nullopt, down_types[e]};
+      TORCH_CHECK(gate_up_types[e] >= 0 && down_types[e] >= 0, "experts must be raw GGUF blocks");
+      up.check(hidden);
+      dn.check(up.out_features() / 2);
+      TORCH_CHECK(dn.out_features() == hidden && up.out_features() % 2 == 0, "expert ", e, ": gate_up [2I, ", hidden,
+                  "] and down [", hidden, ", I]");
+      weights_up_.push_back(up.plain());
+      weights_down_.push_back(dn.plain());
+    }
+  }
+
+  // residual [T, H] += the mixture's output for x [T, H], given the router's picks ids [T, k]
+  // (int64) and their weights [T, k] (float32).
+  Tensor add_(Tensor residual, const Tensor& x, const Tensor& ids, const Tensor& weights) const {
+    check_f32_rows(x, "x");
+    check_f32_rows(residual, "residual");
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == hidden_ && residual.sizes() == x.sizes(), "x and residual must be [T, ",
+                hidden_, "]");
+    TORCH_CHECK(ids.scalar_type() == at::kLong && ids.is_contiguous() && ids.dim() == 2 && ids.size(0) == x.size(0),
+                "ids must be a contiguous int64 [T, k] tensor");
+    TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.is_contiguous() && weights.sizes() == ids.sizes(),
+                "weights must be a contiguous float32 tensor shaped as ids");
+    cadenza::moe_experts_add(in_rows(x), ids.data_ptr<int64_t>(), weights.data_ptr<float>(), ids.size(1),
+                             weights_up_.data(), weights_down_.data(), static_cast<int64_t>(weights_up_.size()),
+                             out_rows(residual));
+    return residual;
+  }
+
+ private:
+  std::vector<Tensor> gate_up_, down_;
+  std::vector<cadenza::Weight> weights_up_, weights_down_;
+  int64_t hidden_;
+};
+
 // A decoder layer's tensors, held by reference (nothing is copied) and checked once; the kernel
 // (decode_layer.h) reads them through their pointers, taken on each call as PyTorch's ops would.
 class DecoderLayerKernel {
@@ -547,6 +593,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention_int8", &paged_decode_attention_int8,
         "one-token-per-sequence attention over a paged int8 KV cache with float16 scales", release());
   m.def("write_kv_int8_", &write_kv_int8_, "quantize keys and values into their int8 cache slots", release());
+  py::class_<MoEKernel>(m, "MoEKernel")
+      .def(py::init<std::vector<Tensor>, std::vector<int64_t>, std::vector<Tensor>, std::vector<int64_t>, int64_t>())
+      .def("add_", &MoEKernel::add_, "residual += the experts' outputs for the router's picks, in place", release());
   py::class_<DecoderLayerKernel>(m, "DecoderLayerKernel")
       .def(py::init<Tensor, Tensor, OptionalTensor, Tensor, OptionalTensor, Tensor, Tensor, OptionalTensor, Tensor,
                     OptionalTensor, Tensor, Tensor, int64_t, int64_t, int64_t, double, int64_t, int64_t, int64_t,

@@ -44,7 +44,7 @@ SOURCE = Path(__file__).with_name("cpu_kernels.cpp")  # the binding: the one uni
 HEADERS = sorted(SOURCE.parent.glob("*.h"))
 # Each build's units, compiled side by side (ninja): the binding first, as the longest to compile,
 # then the kernels, the longest first. Each variant's packed products only in the builds that run them.
-_KERNEL_UNITS = ("quant.cpp", "paged_attention.cpp", "linear.cpp", "small_ops.cpp", "decode_layer.cpp")
+_KERNEL_UNITS = ("quant.cpp", "paged_attention.cpp", "linear.cpp", "small_ops.cpp", "decode_layer.cpp", "moe.cpp")
 UNITS = {
     "avx2": (SOURCE.name, "quant_packed8.cpp", *_KERNEL_UNITS),
     "avx2vnni": (SOURCE.name, "quant_packed8.cpp", *_KERNEL_UNITS),
