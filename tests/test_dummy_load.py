@@ -14,7 +14,8 @@ from tests.model_forward import prefill_logits
 from tests.tiny_models import _COMMON, ARCHITECTURES
 
 # Parameter counts the model cards give (tied embeddings counted once).
-SHIPPED = {"smollm2-135m": 134.5e6, "qwen3-0.6b": 596e6, "llama-3.2-1b": 1.236e9, "llama-3.2-3b": 3.213e9, "llama-3.1-8b": 8.03e9}
+SHIPPED = {"smollm2-135m": 134.5e6, "qwen3-0.6b": 596e6, "llama-3.2-1b": 1.236e9, "llama-3.2-3b": 3.213e9, "llama-3.1-8b": 8.03e9,
+           "qwen3-30b-a3b": 30.5e9}
 
 
 def write_config(directory, arch: str):
