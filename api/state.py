@@ -13,6 +13,8 @@ from cadenza.api.metrics import ServerMetrics
 from cadenza.config import CadenzaConfig
 from cadenza.engine.async_engine import AsyncEngine
 from cadenza.models.default_model import DEFAULT_MODEL_NAME
+from cadenza.parsers.reasoning import ReasoningParser, parser_name_for_template
+from cadenza.runtime.registries import Registries
 
 
 @dataclass
@@ -22,6 +24,20 @@ class ServerState:
     model_name: str
     metrics: ServerMetrics
     draining: bool = False
+    # Splits chat answers' reasoning from their content (`server.reasoning_parser`); None: off.
+    reasoning_parser: ReasoningParser | None = None
+
+
+def resolve_reasoning_parser(name: str, registries: Registries, chat_template: str | None) -> ReasoningParser | None:
+    """The reasoning parser `server.reasoning_parser` names: a registered one, the one the chat
+    template's text teaches its model (auto; None when it teaches none), or None (none)."""
+    if name == "none":
+        return None
+    if name == "auto":
+        name = parser_name_for_template(chat_template)
+        if name is None or name not in registries.reasoning_parsers:
+            return None
+    return registries.reasoning_parsers.get(name)()
 
 
 def served_model_name(config: CadenzaConfig) -> str:

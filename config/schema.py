@@ -325,6 +325,12 @@ class ServerConfig(_Section):
         10.0, ge=0, description="Seconds running requests get to finish on SIGINT/SIGTERM before "
         "they are aborted.",
     )
+    reasoning_parser: str = Field(
+        "auto", min_length=1, description="How chat answers split the model's reasoning "
+        "(`reasoning_content`, streamed as deltas too) from its answer (`content`): a registered reasoning "
+        "parser (built-ins: qwen3, deepseek_r1, think; plugins add more), auto (chosen by the chat "
+        "template's text: one that writes <think> gets qwen3) or none (everything is content).",
+    )
 
 
 class SessionsConfig(_Section):

@@ -3,18 +3,34 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence, Union
+from typing import Any, Mapping, Sequence, Union
 
 from cadenza.models.tokenizer import Tokenizer
+
+# Variables the chat template is always given by the renderer, never by a caller's extra ones.
+RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
 
 
 @dataclass(frozen=True)
 class ChatPrompt:
     """Chat messages and the tools the model may call, rendered together by the chat template
-    (`tools=` reaches the template as with Hugging Face's `apply_chat_template`)."""
+    (`tools=` reaches the template as with Hugging Face's `apply_chat_template`), with any extra
+    template variables (`template_kwargs`: vLLM's `chat_template_kwargs`, Qwen3's
+    `enable_thinking`)."""
 
     messages: Sequence[dict[str, Any]]
     tools: Sequence[dict[str, Any]] | None = None
+    template_kwargs: Mapping[str, Any] | None = None
+
+    def render(self, tokenizer: Tokenizer) -> str:
+        """The prompt text the chat template makes of it, with the generation prompt."""
+        reserved = sorted(set(self.template_kwargs or ()) & set(RESERVED_TEMPLATE_VARIABLES))
+        if reserved:
+            raise PromptError(f"chat template variables {', '.join(reserved)} are set by the renderer, not the caller")
+        kwargs = dict(self.template_kwargs or {})
+        if self.tools:
+            kwargs["tools"] = list(self.tools)
+        return tokenizer.apply_chat_template(self.messages, add_generation_prompt=True, **kwargs)
 
 
 Prompt = Union[str, Sequence[int], Sequence[dict[str, Any]], ChatPrompt]
@@ -45,8 +61,7 @@ def tokenize_prompt(prompt: Prompt, tokenizer: Tokenizer, vocab_size: int) -> tu
             if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
                 raise PromptError(f"messages[{i}] needs string 'role' and 'content' fields")
             check_encodable(message["content"], f"messages[{i}].content")
-        kwargs = {"tools": list(chat.tools)} if chat.tools else {}
-        text = tokenizer.apply_chat_template(chat.messages, add_generation_prompt=True, **kwargs)
+        text = chat.render(tokenizer)
         ids = tokenizer.encode(text, add_special_tokens=False)
     elif isinstance(prompt, Sequence) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         ids, text = list(prompt), None

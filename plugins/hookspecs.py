@@ -52,3 +52,8 @@ def register_proposers(register: Register) -> None:
 @hookspec
 def register_kv_connectors(register: Register) -> None:
     """Register KV connectors (prefill/decode disaggregation): `register(name, cls)`, cls a `KVConnector`."""
+
+
+@hookspec
+def register_reasoning_parsers(register: Register) -> None:
+    """Register reasoning parsers: `register(name, cls)`, cls a `ReasoningParser` subclass."""

@@ -27,6 +27,7 @@ DEFAULT_PLUGINS = (
     "cadenza.policies.context",
     "cadenza.speculative.builtins",
     "cadenza.kv_connectors.builtins",
+    "cadenza.parsers.builtins",
 )
 ENTRY_POINT_GROUP = "cadenza"
 ALLOWLIST_ENV = environment.PLUGINS.name
@@ -79,12 +80,14 @@ class Registries:
     context_providers: Registry
     proposers: Registry
     kv_connectors: Registry
+    reasoning_parsers: Registry
     plugin_names: list[str]
 
 
 def _new_registries() -> Registries:
     from cadenza.attention_backends.base import AttentionBackend
     from cadenza.kv_connectors.base import KVConnector
+    from cadenza.parsers.reasoning import ReasoningParser
     from cadenza.policies.context import ContextPolicy, ContextProvider
     from cadenza.policies.eviction import EvictionPolicy
     from cadenza.samplers.base import LogitsProcessor, Sampler
@@ -99,6 +102,7 @@ def _new_registries() -> Registries:
         context_providers=Registry("context provider", ContextProvider),
         proposers=Registry("proposer", Proposer),
         kv_connectors=Registry("KV connector", KVConnector),
+        reasoning_parsers=Registry("reasoning parser", ReasoningParser),
         plugin_names=[],
     )
 
@@ -173,6 +177,7 @@ def collect_registries(pm: pluggy.PluginManager) -> Registries:
         ("register_context_providers", _checked(registries.context_providers)),
         ("register_proposers", _checked(registries.proposers)),
         ("register_kv_connectors", _checked(registries.kv_connectors)),
+        ("register_reasoning_parsers", _checked(registries.reasoning_parsers)),
     ]
     for hook_name, add in hooks:
         for impl in getattr(pm.hook, hook_name).get_hookimpls():

@@ -9,13 +9,15 @@ from __future__ import annotations
 import inspect
 
 from cadenza.attention_backends.base import AttentionBackend
+from cadenza.parsers.reasoning import ReasoningParser, ReasoningStream
 from cadenza.plugins import hookspecs
 from cadenza.policies.context import ContextPolicy, ContextProvider
 from cadenza.policies.eviction import EvictionPolicy
 from cadenza.samplers.base import LogitsProcessor, Sampler
 from cadenza.speculative.base import Proposer
 
-CONTRACTS = (LogitsProcessor, Sampler, EvictionPolicy, AttentionBackend, ContextPolicy, ContextProvider, Proposer)
+CONTRACTS = (LogitsProcessor, Sampler, EvictionPolicy, AttentionBackend, ContextPolicy, ContextProvider, Proposer,
+             ReasoningParser, ReasoningStream)
 _DUNDERS = ("__init__", "__len__")
 
 

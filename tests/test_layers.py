@@ -34,7 +34,7 @@ FLOORS: tuple[tuple[str, frozenset[str]], ...] = tuple(
         ("tensor parallelism and the deployment's shape", "parallel"),
         ("speculative decoding", "speculative"),
         ("sampling", "samplers"),
-        ("eviction and context policies, KV connectors", "policies kv_connectors"),
+        ("eviction and context policies, KV connectors, output parsers", "policies kv_connectors parsers"),
         ("models", "models"),
         ("attention backends", "attention_backends"),
         ("the plugin hooks and their errors", "plugins"),

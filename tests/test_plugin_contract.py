@@ -408,6 +408,51 @@ def test_a_kv_connector_plugin_registers_and_moves_blocks_by_the_contract():
         load_registries(entry_points=False, extra_plugins=[BadPlugin()])
 
 
+# --- reasoning parsers (served end to end in test_reasoning.py) ----------------------------------
+
+
+@covers("register_reasoning_parsers", "ReasoningParser.name", "ReasoningParser.stream", "ReasoningParser.split",
+        "ReasoningStream.feed")
+def test_a_reasoning_parser_plugin_written_from_the_contract_alone():
+    """A format no built-in knows (reasoning on lines that start with '> '), written against the
+    two abstract classes only: registered by its hook, it streams and splits by the contract."""
+    from cadenza.parsers.reasoning import ReasoningDelta, ReasoningParser, ReasoningStream
+    from cadenza.plugins.hookspecs import hookimpl
+    from cadenza.runtime.registries import load_registries
+
+    class QuotedStream(ReasoningStream):
+        def __init__(self):
+            self.pending = ""
+
+        def feed(self, text, final):
+            self.pending += text
+            lines = self.pending.split("\n")
+            self.pending = "" if final else lines.pop()  # a line is judged when it is whole
+            reasoning = "".join(line[2:] + "\n" for line in lines if line.startswith("> "))
+            content = "".join(line + "\n" for line in lines if not line.startswith("> "))
+            return ReasoningDelta(reasoning, content)
+
+    class QuotedParser(ReasoningParser):
+        name = "quoted_test"
+
+        def stream(self, prompt_text):
+            return QuotedStream()
+
+    class Plugin:
+        @hookimpl
+        def register_reasoning_parsers(self, register):
+            register(QuotedParser.name, QuotedParser)
+
+    parser = load_registries(entry_points=False, extra_plugins=[Plugin()]).reasoning_parsers.get("quoted_test")()
+    text = "> first\n> second\nanswer\n"
+    assert parser.split(text, None) == ("first\nsecond", "answer")
+    stream = parser.stream(None)
+    deltas = [stream.feed(piece, final=False) for piece in ("> fir", "st\n> sec", "ond\nans")] + [stream.feed("wer", final=True)]
+    assert "".join(d.reasoning for d in deltas) == "first\nsecond\n"
+    assert "".join(d.content for d in deltas) == "answer\n"
+    assert deltas[0] == ReasoningDelta()  # half a line: nothing yet
+
+
 # --- meta: every hook and contract member has a test --------------------------------------------
 
 

@@ -154,6 +154,7 @@ def test_builtins_are_ordinary_plugins_and_name_their_module():
         "cadenza.policies.context": (registries.context_policies, ["drop_oldest", "error"]),
         "cadenza.speculative.builtins": (registries.proposers, ["draft", "ngram", "suffix"]),
         "cadenza.kv_connectors.builtins": (registries.kv_connectors, ["nixl", "torch_distributed"]),
+        "cadenza.parsers.builtins": (registries.reasoning_parsers, ["deepseek_r1", "qwen3", "think"]),
     }
     assert set(expected) == set(DEFAULT_PLUGINS)
     for module, (registry, names) in expected.items():
@@ -489,6 +490,7 @@ def test_registries_hold_no_plugin_manager():
         "context_providers",
         "proposers",
         "kv_connectors",
+        "reasoning_parsers",
         "plugin_names",
     ]
     assert all(isinstance(name, str) for name in registries.plugin_names)
@@ -643,6 +645,34 @@ def test_kv_connectors_register_beside_the_builtins_and_must_be_connectors():
         load(Wrong())
 
 
+def test_reasoning_parsers_register_beside_the_builtins_and_must_be_parsers():
+    from cadenza.parsers.reasoning import ThinkTagParser
+
+    class Plugin:
+        @hookimpl
+        def register_reasoning_parsers(self, register):
+            class Bracketed(ThinkTagParser):
+                name, open_tag, close_tag = "bracketed_test", "[think]", "[/think]"
+
+            register(Bracketed.name, Bracketed)
+
+    registries = load(Plugin())
+    assert registries.reasoning_parsers.names() == ["bracketed_test", "deepseek_r1", "qwen3", "think"]
+    assert registries.reasoning_parsers.source_of("qwen3") == "cadenza.parsers.builtins"
+    parser = registries.reasoning_parsers.get("bracketed_test")()
+    assert parser.split("[think]hm[/think] yes", None) == ("hm", "yes")
+    with pytest.raises(UnknownNameError, match="known reasoning parsers: bracketed_test, deepseek_r1, qwen3, think"):
+        registries.reasoning_parsers.get("harmony")
+
+    class Wrong:
+        @hookimpl
+        def register_reasoning_parsers(self, register):
+            register("wrong_test", MRUPolicy)
+
+    with pytest.raises(PluginError, match="reasoning parser 'wrong_test'.*not a subclass of ReasoningParser"):
+        load(Wrong())
+
+
 # --- meta: every hook is tested and documented ---------------------------------------------------
 
 
@@ -664,6 +694,7 @@ def test_hookspecs_are_found():
         "register_context_providers",
         "register_proposers",
         "register_kv_connectors",
+        "register_reasoning_parsers",
     }
 
 

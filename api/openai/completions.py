@@ -27,8 +27,10 @@ from cadenza.api.openai.tool_parsers import ToolCallStream, ToolParser, parser_f
 from cadenza.api.openai.tool_schemas import check_tool_schemas
 from cadenza.api.state import ServerState, server_state
 from cadenza.engine.streams import GenerationOutput
-from cadenza.models.prompts import ChatPrompt
+from cadenza.models.prompts import ChatPrompt, PromptError
+from cadenza.models.tokenizer import ChatTemplateError
 from cadenza.outputs import TokenLogprob
+from cadenza.parsers.reasoning import ReasoningParser, ReasoningStream
 from cadenza.samplers.vocab import token_bytes_lookup
 from cadenza.sampling_params import SamplingParams, StructuredOutputs
 
@@ -98,15 +100,30 @@ async def chat_completions(request: Request) -> Response:
     if forced is not None and parser is not None:  # "required" or a named function: the grammar makes the call
         structured, structured_param = StructuredOutputs(grammar=parser.grammar(*forced)), "tools"
         forced_names = [t["function"]["name"] for t in forced[0]]
-    prompt = ChatPrompt(req.engine_messages(), tools) if tools else req.engine_messages()
+    template_kwargs = req.chat_template_kwargs or None
+    chat = ChatPrompt(req.engine_messages(), tools, template_kwargs)
+    prompt = chat if tools or template_kwargs else chat.messages
+    # A forced call is all the output is (the grammar allows no reasoning before it).
+    reasoning = state.reasoning_parser if forced_names is None else None
     jobs = [
         (prompt, to_sampling_params(req, defaults, max_tokens=max_tokens, logprobs=logprobs, choice=j, rename=rename,
                                     structured=structured, prompt_logprobs=req.prompt_logprobs))
         for j in range(req.n)
     ]  # fmt: skip
-    shape = _ChatShape(_TokenTexts(tokenizer), req.n, req.logprobs, parser, req.prompt_logprobs, forced_names)
+    shape = _ChatShape(_TokenTexts(tokenizer), req.n, req.logprobs, parser, req.prompt_logprobs, forced_names,
+                       reasoning, _rendered(chat, tokenizer) if reasoning is not None else None)
     shape.structured_param = structured_param
     return await _respond(request, state, shape, jobs, req)
+
+
+def _rendered(chat: ChatPrompt, tokenizer) -> str | None:
+    """The prompt text the engine will make of `chat`, which tells a reasoning parser whether the
+    template opened the reasoning; None where it cannot render (the engine then fails the request
+    with the template's own message)."""
+    try:
+        return chat.render(tokenizer)
+    except (ChatTemplateError, PromptError):
+        return None
 
 
 def _prompt_text(state: ServerState, prompt: str | list[int]) -> str:
@@ -299,12 +316,16 @@ class _ChatShape(_Shape):
     prompt_param = "messages"
 
     def __init__(self, tokens, n, want_logprobs, tool_parser: ToolParser | None = None, prompt_logprobs: int | None = None,
-                 forced: list[str] | None = None) -> None:  # fmt: skip
+                 forced: list[str] | None = None, reasoning: ReasoningParser | None = None,
+                 prompt_text: str | None = None) -> None:  # fmt: skip
         super().__init__(tokens, n, want_logprobs)
         self.tool_parser = tool_parser
         self.tool_streams: dict[int, ToolCallStream] = {}
         self.prompt_logprobs = prompt_logprobs
         self.forced = forced if tool_parser is not None else None
+        # Reasoning apart from content (vLLM's `reasoning_content`), before any tool parsing.
+        self.reasoning, self.prompt_text = reasoning, prompt_text
+        self.reasoning_streams: dict[int, ReasoningStream] = {}
 
     def opening(self, index, first):
         return [{"index": index, "delta": {"role": "assistant"}, "logprobs": None, "finish_reason": None}]
@@ -317,18 +338,25 @@ class _ChatShape(_Shape):
 
     def deltas(self, index, out):
         bodies = []
-        text, calls, first = out.text, [], 0
+        text, calls, first, thought = out.text, [], 0, ""
+        final = out.finish_reason is not None
+        if self.reasoning is not None:
+            split = self.reasoning_streams.setdefault(index, self.reasoning.stream(self.prompt_text)).feed(text, final)
+            thought, text = split.reasoning, split.content
         if self.tool_parser is not None:
             stream = self.tool_streams.setdefault(index, ToolCallStream(self.tool_parser))
             first = stream.num_calls
             if self.forced is None:
-                text, calls = stream.feed(out.text, final=out.finish_reason is not None)
+                text, calls = stream.feed(text, final=final)
             else:
                 text, calls = self._forced_calls(stream, out)
-        if text or (out.logprobs and self.forced is None):
-            logprobs = self._logprobs(out.logprobs) if self.want_logprobs and out.logprobs else None
+        logprobs = self._logprobs(out.logprobs) if self.want_logprobs and out.logprobs else None
+        if thought:  # the step's logprobs ride on its first delta
+            bodies.append({"index": index, "delta": {"reasoning_content": thought}, "logprobs": logprobs, "finish_reason": None})
+        if text or (out.logprobs and self.forced is None and not thought):
+            logprobs = None if thought else logprobs
             bodies.append({"index": index, "delta": {"content": text}, "logprobs": logprobs, "finish_reason": None})
-        elif out.logprobs and self.want_logprobs:  # a forced call's tokens: no content to carry them
+        elif out.logprobs and self.want_logprobs and not thought:  # a forced call's tokens: no content to carry them
             bodies.append({"index": index, "delta": {}, "logprobs": self._logprobs(out.logprobs), "finish_reason": None})
         for k, call in enumerate(calls):
             head = {"index": first + k, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
@@ -355,6 +383,10 @@ class _ChatShape(_Shape):
         content: str | None = "".join(choice.text)
         reason = choice.last.finish_reason if choice.last else None
         message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+        if self.reasoning is not None:
+            message["reasoning_content"], content = self.reasoning.split(content, self.prompt_text)
+            message["content"] = content
+            content = content or ""
         if self.tool_parser is not None:
             if self.forced is None:
                 content, calls = self.tool_parser.parse(content)

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, WithJsonSchema, f
 
 from cadenza.api.errors import APIError
 from cadenza.config.schema import SamplingDefaults
+from cadenza.models.prompts import RESERVED_TEMPLATE_VARIABLES
 from cadenza.sampling_params import (
     MAX_CHOICES,
     MAX_GRAMMAR_CHARS,
@@ -221,6 +222,8 @@ class ChatMessage(_Strict):
     name: str | None = None
     # What an assistant turn round-tripped from a response may carry, and a tool result's call id.
     refusal: str | None = None
+    reasoning_content: str | None = Field(None, description="An assistant turn's reasoning, as a response returned it; "
+                                                              "the chat template decides whether the model sees it again.")
     tool_calls: list[ToolCallParam] | None = Field(None, description="An assistant message's calls (no other role carries any).")
     tool_call_id: str | None = Field(None, min_length=1, max_length=256)
     function_call: Annotated[
@@ -274,6 +277,8 @@ class ChatMessage(_Strict):
             ]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None and self.role == "assistant":
+            message["reasoning_content"] = self.reasoning_content
         return message
 
 
@@ -316,6 +321,9 @@ class ChatCompletionRequest(_SamplingFields):
         None, description="none, auto (the default with tools), required, or a named function; the last two only with tools."
     )
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Extra variables for the chat template (vLLM's), such as Qwen3's "
+        "{\"enable_thinking\": false}; messages, tools and add_generation_prompt are the server's.")
     # Declared so that asking for them is a clear 400 rather than an unknown field.
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
@@ -333,6 +341,10 @@ class ChatCompletionRequest(_SamplingFields):
                 raise _unsupported(name, f"{name} is not supported by this server; use tools")
         if self.top_logprobs is not None and not self.logprobs:
             raise _invalid("top_logprobs", "top_logprobs requires logprobs to be true")
+        reserved = sorted(set(self.chat_template_kwargs or ()) & set(RESERVED_TEMPLATE_VARIABLES))
+        if reserved:
+            raise _invalid("chat_template_kwargs", f"chat_template_kwargs may not set {', '.join(reserved)}: "
+                           "the server passes those itself")
         names = [t.function.name for t in self.tools or ()]
         if len(set(names)) != len(names):
             raise _invalid("tools", "tool function names must be unique")

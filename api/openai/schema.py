@@ -136,6 +136,8 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None = Field(description="The text; null when the answer is tool calls alone.")
     refusal: None
+    reasoning_content: str | None = Field(None, description="The model's reasoning before its answer (vLLM's field), "
+                                                              "split out by the server's reasoning parser; absent without one.")
     tool_calls: list[ToolCall] | None = Field(None, description="Calls of the request's tools, parsed from the model's format.")
 
 
