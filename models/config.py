@@ -64,6 +64,23 @@ class ModelArchConfig:
     eos_token_ids: tuple[int, ...]
     moe: MoEConfig | None = None
     clip_qkv: float | None = None  # q, k and v clamped to +-this after the projection (OLMoE)
+    # Which layers rotate q and k (SmolLM3's NoPE layers do not); None: every layer.
+    rope_layers: tuple[bool, ...] | None = None
+    # Granite's multipliers: embeddings scaled on the way in, each block's output before the
+    # residual add, the logits divided on the way out, and the attention's softmax scale (None:
+    # 1 / sqrt(head_dim)).
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    attention_multiplier: float | None = None
+
+    @property
+    def softmax_scale(self) -> float:
+        """What attention scores are multiplied by before the softmax."""
+        return self.head_dim**-0.5 if self.attention_multiplier is None else self.attention_multiplier
+
+    def rotates(self, layer: int) -> bool:
+        return self.rope_layers is None or self.rope_layers[layer]
 
     @property
     def q_size(self) -> int:
@@ -114,6 +131,11 @@ class ModelArchConfig:
             eos_token_ids=_as_tuple(cfg.get("eos_token_id")),
             moe=_moe_from_hf(cfg, model_type, num_layers, source) if family.moe else None,
             clip_qkv=None if clip is None else float(clip),
+            rope_layers=_rope_layers(cfg, num_layers, source),
+            embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
+            residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
+            logits_scaling=float(cfg.get("logits_scaling", 1.0)),
+            attention_multiplier=None if cfg.get("attention_multiplier") is None else float(cfg["attention_multiplier"]),
         )
 
 
@@ -147,6 +169,16 @@ def _rope_from_hf(cfg: Mapping[str, Any], source: str) -> RopeConfig:
             params.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192))
         ),
     )
+
+
+def _rope_layers(cfg: Mapping[str, Any], num_layers: int, source: str) -> tuple[bool, ...] | None:
+    """SmolLM3's `no_rope_layers`: 1 where a layer rotates, 0 where it does not (NoPE)."""
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        return None
+    if len(flags) != num_layers:
+        raise UnsupportedModelError(f"{source}: no_rope_layers has {len(flags)} entries for {num_layers} layers")
+    return None if all(flags) else tuple(bool(f) for f in flags)
 
 
 def _moe_from_hf(cfg: Mapping[str, Any], model_type: str, num_layers: int, source: str) -> MoEConfig:

@@ -62,12 +62,16 @@ FAMILIES: dict[str, Family] = {
                      (".w3.", ".up_proj.")),
         ),
         Family("olmoe", qk_norm="full", moe=True),
+        # Llama's decoder with some layers not rotating (config no_rope_layers).
+        Family("smollm3"),
+        # Llama's decoder with multipliers (config embedding/residual/attention_multiplier, logits_scaling).
+        Family("granite", o_bias=True),
     )
 }
 
 # GGUF `general.architecture` -> model_type; "llama" with experts is Mixtral (`gguf_model_type`).
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                      "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
+                      "qwen3moe": "qwen3_moe", "olmoe": "olmoe", "smollm3": "smollm3", "granite": "granite"}
 
 
 def gguf_model_type(arch: str, expert_count: int) -> str | None:

@@ -54,7 +54,9 @@ _GLOBAL_NAMES = {
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # llama.cpp stores Llama-style q/k rows interleaved for its RoPE kernel; HF layout needs them back.
-_PERMUTED_ARCHS = ("llama",)
+_PERMUTED_ARCHS = ("llama", "granite", "smollm3")
+# llama.cpp's SmolLM3 graph leaves every fourth layer without rotary, whatever the file says.
+_SMOLLM3_NOPE_STEP = 4
 
 
 def open_gguf(path: Path) -> GGUFFile:
@@ -118,7 +120,17 @@ def read_gguf_config(reader: GGUFFile, source: str) -> ModelArchConfig:
         bos_token_id=read_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
         moe=moe,
+        rope_layers=tuple((i + 1) % _SMOLLM3_NOPE_STEP != 0 for i in range(num_layers)) if model_type == "smollm3" else None,
+        # Granite's multipliers, under llama.cpp's names (absent: 1, as for every other family).
+        embedding_multiplier=float(read_field(reader, f"{arch}.embedding_scale", 1.0)),
+        residual_multiplier=float(read_field(reader, f"{arch}.residual_scale", 1.0)),
+        logits_scaling=float(read_field(reader, f"{arch}.logit_scale", 1.0)),
+        attention_multiplier=_optional_float(read_field(reader, f"{arch}.attention.scale", None)),
     )
+
+
+def _optional_float(value) -> float | None:
+    return None if value is None else float(value)
 
 
 def _rope(reader: GGUFFile, arch: str, source: str) -> RopeConfig:

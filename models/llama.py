@@ -50,10 +50,20 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+def _add_scaled_(linear: nn.Module, residual: torch.Tensor, x: torch.Tensor, multiplier: float) -> torch.Tensor:
+    """`residual += multiplier * linear(x)` in place (Granite's residual multiplier; fused into
+    the product where it is 1)."""
+    if multiplier == 1.0:
+        return linear_add_(linear, residual, x)
+    return residual.add_(linear(x).to(residual.dtype), alpha=multiplier)
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelArchConfig) -> None:
+    def __init__(self, cfg: ModelArchConfig, rotates: bool = True) -> None:
+        """`rotates`: whether this layer applies rotary embeddings (SmolLM3's NoPE layers do not)."""
         super().__init__()
         self.cfg = cfg
+        self.rotates = rotates
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm == "full":  # over all heads at once (OLMoE)
@@ -72,24 +82,28 @@ class Attention(nn.Module):
             q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
             if cfg.clip_qkv is not None:
                 q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
-            q = rotary.rotate(q.reshape(-1, cfg.num_heads, cfg.head_dim))
-            k = rotary.rotate(k.reshape(-1, cfg.num_kv_heads, cfg.head_dim))
+            q = self._rotate(rotary, q.reshape(-1, cfg.num_heads, cfg.head_dim))
+            k = self._rotate(rotary, k.reshape(-1, cfg.num_kv_heads, cfg.head_dim))
             out = backend.forward(q, k, v.reshape(-1, cfg.num_kv_heads, cfg.head_dim), kv_cache, meta)
-            return linear_add_(self.o_proj, residual, out.reshape(-1, cfg.q_size))
+            return _add_scaled_(self.o_proj, residual, out.reshape(-1, cfg.q_size), cfg.residual_multiplier)
         if cfg.clip_qkv is not None:
             qkv = qkv.clamp(-cfg.clip_qkv, cfg.clip_qkv)
         if cfg.qk_norm:
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
             q = self.q_norm(q.reshape(-1, cfg.num_heads, cfg.head_dim))
             k = self.k_norm(k.reshape(-1, cfg.num_kv_heads, cfg.head_dim))
-            q, k = rotary.rotate(q), rotary.rotate(k)
+            q, k = self._rotate(rotary, q), self._rotate(rotary, k)
         else:
             # q and k side by side in the fused projection: one rotation for both.
-            qk = rotary.rotate(qkv[:, : cfg.q_size + cfg.kv_size].view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim))
+            qk = qkv[:, : cfg.q_size + cfg.kv_size].view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+            qk = self._rotate(rotary, qk)
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
         v = qkv[:, cfg.q_size + cfg.kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
         out = backend.forward(q, k, v, kv_cache, meta)
-        return linear_add_(self.o_proj, residual, out.reshape(-1, cfg.q_size))
+        return _add_scaled_(self.o_proj, residual, out.reshape(-1, cfg.q_size), cfg.residual_multiplier)
+
+    def _rotate(self, rotary: StepRotary, x: torch.Tensor) -> torch.Tensor:
+        return rotary.rotate(x) if self.rotates else x
 
 
 class MLP(nn.Module):
@@ -100,6 +114,7 @@ class MLP(nn.Module):
         self.intermediate = intermediate_size or cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.residual_multiplier = cfg.residual_multiplier
         self.kernels = None
 
     def use_cpu_kernels(self, kernels) -> None:
@@ -126,7 +141,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """`residual` + mlp(x), the sum written into `residual`."""
-        return linear_add_(self.down_proj, residual, self.hidden(x))
+        return _add_scaled_(self.down_proj, residual, self.hidden(x), self.residual_multiplier)
 
 
 class DecoderLayer(nn.Module):
@@ -134,7 +149,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, cfg.rotates(index))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.moe is not None and index in cfg.moe.layers:
             self.mlp = SparseMoE(cfg, lambda width: MLP(cfg, width))
@@ -147,13 +162,14 @@ class DecoderLayer(nn.Module):
     def fuse(self, kernels, rotary: RotaryEmbedding) -> None:
         """Run steps under the kernels' row threshold through `DecoderLayerKernel`: two calls a
         layer around the attention backend. Needs bf16 projections (`DualPrecisionLinear`) or
-        quantized ones of one block type each (`QuantizedLinear`), a dense MLP, and no q/k norms
-        or clipping; otherwise
+        quantized ones of one block type each (`QuantizedLinear`), a dense MLP, rotary, and no
+        q/k norms, clipping or residual multiplier; otherwise
         (or with `kernels` None) the modules run one by one."""
         attn, mlp = self.self_attn, self.mlp
         if isinstance(mlp, SparseMoE):
             mlp.fuse(kernels)
-        if kernels is None or self.cfg.qk_norm or self.cfg.clip_qkv is not None or not isinstance(mlp, MLP):
+        plain = not attn.rotates or self.cfg.residual_multiplier != 1.0  # what the kernel's layer does not do
+        if kernels is None or self.cfg.qk_norm or self.cfg.clip_qkv is not None or plain or not isinstance(mlp, MLP):
             self.fused, self.fused_max_rows = None, 0
             return
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
@@ -247,6 +263,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
         h = self.embed_tokens(input_ids)
+        if self.cfg.embedding_multiplier != 1.0:  # Granite's, in the embedding's dtype as transformers scales it
+            h = h * self.cfg.embedding_multiplier
         if self.compute_dtype is not None:
             h = h.to(self.compute_dtype)
         rotary = StepRotary(self.rotary, positions, h.dtype, self.kernels)
@@ -263,7 +281,10 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        if self.cfg.logits_scaling != 1.0:  # Granite's, in the head's dtype as transformers divides
+            logits = logits / self.cfg.logits_scaling
+        return logits.float()
 
     # --- loading -------------------------------------------------------------------------------
 

@@ -93,7 +93,7 @@ def build_model_shard(config: CadenzaConfig, plugins: Plugins, ctx=None) -> Mode
         num_heads=arch.num_heads,
         num_kv_heads=arch.num_kv_heads,
         head_dim=arch.head_dim,
-        scale=arch.head_dim**-0.5,
+        scale=arch.softmax_scale,
         block_size=block_size,
         sliding_window=arch.sliding_window,
         device=device,
@@ -130,7 +130,7 @@ def build_draft_model(*, path: str | None, dtype: str, quantization: str, max_mo
     blocks_per_slot = -(-loaded.max_model_len // block_size)
     caches = allocate_kv_caches(arch, num_slots * blocks_per_slot, block_size, loaded.compute_dtype, device)
     backend = TorchSDPABackend(num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
-                               scale=arch.head_dim**-0.5, block_size=block_size,
+                               scale=arch.softmax_scale, block_size=block_size,
                                sliding_window=arch.sliding_window, device=device)  # fmt: skip
     if loaded.compute_dtype == torch.float32:
         backend.use_cpu_kernels(loaded.model.kernels)

@@ -26,7 +26,7 @@ def prefill_logits(loaded, token_ids: list[int]) -> torch.Tensor:
     blocks = -(-n // block_size)
     caches = allocate_kv_caches(arch, blocks, block_size, loaded.compute_dtype, torch.device("cpu"))
     backend = EagerBackend(num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
-                           scale=arch.head_dim**-0.5, block_size=block_size, sliding_window=None)
+                           scale=arch.softmax_scale, block_size=block_size, sliding_window=None)
     with torch.no_grad():
         hidden = loaded.model(torch.tensor(token_ids), torch.arange(n), caches, chunk_metadata(0, n, blocks), backend)
         return loaded.model.compute_logits(hidden).float()

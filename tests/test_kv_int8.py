@@ -214,7 +214,7 @@ def test_default_model_perplexity_with_int8_cache_within_one_percent_of_float32(
     n = len(ids) - 1
     blocks = -(-n // block_size)
     backend = TorchSDPABackend(num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
-                               scale=arch.head_dim**-0.5, block_size=block_size)  # fmt: skip
+                               scale=arch.softmax_scale, block_size=block_size)  # fmt: skip
     backend.use_cpu_kernels(loaded.model.kernels)
     tokens = torch.tensor(ids)
 

@@ -59,7 +59,7 @@ def next_token_scores(loaded, ids: list[int], chunk: int) -> tuple[torch.Tensor,
     blocks = -(-n // block_size)
     caches = allocate_kv_caches(arch, blocks, block_size, loaded.compute_dtype, torch.device("cpu"))
     backend = EagerBackend(num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
-                           scale=arch.head_dim**-0.5, block_size=block_size, sliding_window=None)
+                           scale=arch.softmax_scale, block_size=block_size, sliding_window=None)
     tokens = torch.tensor(ids)
     logprobs, argmax = [], []
     for start in range(0, n, chunk):

@@ -52,6 +52,11 @@ ARCHITECTURES = {
     )),
     "mixtral": ("MixtralConfig", dict(num_local_experts=8, num_experts_per_tok=2, rope_theta=1000000.0)),
     "olmoe": ("OlmoeConfig", dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, clip_qkv=8.0)),
+    # Its second layer NoPE (no rotary), as every fourth of SmolLM3-3B's is.
+    "smollm3": ("SmolLM3Config", dict(no_rope_layer_interval=2, rope_theta=5000000.0, pad_token_id=None)),
+    # Granite 3's multipliers, of Granite-3.3-2B's sizes.
+    "granite": ("GraniteConfig", dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625,
+                                      logits_scaling=8.0)),
 }
 
 

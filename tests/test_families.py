@@ -1,0 +1,85 @@
+"""Each family's GGUF, as llama.cpp's own `convert_hf_to_gguf.py` writes it, computes what the
+family's Hugging Face checkpoint computes in transformers; its Q8_0 file runs on the kernels.
+
+(Logits and greedy tokens of each family's Hugging Face directory against transformers, through
+the paged cache, are in test_model_parity.py; the mixtures of experts' files in test_moe.py.)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from cadenza.models.loading import load_model
+from cadenza.models.quantized_linear import QuantizedLinear
+from tests.model_forward import prefill_logits
+from tests.tiny_models import build_tiny_model
+
+PROMPT = [5, 17, 101, 33, 250, 7, 64, 12, 199, 3, 80, 41, 9, 300, 2, 77]
+
+# What llama.cpp's converter and graph need of the checkpoint: SmolLM3's graph leaves every fourth
+# layer without rotary (whatever the config says), so the file is made with 4 layers at its default.
+CONVERTIBLE = {
+    "smollm3": dict(num_hidden_layers=4, no_rope_layer_interval=4),
+    "granite": {},
+}
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    from cadenza.bench.peers.convert import convert_hf_to_gguf
+
+    made = {}
+
+    def get(arch: str):
+        if arch not in made:
+            root = tmp_path_factory.mktemp(f"{arch}-gguf")
+            directory = build_tiny_model(root / "hf", arch, **CONVERTIBLE[arch])
+            files = [convert_hf_to_gguf(directory, root / f"{arch}-{kind}.gguf", kind, pre_tokenizer="qwen2")
+                     for kind in ("f32", "q8_0")]
+            made[arch] = (directory, *files)
+        return made[arch]
+
+    return get
+
+
+@pytest.mark.parametrize("arch", sorted(CONVERTIBLE))
+def test_the_gguf_of_llamacpps_converter_computes_as_transformers(converted, arch):
+    directory, f32, _ = converted(arch)
+    from_gguf = load_model(f32, dtype=torch.float32)
+    from_hf = load_model(directory, dtype=torch.float32)
+    assert from_gguf.arch.model_type == arch
+    for option in ("rope_layers", "embedding_multiplier", "residual_multiplier", "logits_scaling", "attention_multiplier"):
+        assert getattr(from_gguf.arch, option) == pytest.approx(getattr(from_hf.arch, option)), option
+    reference = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = reference(torch.tensor([PROMPT])).logits[0].float()
+    torch.testing.assert_close(prefill_logits(from_gguf, PROMPT), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", sorted(CONVERTIBLE))
+def test_a_q8_0_gguf_runs_on_the_kernels_close_to_its_exact_values(kernels, converted, arch):
+    _, _, q8 = converted(arch)
+    native = load_model(q8, dtype=torch.bfloat16, quantization="auto", cpu_kernels="auto")
+    assert sum(isinstance(m, QuantizedLinear) for m in native.model.modules()) >= 4 * native.arch.num_layers
+    want = prefill_logits(load_model(q8, dtype=torch.float32), PROMPT)
+    error = (prefill_logits(native, PROMPT) - want).norm() / want.norm()
+    assert error < 0.05  # the activations' int8 rounding (or a bf16 GEMM's) only
+
+
+def test_the_shape_options_read_from_each_config():
+    from tests.tiny_models import _COMMON, ARCHITECTURES
+
+    def arch_of(name: str, **overrides):
+        from cadenza.models.config import ModelArchConfig
+
+        cls, extra = ARCHITECTURES[name]
+        return ModelArchConfig.from_hf(getattr(transformers, cls)(**{**_COMMON, **extra, **overrides}).to_dict())
+
+    granite = arch_of("granite")
+    assert (granite.embedding_multiplier, granite.residual_multiplier, granite.logits_scaling) == (12.0, 0.22, 8.0)
+    assert granite.softmax_scale == 0.0625
+    assert arch_of("llama3").softmax_scale == 16**-0.5 and arch_of("llama3").rope_layers is None
+    assert arch_of("smollm3").rope_layers == (True, False)  # every second layer NoPE in the tiny one
+    assert arch_of("smollm3", no_rope_layer_interval=4).rope_layers is None  # 2 layers: both rotate
