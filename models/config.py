@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -9,7 +10,7 @@ from cadenza.models.errors import UnsupportedModelError
 from cadenza.models.families import FAMILIES
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +21,11 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # LongRoPE (Phi-3.5, Phi-4-mini): per-frequency divisors for positions below the original
+    # context and from it on, and the factor cos and sin are scaled by.
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +79,12 @@ class ModelArchConfig:
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
     attention_multiplier: float | None = None
+    # The leading dimensions of each head that rotary rotates (Phi-4-mini: 3/4 of them); None: all.
+    rotary_dim: int | None = None
+
+    @property
+    def rotated_dims(self) -> int:
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
 
     @property
     def softmax_scale(self) -> float:
@@ -120,6 +132,7 @@ class ModelArchConfig:
             head_dim=int(head_dim),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope=_rope_from_hf(cfg, source),
+            rotary_dim=_rotary_dim(cfg, int(head_dim)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=family.qkv_bias or attention_bias,
@@ -153,22 +166,44 @@ def _rope_from_hf(cfg: Mapping[str, Any], source: str) -> RopeConfig:
     params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
+    rope_type = "longrope" if rope_type == "su" else rope_type  # Phi-3's first name for it
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UnsupportedModelError(
             f"{source}: unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    if float(cfg.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))) != 1.0:
-        raise UnsupportedModelError(f"{source}: partial rotary embeddings are not supported")
+    original = int(params.get("original_max_position_embeddings",
+                              cfg.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192))))
+    if rope_type == "longrope":
+        return _longrope(cfg, params, theta, original, source)
     return RopeConfig(
         theta=theta,
         rope_type=rope_type,
         factor=float(params.get("factor", 1.0)),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(
-            params.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192))
-        ),
+        original_max_position_embeddings=original,
     )
+
+
+def _longrope(cfg: Mapping[str, Any], params: Mapping[str, Any], theta: float, original: int, source: str) -> RopeConfig:
+    """LongRoPE as transformers computes it: the attention factor from the context's growth
+    (max_position_embeddings over the original) unless given."""
+    try:
+        short, long = tuple(float(f) for f in params["short_factor"]), tuple(float(f) for f in params["long_factor"])
+    except KeyError as exc:
+        raise UnsupportedModelError(f"{source}: longrope scaling needs {exc.args[0]!r}") from exc
+    factor = params.get("factor") or int(cfg.get("max_position_embeddings", original)) / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeConfig(theta=theta, rope_type="longrope", factor=float(factor), original_max_position_embeddings=original,
+                      short_factor=short, long_factor=long, attention_factor=float(attention))
+
+
+def _rotary_dim(cfg: Mapping[str, Any], head_dim: int) -> int | None:
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    fraction = float(cfg.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)))
+    return None if fraction == 1.0 else int(head_dim * fraction)
 
 
 def _rope_layers(cfg: Mapping[str, Any], num_layers: int, source: str) -> tuple[bool, ...] | None:

@@ -62,6 +62,9 @@ FAMILIES: dict[str, Family] = {
                      (".w3.", ".up_proj.")),
         ),
         Family("olmoe", qk_norm="full", moe=True),
+        # Checkpoints with q/k/v and gate/up already fused (the decoder's own layout), partial rotary
+        # (Phi-4-mini) and LongRoPE.
+        Family("phi3", honours_sliding_window=True),
         # Llama's decoder with some layers not rotating (config no_rope_layers).
         Family("smollm3"),
         # Llama's decoder with multipliers (config embedding/residual/attention_multiplier, logits_scaling).

@@ -168,7 +168,8 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         if isinstance(mlp, SparseMoE):
             mlp.fuse(kernels)
-        plain = not attn.rotates or self.cfg.residual_multiplier != 1.0  # what the kernel's layer does not do
+        # What the kernel's layer does not do: NoPE layers, partial rotary, a residual multiplier.
+        plain = not attn.rotates or self.cfg.rotary_dim is not None or self.cfg.residual_multiplier != 1.0
         if kernels is None or self.cfg.qk_norm or self.cfg.clip_qkv is not None or plain or not isinstance(mlp, MLP):
             self.fused, self.fused_max_rows = None, 0
             return
@@ -229,7 +230,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
+        self.rotary = RotaryEmbedding(cfg.rope, cfg.rotated_dims, max_positions)
         # The dtype activations (and the KV cache) use; float32 where weights are bf16 but the CPU
         # has no native bf16 (see models/dual_linear.py). None: the weights' dtype.
         self.compute_dtype: torch.dtype | None = None
@@ -376,7 +377,8 @@ class LlamaForCausalLM(nn.Module):
                         )
                     target.copy_(tensor)
                     size = target.shape[0]
-                filled[name] = filled.get(name, 0) + (size if rows != slice(None) else 1)
+                # A fused module counts rows (its parts arrive apart, or whole: Phi-3's qkv_proj); others count tensors.
+                filled[name] = filled.get(name, 0) + (size if expected.get(name, 1) != 1 or rows != slice(None) else 1)
                 if name in quantized and filled[name] == expected[name]:
                     finish(name)  # all its rows are in (every module gets here, or `missing` says why)
         missing = [n for n, count in expected.items() if filled.get(n, 0) != count]

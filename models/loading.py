@@ -105,7 +105,7 @@ def load_model(
     model = model.to(dtype=dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     if arch.tie_word_embeddings and isinstance(model.embed_tokens, torch.nn.Embedding):
         model.lm_head.weight = model.embed_tokens.weight
-    model.rotary = RotaryEmbedding(arch.rope, arch.head_dim, limit).to(device)
+    model.rotary = RotaryEmbedding(arch.rope, arch.rotated_dims, limit).to(device)
     # A shard (`transform`) cuts its blocks out of the whole model's: those go to an arena of their own later.
     arena = WeightArena(arena_bytes) if arena_bytes and transform is None else None
     model.load_weights(weights, source, arena)

@@ -13,6 +13,8 @@ from cadenza.models.config import RopeConfig
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     """The per-pair inverse frequencies, computed exactly as transformers does (fp32)."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    if rope.rope_type == "longrope":  # the short factors: positions below the original context
+        return 1.0 / (torch.tensor(rope.short_factor, dtype=torch.float32, device="cpu") * rope.theta**exponents)
     inv_freq = 1.0 / (rope.theta**exponents)
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
@@ -38,15 +40,25 @@ class RotaryEmbedding(torch.nn.Module):
     """Looks up cos/sin for arbitrary (non-contiguous) positions from a table built once."""
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
+        """`head_dim`: the dimensions rotated (a head's leading ones, under partial rotary)."""
         super().__init__()
+        self.dim = head_dim
         # Built on the CPU even under a meta-device context (a model's skeleton): meta math runs
         # PyTorch's Python references, whose first use imports torch._dynamo (1.3 s). `.to()` moves it.
         inv_freq = inverse_frequencies(rope, head_dim)
+        if rope.rope_type == "longrope" and max_positions > rope.original_max_position_embeddings:
+            # LongRoPE's long factors wherever the context may outgrow the original one, for every
+            # position (llama.cpp's rule: by the context length served). transformers switches a
+            # sequence to them once it is longer, re-rotating its whole past, which a cache of
+            # rotated keys cannot; served within the original context, the short ones.
+            exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+            inv_freq = 1.0 / (torch.tensor(rope.long_factor, dtype=torch.float32, device="cpu") * rope.theta**exponents)
         positions = torch.arange(max_positions, dtype=torch.float32, device="cpu")
         freqs = positions[:, None] * inv_freq[None, :]
         table = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos_table", table.cos(), persistent=False)
-        self.register_buffer("sin_table", table.sin(), persistent=False)
+        scale = rope.attention_factor
+        self.register_buffer("cos_table", table.cos() * scale if scale != 1.0 else table.cos(), persistent=False)
+        self.register_buffer("sin_table", table.sin() * scale if scale != 1.0 else table.sin(), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, 1, head_dim] for `positions` [T], cast like transformers casts them."""
@@ -77,7 +89,15 @@ class StepRotary:
         return self._kernels is not None
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, head_dim] rotated; in place (and returned) where the kernel runs."""
+        """x [T, heads, head_dim] rotated; in place (and returned) where the kernel runs. Under
+        partial rotary only the leading dimensions turn, written back into `x`."""
+        if x.shape[-1] != self._embedding.dim:
+            part = x[..., : self._embedding.dim]
+            part.copy_(self._rotate(part.contiguous()))
+            return x
+        return self._rotate(x)
+
+    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
         if self._kernels is not None and x.dtype == torch.float32 and x.stride(-1) == 1 and x.stride(1) == x.shape[2]:
             self._kernels.rotary_(x, self._positions, self._embedding.cos_table, self._embedding.sin_table)
             return x

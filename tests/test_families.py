@@ -83,3 +83,21 @@ def test_the_shape_options_read_from_each_config():
     assert arch_of("llama3").softmax_scale == 16**-0.5 and arch_of("llama3").rope_layers is None
     assert arch_of("smollm3").rope_layers == (True, False)  # every second layer NoPE in the tiny one
     assert arch_of("smollm3", no_rope_layer_interval=4).rope_layers is None  # 2 layers: both rotate
+
+
+@pytest.mark.parametrize("max_model_len, length", [(64, 40), (512, 100)])
+def test_longrope_uses_the_factors_of_the_context_served(tmp_path, max_model_len, length):
+    """Phi-3.5/Phi-4-mini's LongRoPE: served within the original context (64 here), the short
+    factors; served longer, the long ones at every position (as llama.cpp does). transformers
+    picks by the sequence's own length, so a prompt within the original context agrees with the
+    first and a longer one with the second."""
+    directory = build_tiny_model(tmp_path / "phi3", "phi3", original_max_position_embeddings=64,
+                                 rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                                               "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]})
+    loaded = load_model(directory, dtype=torch.float32, max_model_len=max_model_len)
+    assert loaded.arch.rotary_dim == 12 and loaded.arch.rope.attention_factor == pytest.approx((1 + 3 / 6) ** 0.5)
+    tokens = torch.randint(3, 300, (length,), generator=torch.Generator().manual_seed(2)).tolist()
+    reference = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = reference(torch.tensor([tokens])).logits[0].float()
+    torch.testing.assert_close(prefill_logits(loaded, tokens), want, rtol=1e-4, atol=1e-4)

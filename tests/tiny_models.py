@@ -52,6 +52,15 @@ ARCHITECTURES = {
     )),
     "mixtral": ("MixtralConfig", dict(num_local_experts=8, num_experts_per_tok=2, rope_theta=1000000.0)),
     "olmoe": ("OlmoeConfig", dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, clip_qkv=8.0)),
+    # Phi-4-mini's partial rotary (3/4 of each head) and LongRoPE factors (one per rotated pair,
+    # with an attention factor), its q/k/v and gate/up fused in the checkpoint; tied embeddings.
+    # Served within its original context: the short factors (test_families.py serves it longer).
+    "phi3": ("Phi3Config", dict(
+        partial_rotary_factor=0.75, tie_word_embeddings=True, pad_token_id=None, max_position_embeddings=512,
+        original_max_position_embeddings=512,
+        rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                      "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0], "attention_factor": 1.2},
+    )),
     # Its second layer NoPE (no rotary), as every fourth of SmolLM3-3B's is.
     "smollm3": ("SmolLM3Config", dict(no_rope_layer_interval=2, rope_theta=5000000.0, pad_token_id=None)),
     # Granite 3's multipliers, of Granite-3.3-2B's sizes.
