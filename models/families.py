@@ -74,7 +74,8 @@ FAMILIES: dict[str, Family] = {
 
 # GGUF `general.architecture` -> model_type; "llama" with experts is Mixtral (`gguf_model_type`).
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-                      "qwen3moe": "qwen3_moe", "olmoe": "olmoe", "smollm3": "smollm3", "granite": "granite"}
+                      "qwen3moe": "qwen3_moe", "olmoe": "olmoe", "smollm3": "smollm3", "granite": "granite",
+                      "phi3": "phi3"}
 
 
 def gguf_model_type(arch: str, expert_count: int) -> str | None:

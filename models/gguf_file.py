@@ -73,6 +73,11 @@ class GGUFFile:
         except (struct.error, UnicodeDecodeError, IndexError, ValueError) as exc:
             raise GGUFFormatError(f"malformed GGUF near byte {self._pos}: {exc}") from exc
 
+    @property
+    def architecture(self) -> str:
+        """`general.architecture` ("" when the file does not say)."""
+        return str(self.fields.get("general.architecture", ""))
+
     def _parse(self) -> tuple[dict[str, Any], list[GGUFTensor]]:
         if bytes(self._buf[:4]) != MAGIC:
             raise GGUFFormatError("not a GGUF file (no GGUF magic)")

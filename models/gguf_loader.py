@@ -44,6 +44,11 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",
 }
+# Where an architecture's file fuses what others keep apart (Phi-3: q/k/v in one tensor, and gate
+# and up in `ffn_up`), into the decoder's own fused modules.
+_ARCH_LAYER_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
+# Tensors that carry no weight of ours: LongRoPE's factors, read into the config instead.
+_CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 # A mixture's experts, one 3-D tensor [experts, rows, cols] a projection: each expert's slice is
 # the checkpoint tensor `mlp.experts.N.<projection>`.
 _EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
@@ -114,9 +119,8 @@ def read_gguf_config(reader: GGUFFile, source: str) -> ModelArchConfig:
         tie_word_embeddings="output.weight" not in names,
         qkv_bias=family.qkv_bias or "blk.0.attn_q.bias" in names,
         o_bias="blk.0.attn_output.bias" in names,
-        mlp_bias="blk.0.ffn_up.bias" in names,
+        mlp_bias="blk.0.ffn_up.bias" in names or "blk.0.ffn_down.bias" in names,
         qk_norm=family.qk_norm,
-        sliding_window=None,
         bos_token_id=read_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
         moe=moe,
@@ -126,7 +130,15 @@ def read_gguf_config(reader: GGUFFile, source: str) -> ModelArchConfig:
         residual_multiplier=float(read_field(reader, f"{arch}.residual_scale", 1.0)),
         logits_scaling=float(read_field(reader, f"{arch}.logit_scale", 1.0)),
         attention_multiplier=_optional_float(read_field(reader, f"{arch}.attention.scale", None)),
+        rotary_dim=_rotary_dim(reader, arch, head_dim),
+        sliding_window=int(read_field(reader, f"{arch}.attention.sliding_window", 0) or 0) or None
+        if family.honours_sliding_window else None,
     )
+
+
+def _rotary_dim(reader: GGUFFile, arch: str, head_dim: int) -> int | None:
+    dims = read_field(reader, f"{arch}.rope.dimension_count", None)
+    return None if dims is None or int(dims) == head_dim else int(dims)
 
 
 def _optional_float(value) -> float | None:
@@ -135,6 +147,13 @@ def _optional_float(value) -> float | None:
 
 def _rope(reader: GGUFFile, arch: str, source: str) -> RopeConfig:
     theta = float(read_field(reader, f"{arch}.rope.freq_base", 10000.0))
+    long, short = _find_tensor(reader, "rope_factors_long.weight"), _find_tensor(reader, "rope_factors_short.weight")
+    if long is not None and short is not None:  # Phi-3's LongRoPE, its factors as tensors
+        original = int(read_field(reader, f"{arch}.rope.scaling.original_context_length"))
+        return RopeConfig(theta=theta, rope_type="longrope", original_max_position_embeddings=original,
+                          short_factor=tuple(float(f) for f in np.asarray(short.data, dtype=np.float32)),
+                          long_factor=tuple(float(f) for f in np.asarray(long.data, dtype=np.float32)),
+                          attention_factor=float(read_field(reader, f"{arch}.rope.scaling.attn_factor", 1.0)))
     scaling = read_field(reader, f"{arch}.rope.scaling.type", "none")
     if scaling in ("none", None) and _find_tensor(reader, "rope_freqs.weight") is None:
         return RopeConfig(theta=theta)
@@ -163,7 +182,7 @@ def plan_native_weights(reader: GGUFFile, why_not: str | None) -> frozenset[str]
     groups: dict[str, list[tuple[str, bool]]] = {}
     for tensor in reader.tensors:
         experts = _expert_names(tensor.name, tensor)
-        for hf_name in experts or [_hf_name(tensor.name)]:
+        for hf_name in experts or [_hf_name(tensor.name, reader.architecture)]:
             if hf_name is None or not hf_name.endswith(".weight") or is_router_weight(hf_name):
                 continue
             native = why_not is None and int(tensor.tensor_type) in NATIVE_TYPES and len(tensor.shape) == 2 + bool(experts)
@@ -172,7 +191,7 @@ def plan_native_weights(reader: GGUFFile, why_not: str | None) -> frozenset[str]
     kept = frozenset(n for members in groups.values() if all(ok for _, ok in members) for n, _ in members)
     by_type: dict[gguf.GGMLQuantizationType, list[tuple[GGUFTensor, bool]]] = {}
     for tensor in reader.tensors:
-        names = _expert_names(tensor.name, tensor) or [_hf_name(tensor.name)]
+        names = _expert_names(tensor.name, tensor) or [_hf_name(tensor.name, reader.architecture)]
         by_type.setdefault(tensor.tensor_type, []).append((tensor, all(n in kept for n in names)))
     for qtype, members in sorted(by_type.items()):
         flags = [ok for _, ok in members]
@@ -208,7 +227,7 @@ def native_nbytes(reader: GGUFFile, native: frozenset[str]) -> int:
         experts = _expert_names(tensor.name, tensor)
         if experts and experts[0] in native:
             total += len(experts) * aligned(tensor.n_bytes // len(experts))
-        elif not experts and _hf_name(tensor.name) in native:
+        elif not experts and _hf_name(tensor.name, reader.architecture) in native:
             total += aligned(tensor.n_bytes)
     return total
 
@@ -227,7 +246,9 @@ def iter_gguf_weights(
             yield from _expert_weights(tensor, experts, dtype, source, native)
             reader.release(tensor)
             continue
-        hf_name = _hf_name(tensor.name)
+        if tensor.name in _CONFIG_TENSORS:
+            continue
+        hf_name = _hf_name(tensor.name, reader.architecture)
         if hf_name is None:
             raise UnsupportedModelError(f"{source}: unexpected tensor {tensor.name!r}")
         if hf_name in native:
@@ -282,14 +303,15 @@ def _raw_blocks(tensor, hf_name: str, cfg: ModelArchConfig, permute: bool) -> Qu
     return QuantizedTensor(blocks, int(tensor.tensor_type), in_features)
 
 
-def _hf_name(name: str) -> str | None:
+def _hf_name(name: str, arch: str = "llama") -> str | None:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     match = _LAYER_TENSOR.fullmatch(name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+    if match is None or match.group(2) not in names:
         return None
     layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    return f"model.layers.{layer}.{names[part]}.{kind}"
 
 
 def _dequantize(tensor, source: str) -> np.ndarray:

@@ -7,6 +7,8 @@ the paged cache, are in test_model_parity.py; the mixtures of experts' files in 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers
@@ -23,7 +25,13 @@ PROMPT = [5, 17, 101, 33, 250, 7, 64, 12, 199, 3, 80, 41, 9, 300, 2, 77]
 CONVERTIBLE = {
     "smollm3": dict(num_hidden_layers=4, no_rope_layer_interval=4),
     "granite": {},
+    # llama.cpp computes LongRoPE's attention factor itself (from the context's growth), so the
+    # checkpoint leaves it to be computed too; served within the original context (short factors).
+    "phi3": dict(original_max_position_embeddings=64, rope_scaling={
+        "rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+        "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]}),
 }
+MAX_MODEL_LEN = {"phi3": 64}
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +44,9 @@ def converted(tmp_path_factory):
         if arch not in made:
             root = tmp_path_factory.mktemp(f"{arch}-gguf")
             directory = build_tiny_model(root / "hf", arch, **CONVERTIBLE[arch])
+            if arch == "phi3":  # Phi-4-mini's tokenizer is GPT-2's kind, which the converter reads as BPE
+                config_file = directory / "tokenizer_config.json"
+                config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "tokenizer_class": "GPT2Tokenizer"}))
             files = [convert_hf_to_gguf(directory, root / f"{arch}-{kind}.gguf", kind, pre_tokenizer="qwen2")
                      for kind in ("f32", "q8_0")]
             made[arch] = (directory, *files)
@@ -47,10 +58,13 @@ def converted(tmp_path_factory):
 @pytest.mark.parametrize("arch", sorted(CONVERTIBLE))
 def test_the_gguf_of_llamacpps_converter_computes_as_transformers(converted, arch):
     directory, f32, _ = converted(arch)
-    from_gguf = load_model(f32, dtype=torch.float32)
-    from_hf = load_model(directory, dtype=torch.float32)
+    from_gguf = load_model(f32, dtype=torch.float32, max_model_len=MAX_MODEL_LEN.get(arch))
+    from_hf = load_model(directory, dtype=torch.float32, max_model_len=MAX_MODEL_LEN.get(arch))
     assert from_gguf.arch.model_type == arch
-    for option in ("rope_layers", "embedding_multiplier", "residual_multiplier", "logits_scaling", "attention_multiplier"):
+    assert (from_gguf.arch.rope.theta, from_gguf.arch.rope.rope_type) == (from_hf.arch.rope.theta, from_hf.arch.rope.rope_type)
+    assert from_gguf.arch.rope.attention_factor == pytest.approx(from_hf.arch.rope.attention_factor)
+    for option in ("rope_layers", "embedding_multiplier", "residual_multiplier", "logits_scaling", "attention_multiplier",
+                   "rotary_dim", "sliding_window"):
         assert getattr(from_gguf.arch, option) == pytest.approx(getattr(from_hf.arch, option)), option
     reference = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -61,9 +75,10 @@ def test_the_gguf_of_llamacpps_converter_computes_as_transformers(converted, arc
 @pytest.mark.parametrize("arch", sorted(CONVERTIBLE))
 def test_a_q8_0_gguf_runs_on_the_kernels_close_to_its_exact_values(kernels, converted, arch):
     _, _, q8 = converted(arch)
-    native = load_model(q8, dtype=torch.bfloat16, quantization="auto", cpu_kernels="auto")
+    limit = MAX_MODEL_LEN.get(arch)
+    native = load_model(q8, dtype=torch.bfloat16, quantization="auto", cpu_kernels="auto", max_model_len=limit)
     assert sum(isinstance(m, QuantizedLinear) for m in native.model.modules()) >= 4 * native.arch.num_layers
-    want = prefill_logits(load_model(q8, dtype=torch.float32), PROMPT)
+    want = prefill_logits(load_model(q8, dtype=torch.float32, max_model_len=limit), PROMPT)
     error = (prefill_logits(native, PROMPT) - want).norm() / want.norm()
     assert error < 0.05  # the activations' int8 rounding (or a bf16 GEMM's) only
 
