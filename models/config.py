@@ -11,6 +11,7 @@ from cadenza.models.families import FAMILIES
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +82,23 @@ class ModelArchConfig:
     attention_multiplier: float | None = None
     # The leading dimensions of each head that rotary rotates (Phi-4-mini: 3/4 of them); None: all.
     rotary_dim: int | None = None
+    # Gemma 3: the MLP's activation, sliding windows per layer (None where a layer sees all; the
+    # whole field None: `sliding_window` for every layer) with their own rotary (`local_rope`),
+    # RMSNorm weights stored as an offset from 1, and a norm after each block's output as well as
+    # before the MLP ("sandwich" norms).
+    hidden_act: str = "silu"
+    layer_windows: tuple[int | None, ...] | None = None
+    local_rope: RopeConfig | None = None
+    norm_offset: float = 0.0
+    sandwich_norms: bool = False
+    final_logit_softcapping: float | None = None
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window layer `layer` attends within (None: the whole context)."""
+        return self.sliding_window if self.layer_windows is None else self.layer_windows[layer]
+
+    def rope_of(self, layer: int) -> RopeConfig:
+        return self.local_rope if self.local_rope is not None and self.window(layer) is not None else self.rope
 
     @property
     def rotated_dims(self) -> int:
@@ -111,9 +129,9 @@ class ModelArchConfig:
                 f"{source}: unsupported architecture model_type={model_type!r} {archs}; "
                 f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise UnsupportedModelError(f"{source}: unsupported hidden_act {act!r}; supported: silu")
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")  # Gemma names it hidden_activation
+        if act not in SUPPORTED_ACTIVATIONS:
+            raise UnsupportedModelError(f"{source}: unsupported hidden_act {act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}")
         family = FAMILIES[model_type]
         attention_bias = bool(cfg.get("attention_bias", False))
         num_heads = int(cfg["num_attention_heads"])
@@ -121,7 +139,7 @@ class ModelArchConfig:
         head_dim = cfg.get("head_dim") or hidden // num_heads
         num_layers = int(cfg["num_hidden_layers"])
         clip = cfg.get("clip_qkv")
-        return cls(
+        options = dict(
             model_type=model_type,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
@@ -133,6 +151,7 @@ class ModelArchConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope=_rope_from_hf(cfg, source),
             rotary_dim=_rotary_dim(cfg, int(head_dim)),
+            hidden_act=act,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=family.qkv_bias or attention_bias,
@@ -150,6 +169,9 @@ class ModelArchConfig:
             logits_scaling=float(cfg.get("logits_scaling", 1.0)),
             attention_multiplier=None if cfg.get("attention_multiplier") is None else float(cfg["attention_multiplier"]),
         )
+        if family.gemma:
+            options.update(_gemma_options(cfg, num_layers, source))
+        return cls(**options)
 
 
 def _as_tuple(value: Any) -> tuple[int, ...]:
@@ -204,6 +226,37 @@ def _rotary_dim(cfg: Mapping[str, Any], head_dim: int) -> int | None:
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     fraction = float(cfg.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)))
     return None if fraction == 1.0 else int(head_dim * fraction)
+
+
+def _gemma_options(cfg: Mapping[str, Any], num_layers: int, source: str) -> dict[str, Any]:
+    """Gemma 3's differences as the decoder's options: local layers (sliding window, their own
+    rotary base) every layer but each `sliding_window_pattern`-th, the embeddings scaled by
+    sqrt(hidden), 1/sqrt(query_pre_attn_scalar) as the softmax scale, norms around each block."""
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise UnsupportedModelError(f"{source}: attention logit soft-capping (Gemma 2) is not supported")
+    types = cfg.get("layer_types")
+    if types is None:
+        pattern = int(cfg.get("sliding_window_pattern", 6))
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    window = cfg.get("sliding_window")
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params:  # transformers >= 5: one set of rope parameters per layer type
+        rope = _rope_from_hf({**cfg, "rope_parameters": params["full_attention"]}, source)
+        local = _rope_from_hf({**cfg, "rope_parameters": params.get("sliding_attention") or {}}, source)
+    else:
+        rope = _rope_from_hf(cfg, source)
+        local = RopeConfig(theta=float(cfg.get("rope_local_base_freq", 10000.0)))
+    softcap = cfg.get("final_logit_softcapping")
+    return dict(
+        rope=rope,
+        local_rope=local,
+        layer_windows=tuple(int(window) if t == "sliding_attention" and window else None for t in types),
+        embedding_multiplier=float(cfg["hidden_size"]) ** 0.5,
+        attention_multiplier=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5,
+        norm_offset=1.0,
+        sandwich_norms=True,
+        final_logit_softcapping=None if softcap is None else float(softcap),
+    )
 
 
 def _rope_layers(cfg: Mapping[str, Any], num_layers: int, source: str) -> tuple[bool, ...] | None:

@@ -94,6 +94,9 @@ def hf_weight_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_norm.weight"] = (q if full else arch.head_dim,)
             shapes[p + "self_attn.k_norm.weight"] = (kv if full else arch.head_dim,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if arch.sandwich_norms:
+            shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (h,)
         if arch.moe is not None and i in arch.moe.layers:
             shapes[p + "mlp.gate.weight"] = (arch.moe.num_experts, h)
             mlps = [(f"{p}mlp.experts.{e}.", arch.moe.intermediate_size) for e in range(arch.moe.num_experts)]

@@ -33,6 +33,9 @@ class Family:
     # What a normalise flag defaults to in a GGUF file that lacks `expert_weights_norm`: what
     # llama.cpp's graph for the architecture does.
     gguf_normalize_top_k: bool = False
+    # Gemma 3's differences (models/config.py `_gemma_options`): local and global layers, norms
+    # around each block, scaled embeddings.
+    gemma: bool = False
     # Checkpoint name fragments as this family writes them -> the canonical ones (Mixtral's
     # `block_sparse_moe.experts.N.w1` is `mlp.experts.N.gate_proj`).
     renames: tuple[tuple[str, str], ...] = ()
@@ -65,6 +68,7 @@ FAMILIES: dict[str, Family] = {
         # Checkpoints with q/k/v and gate/up already fused (the decoder's own layout), partial rotary
         # (Phi-4-mini) and LongRoPE.
         Family("phi3", honours_sliding_window=True),
+        Family("gemma3_text", qk_norm="head", gemma=True),
         # Llama's decoder with some layers not rotating (config no_rope_layers).
         Family("smollm3"),
         # Llama's decoder with multipliers (config embedding/residual/attention_multiplier, logits_scaling).
@@ -75,7 +79,7 @@ FAMILIES: dict[str, Family] = {
 # GGUF `general.architecture` -> model_type; "llama" with experts is Mixtral (`gguf_model_type`).
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
                       "qwen3moe": "qwen3_moe", "olmoe": "olmoe", "smollm3": "smollm3", "granite": "granite",
-                      "phi3": "phi3"}
+                      "phi3": "phi3", "gemma3": "gemma3_text"}
 
 
 def gguf_model_type(arch: str, expert_count: int) -> str | None:

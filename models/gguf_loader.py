@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
@@ -46,7 +47,12 @@ _LAYER_NAMES = {
 }
 # Where an architecture's file fuses what others keep apart (Phi-3: q/k/v in one tensor, and gate
 # and up in `ffn_up`), into the decoder's own fused modules.
-_ARCH_LAYER_NAMES = {"phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}}
+_ARCH_LAYER_NAMES = {
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+    # Gemma 3's norms around each block: `ffn_norm` is the one before the MLP.
+    "gemma3": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"},
+}
 # Tensors that carry no weight of ours: LongRoPE's factors, read into the config instead.
 _CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 # A mixture's experts, one 3-D tensor [experts, rows, cols] a projection: each expert's slice is
@@ -104,9 +110,11 @@ def read_gguf_config(reader: GGUFFile, source: str) -> ModelArchConfig:
             normalize_top_k=bool(read_field(reader, f"{arch}.expert_weights_norm", family.gguf_normalize_top_k)),
             layers=tuple(i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" in names),
         )
-    return ModelArchConfig(
+    config = ModelArchConfig(
         model_type=model_type,
-        vocab_size=int(read_field(reader, f"{arch}.vocab_size", len(tokens))),
+        # The embedding's rows are the vocabulary (Gemma's converter trims the checkpoint's padding).
+        vocab_size=int(_find_tensor(reader, "token_embd.weight").shape[1]) if "token_embd.weight" in names
+        else int(read_field(reader, f"{arch}.vocab_size", len(tokens))),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
         num_layers=num_layers,
@@ -133,6 +141,33 @@ def read_gguf_config(reader: GGUFFile, source: str) -> ModelArchConfig:
         rotary_dim=_rotary_dim(reader, arch, head_dim),
         sliding_window=int(read_field(reader, f"{arch}.attention.sliding_window", 0) or 0) or None
         if family.honours_sliding_window else None,
+    )
+    if family.gemma:
+        config = replace(config, **_gemma_options(reader, arch, config))
+    return config
+
+
+def _gemma_options(reader: GGUFFile, arch: str, config: ModelArchConfig) -> dict:
+    """Gemma 3 as llama.cpp's graph runs it: every sixth layer global unless the file says
+    otherwise, local layers rotating with base 10,000 unless it says otherwise, norm weights
+    already shifted by 1 in the file, 1/sqrt(head_dim) as the softmax scale (27B: of
+    hidden / heads)."""
+    window = int(read_field(reader, f"{arch}.attention.sliding_window", 0) or 0)
+    pattern = read_field(reader, f"{arch}.attention.sliding_window_pattern", 6)
+    if isinstance(pattern, list):
+        local = [bool(p) for p in pattern]
+    else:
+        local = [bool((i + 1) % int(pattern)) for i in range(config.num_layers)]
+    scale = (config.hidden_size / config.num_heads) if config.num_layers == 62 else config.head_dim
+    softcap = read_field(reader, f"{arch}.final_logit_softcapping", None)
+    return dict(
+        layer_windows=tuple(window if window and is_local else None for is_local in local[: config.num_layers]),
+        local_rope=RopeConfig(theta=float(read_field(reader, f"{arch}.rope.freq_base_swa", 10000.0))),
+        hidden_act="gelu_pytorch_tanh",
+        embedding_multiplier=float(config.hidden_size) ** 0.5,
+        attention_multiplier=float(scale) ** -0.5,
+        sandwich_norms=True,
+        final_logit_softcapping=None if not softcap else float(softcap),
     )
 
 

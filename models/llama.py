@@ -30,16 +30,19 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, offset: float = 0.0) -> None:
+        """`offset`: Gemma stores its norm weights as w and multiplies by (offset + w) = (1 + w),
+        in float32, before casting back."""
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.offset = offset
         self.kernels = None
         self.weight_f32: torch.Tensor | None = None
 
     def use_cpu_kernels(self, kernels) -> None:
         self.kernels = kernels
-        self.weight_f32 = None if kernels is None else self.weight.detach().float().contiguous()
+        self.weight_f32 = None if kernels is None else (self.weight.detach().float() + self.offset).contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None and x.dtype == torch.float32 and x.is_contiguous():
@@ -47,12 +50,17 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (x * (self.offset + self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)
 
 
-def _add_scaled_(linear: nn.Module, residual: torch.Tensor, x: torch.Tensor, multiplier: float) -> torch.Tensor:
-    """`residual += multiplier * linear(x)` in place (Granite's residual multiplier; fused into
-    the product where it is 1)."""
+def _add_scaled_(linear: nn.Module, residual: torch.Tensor, x: torch.Tensor, multiplier: float,
+                 out_norm: nn.Module | None = None) -> torch.Tensor:
+    """`residual += multiplier * out_norm(linear(x))` in place (Granite's residual multiplier,
+    Gemma's norm after each block; fused into the product where there is neither)."""
+    if out_norm is not None:
+        return residual.add_(out_norm(linear(x)).to(residual.dtype), alpha=multiplier)
     if multiplier == 1.0:
         return linear_add_(linear, residual, x)
     return residual.add_(linear(x).to(residual.dtype), alpha=multiplier)
@@ -67,14 +75,15 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm == "full":  # over all heads at once (OLMoE)
-            self.q_norm = RMSNorm(cfg.q_size, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.kv_size, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(cfg.q_size, cfg.rms_norm_eps, cfg.norm_offset)
+            self.k_norm = RMSNorm(cfg.kv_size, cfg.rms_norm_eps, cfg.norm_offset)
         elif cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
 
-    def forward(self, x, residual, rotary: StepRotary, kv_cache, meta, backend: AttentionBackend) -> torch.Tensor:
-        """`residual` + attention(x), the sum written into `residual`."""
+    def forward(self, x, residual, rotary: StepRotary, kv_cache, meta, backend: AttentionBackend,
+                out_norm: nn.Module | None = None) -> torch.Tensor:
+        """`residual` + out_norm(attention(x)), the sum written into `residual`."""
         cfg = self.cfg
         qkv = self.qkv_proj(x)
         if cfg.qk_norm == "full":
@@ -85,7 +94,7 @@ class Attention(nn.Module):
             q = self._rotate(rotary, q.reshape(-1, cfg.num_heads, cfg.head_dim))
             k = self._rotate(rotary, k.reshape(-1, cfg.num_kv_heads, cfg.head_dim))
             out = backend.forward(q, k, v.reshape(-1, cfg.num_kv_heads, cfg.head_dim), kv_cache, meta)
-            return _add_scaled_(self.o_proj, residual, out.reshape(-1, cfg.q_size), cfg.residual_multiplier)
+            return _add_scaled_(self.o_proj, residual, out.reshape(-1, cfg.q_size), cfg.residual_multiplier, out_norm)
         if cfg.clip_qkv is not None:
             qkv = qkv.clamp(-cfg.clip_qkv, cfg.clip_qkv)
         if cfg.qk_norm:
@@ -100,7 +109,7 @@ class Attention(nn.Module):
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
         v = qkv[:, cfg.q_size + cfg.kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
         out = backend.forward(q, k, v, kv_cache, meta)
-        return _add_scaled_(self.o_proj, residual, out.reshape(-1, cfg.q_size), cfg.residual_multiplier)
+        return _add_scaled_(self.o_proj, residual, out.reshape(-1, cfg.q_size), cfg.residual_multiplier, out_norm)
 
     def _rotate(self, rotary: StepRotary, x: torch.Tensor) -> torch.Tensor:
         return rotary.rotate(x) if self.rotates else x
@@ -115,6 +124,7 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=cfg.mlp_bias)
         self.residual_multiplier = cfg.residual_multiplier
+        self.act = cfg.hidden_act
         self.kernels = None
 
     def use_cpu_kernels(self, kernels) -> None:
@@ -124,7 +134,7 @@ class MLP(nn.Module):
         """gate_up(x) in bfloat16 where both quantized projections run this step as bfloat16
         GEMMs (what the down projection would round the hidden state to anyway), else None."""
         up, down = self.gate_up_proj, self.down_proj
-        if self.kernels is None or not isinstance(up, QuantizedLinear) or not isinstance(down, QuantizedLinear):
+        if self.kernels is None or self.act != "silu" or not isinstance(up, QuantizedLinear) or not isinstance(down, QuantizedLinear):
             return None
         return up.bf16_product(x) if down.takes_bf16(x.shape[0]) else None
 
@@ -134,23 +144,33 @@ class MLP(nn.Module):
         if gate_up is not None:  # a prefill through bfloat16 GEMMs: the hidden state stays bfloat16
             return self.kernels.silu_mul_bf16(gate_up)
         gate_up = self.gate_up_proj(x)
+        if self.act != "silu":  # Gemma's tanh-approximated GELU
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            return F.gelu(gate, approximate="tanh") * up
         if self.kernels is not None and gate_up.dtype == torch.float32:
             return self.kernels.silu_mul(gate_up)
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return F.silu(gate) * up
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """`residual` + mlp(x), the sum written into `residual`."""
-        return _add_scaled_(self.down_proj, residual, self.hidden(x), self.residual_multiplier)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, out_norm: nn.Module | None = None) -> torch.Tensor:
+        """`residual` + out_norm(mlp(x)), the sum written into `residual`."""
+        return _add_scaled_(self.down_proj, residual, self.hidden(x), self.residual_multiplier, out_norm)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelArchConfig, index: int) -> None:
         super().__init__()
         self.cfg = cfg
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.index = index
+        self.windowed = cfg.window(index) is not None and cfg.layer_windows is not None  # on the model's windowed backend
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.self_attn = Attention(cfg, cfg.rotates(index))
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Llama: the norm before the MLP. Gemma: the norm of the attention's output, with two more
+        # around the MLP.
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+        if cfg.sandwich_norms:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         if cfg.moe is not None and index in cfg.moe.layers:
             self.mlp = SparseMoE(cfg, lambda width: MLP(cfg, width))
         else:
@@ -169,7 +189,9 @@ class DecoderLayer(nn.Module):
         if isinstance(mlp, SparseMoE):
             mlp.fuse(kernels)
         # What the kernel's layer does not do: NoPE layers, partial rotary, a residual multiplier.
-        plain = not attn.rotates or self.cfg.rotary_dim is not None or self.cfg.residual_multiplier != 1.0
+        cfg = self.cfg
+        plain = (not attn.rotates or cfg.rotary_dim is not None or cfg.residual_multiplier != 1.0 or cfg.sandwich_norms
+                 or cfg.norm_offset or cfg.hidden_act != "silu" or cfg.layer_windows is not None)
         if kernels is None or self.cfg.qk_norm or self.cfg.clip_qkv is not None or plain or not isinstance(mlp, MLP):
             self.fused, self.fused_max_rows = None, 0
             return
@@ -199,6 +221,9 @@ class DecoderLayer(nn.Module):
             q, k, v = self.fused.attention_input(h, rotary.positions)
             self.fused.finish_(h, backend.forward(q, k, v, kv_cache, meta))
             return h
+        if self.cfg.sandwich_norms:
+            h = self.self_attn(self.input_layernorm(h), h, rotary, kv_cache, meta, backend, self.post_attention_layernorm)
+            return self.mlp(self.pre_feedforward_layernorm(h), h, self.post_feedforward_layernorm)
         h = self.self_attn(self.input_layernorm(h), h, rotary, kv_cache, meta, backend)
         return self.mlp(self.post_attention_layernorm(h), h)
 
@@ -226,11 +251,16 @@ class LlamaForCausalLM(nn.Module):
         # 1.3 s of a 1.9 s load (and triton with it, where installed).
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.rope, cfg.rotated_dims, max_positions)
+        # Gemma 3's local layers rotate with a base of their own; None: every layer uses `rotary`.
+        self.local_rotary: RotaryEmbedding | None = None
+        # The attention backend of the layers with a sliding window, where layers differ in theirs
+        # (Gemma 3); given by whoever builds the backend (`use_windowed_backend`).
+        self.windowed_backend: AttentionBackend | None = None
         # The dtype activations (and the KV cache) use; float32 where weights are bf16 but the CPU
         # has no native bf16 (see models/dual_linear.py). None: the weights' dtype.
         self.compute_dtype: torch.dtype | None = None
@@ -272,9 +302,26 @@ class LlamaForCausalLM(nn.Module):
         backend.begin_step(meta)
         if self._whole_stack(h, rotary) and backend.run_decode_stack(self.fused_stack, h, rotary.positions, kv_caches, meta):
             return self.norm(h)
+        local, windowed = rotary, backend
+        if self.cfg.layer_windows is not None:
+            if self.windowed_backend is None:
+                raise RuntimeError(f"{self.cfg.model_type} has layers with a sliding window of their own: "
+                                   "give the model its windowed backend (use_windowed_backend)")
+            windowed = self.windowed_backend
+            windowed.begin_step(meta)
+            if self.local_rotary is not None:
+                local = StepRotary(self.local_rotary, positions, h.dtype, self.kernels)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            h = layer(h, rotary, kv_cache, meta, backend)
+            if layer.windowed:
+                h = layer(h, local, kv_cache, meta, windowed)
+            else:
+                h = layer(h, rotary, kv_cache, meta, backend)
         return self.norm(h)
+
+    def use_windowed_backend(self, backend: AttentionBackend) -> None:
+        """The attention backend (built like the model's own, with `sliding_window` set) that the
+        layers with a sliding window of their own attend through."""
+        self.windowed_backend = backend
 
     def _whole_stack(self, h: torch.Tensor, rotary: StepRotary) -> bool:
         """Whether every layer would take its fused kernel for `h`."""
@@ -285,6 +332,9 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(hidden)
         if self.cfg.logits_scaling != 1.0:  # Granite's, in the head's dtype as transformers divides
             logits = logits / self.cfg.logits_scaling
+        cap = self.cfg.final_logit_softcapping
+        if cap is not None:  # cap * tanh(logits / cap)
+            logits = torch.tanh(logits / cap) * cap
         return logits.float()
 
     # --- loading -------------------------------------------------------------------------------

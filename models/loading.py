@@ -106,6 +106,8 @@ def load_model(
     if arch.tie_word_embeddings and isinstance(model.embed_tokens, torch.nn.Embedding):
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = RotaryEmbedding(arch.rope, arch.rotated_dims, limit).to(device)
+    if arch.local_rope is not None:
+        model.local_rotary = RotaryEmbedding(arch.local_rope, arch.rotated_dims, limit).to(device)
     # A shard (`transform`) cuts its blocks out of the whole model's: those go to an arena of their own later.
     arena = WeightArena(arena_bytes) if arena_bytes and transform is None else None
     model.load_weights(weights, source, arena)

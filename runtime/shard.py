@@ -13,6 +13,7 @@ import torch
 from cadenza.config import CadenzaConfig
 from cadenza.config.errors import ConfigError
 from cadenza.kernels.kv_layout import KERNEL_FLOAT_CACHES
+from cadenza.models.errors import ModelLoadError
 from cadenza.models.loading import LoadedModel, load_model
 from cadenza.runner.device import resolve_device, resolve_dtype, resolve_kv_dtype
 from cadenza.runner.kv_cache import allocate_kv_caches, available_memory, size_cache
@@ -88,18 +89,26 @@ def build_model_shard(config: CadenzaConfig, plugins: Plugins, ctx=None) -> Mode
     log.info("KV cache sized", kv_bytes=sized.nbytes, kv_mib=round(sized.nbytes / 2**20, 1), kv_blocks=num_blocks,
              kv_tokens=num_blocks * block_size, kv_dtype=str(kv_dtype).removeprefix("torch."), why=sized.reason)
     kv_caches = allocate_kv_caches(arch, num_blocks, block_size, kv_dtype, device)
-    backend = plugins.build(
-        backend_cls,
-        num_heads=arch.num_heads,
-        num_kv_heads=arch.num_kv_heads,
-        head_dim=arch.head_dim,
-        scale=arch.softmax_scale,
-        block_size=block_size,
-        sliding_window=arch.sliding_window,
-        device=device,
-    )
-    backend.use_cpu_kernels(_attention_kernels(config, loaded, kv_dtype, device))
+    def build(window: int | None):
+        backend = plugins.build(backend_cls, num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads,
+                                head_dim=arch.head_dim, scale=arch.softmax_scale, block_size=block_size,
+                                sliding_window=window, device=device)  # fmt: skip
+        backend.use_cpu_kernels(_attention_kernels(config, loaded, kv_dtype, device))
+        return backend
+
+    backend = build(arch.sliding_window)
+    if arch.layer_windows is not None:  # layers with a window of their own (Gemma 3) attend through a second one
+        loaded.model.use_windowed_backend(build(layer_window(arch)))
     return ModelShard(loaded, loaded.model, kv_caches, backend, num_blocks, kv_dtype)
+
+
+def layer_window(arch) -> int:
+    """The one sliding window of the layers that have one (where layers differ in theirs)."""
+    windows = {w for w in arch.layer_windows if w is not None}
+    if len(windows) != 1:
+        raise ModelLoadError(f"{arch.model_type}: layers with {len(windows)} different sliding windows "
+                             f"({sorted(windows)}); one window besides full attention is supported")
+    return windows.pop()
 
 
 def _attention_kernels(config: CadenzaConfig, loaded: LoadedModel, kv_dtype: torch.dtype, device: torch.device):
@@ -129,11 +138,17 @@ def build_draft_model(*, path: str | None, dtype: str, quantization: str, max_mo
     arch = loaded.arch
     blocks_per_slot = -(-loaded.max_model_len // block_size)
     caches = allocate_kv_caches(arch, num_slots * blocks_per_slot, block_size, loaded.compute_dtype, device)
-    backend = TorchSDPABackend(num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
-                               scale=arch.softmax_scale, block_size=block_size,
-                               sliding_window=arch.sliding_window, device=device)  # fmt: skip
-    if loaded.compute_dtype == torch.float32:
-        backend.use_cpu_kernels(loaded.model.kernels)
+    def build(window: int | None) -> TorchSDPABackend:
+        backend = TorchSDPABackend(num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
+                                   scale=arch.softmax_scale, block_size=block_size, sliding_window=window,
+                                   device=device)  # fmt: skip
+        if loaded.compute_dtype == torch.float32:
+            backend.use_cpu_kernels(loaded.model.kernels)
+        return backend
+
+    backend = build(arch.sliding_window)
+    if arch.layer_windows is not None:
+        loaded.model.use_windowed_backend(build(layer_window(arch)))
     sampling = SamplingContext(vocab_size=arch.vocab_size, eos_token_ids=eos_token_ids, device=device)
     runner = ModelRunner(loaded.model, caches, backend, SamplingPipeline(sampling, [], DefaultSampler(sampling)),
                          block_size, device)  # fmt: skip

@@ -25,8 +25,13 @@ def prefill_logits(loaded, token_ids: list[int]) -> torch.Tensor:
     arch, block_size, n = loaded.arch, 16, len(token_ids)
     blocks = -(-n // block_size)
     caches = allocate_kv_caches(arch, blocks, block_size, loaded.compute_dtype, torch.device("cpu"))
-    backend = EagerBackend(num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
-                           scale=arch.softmax_scale, block_size=block_size, sliding_window=None)
+    def backend_of(window):
+        return EagerBackend(num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
+                            scale=arch.softmax_scale, block_size=block_size, sliding_window=window)
+
+    backend = backend_of(arch.sliding_window)
+    if arch.layer_windows is not None:  # Gemma 3's local layers attend through a backend of their own
+        loaded.model.use_windowed_backend(backend_of(next(w for w in arch.layer_windows if w is not None)))
     with torch.no_grad():
         hidden = loaded.model(torch.tensor(token_ids), torch.arange(n), caches, chunk_metadata(0, n, blocks), backend)
         return loaded.model.compute_logits(hidden).float()

@@ -16,9 +16,9 @@ import transformers
 from cadenza.models.loading import load_model
 from cadenza.models.quantized_linear import QuantizedLinear
 from tests.model_forward import prefill_logits
-from tests.tiny_models import build_tiny_model
+from tests.tiny_models import build_tiny_model, build_tokenizer
 
-PROMPT = [5, 17, 101, 33, 250, 7, 64, 12, 199, 3, 80, 41, 9, 300, 2, 77]
+PROMPT = [5, 17, 101, 33, 250, 7, 64, 12, 199, 3, 80, 41, 9, 290, 2, 77]
 
 # What llama.cpp's converter and graph need of the checkpoint: SmolLM3's graph leaves every fourth
 # layer without rotary (whatever the config says), so the file is made with 4 layers at its default.
@@ -30,6 +30,9 @@ CONVERTIBLE = {
     "phi3": dict(original_max_position_embeddings=64, rope_scaling={
         "rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
         "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]}),
+    # llama.cpp's graph makes every sixth layer global (the converter writes no pattern), and its
+    # converter trims the embedding to the tokenizer's size: the checkpoint has no padding rows.
+    "gemma3": dict(num_hidden_layers=6, sliding_window_pattern=6, vocab_size=len(build_tokenizer())),
 }
 MAX_MODEL_LEN = {"phi3": 64}
 
@@ -60,11 +63,13 @@ def test_the_gguf_of_llamacpps_converter_computes_as_transformers(converted, arc
     directory, f32, _ = converted(arch)
     from_gguf = load_model(f32, dtype=torch.float32, max_model_len=MAX_MODEL_LEN.get(arch))
     from_hf = load_model(directory, dtype=torch.float32, max_model_len=MAX_MODEL_LEN.get(arch))
-    assert from_gguf.arch.model_type == arch
+    assert from_gguf.arch.model_type == from_hf.arch.model_type
     assert (from_gguf.arch.rope.theta, from_gguf.arch.rope.rope_type) == (from_hf.arch.rope.theta, from_hf.arch.rope.rope_type)
     assert from_gguf.arch.rope.attention_factor == pytest.approx(from_hf.arch.rope.attention_factor)
+    local = [(r.theta, r.rope_type) if r else None for r in (from_gguf.arch.local_rope, from_hf.arch.local_rope)]
+    assert local[0] == local[1]
     for option in ("rope_layers", "embedding_multiplier", "residual_multiplier", "logits_scaling", "attention_multiplier",
-                   "rotary_dim", "sliding_window"):
+                   "rotary_dim", "sliding_window", "layer_windows", "hidden_act", "sandwich_norms"):
         assert getattr(from_gguf.arch, option) == pytest.approx(getattr(from_hf.arch, option)), option
     reference = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     with torch.no_grad():

@@ -61,6 +61,12 @@ ARCHITECTURES = {
         rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
                       "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0], "attention_factor": 1.2},
     )),
+    # Gemma 3: local layers (a window of 8 tokens, their own rotary base) and a global one, norms
+    # around each block, GELU, scaled embeddings; 3 layers, the second global.
+    "gemma3": ("Gemma3TextConfig", dict(
+        num_hidden_layers=3, head_dim=16, sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=16,
+        tie_word_embeddings=True, pad_token_id=None,
+    )),
     # Its second layer NoPE (no rotary), as every fourth of SmolLM3-3B's is.
     "smollm3": ("SmolLM3Config", dict(no_rope_layer_interval=2, rope_theta=5000000.0, pad_token_id=None)),
     # Granite 3's multipliers, of Granite-3.3-2B's sizes.
