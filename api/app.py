@@ -21,7 +21,14 @@ from cadenza.api.metrics import ServerMetrics
 from cadenza.api.openai.request_rules import API_DESCRIPTION, ServedLimits
 from cadenza.api.openai.schema import ModelList, openapi_schemas
 from cadenza.api.sessions.core import ContextPlugins, SessionCore
-from cadenza.api.state import ServerState, check_api_key, resolve_reasoning_parser, served_model_name, server_state
+from cadenza.api.state import (
+    ServerState,
+    check_api_key,
+    resolve_reasoning_parser,
+    resolve_tool_parser,
+    served_model_name,
+    server_state,
+)
 from cadenza.engine.async_engine import AsyncEngine
 from cadenza.runtime.served import Served
 
@@ -52,10 +59,11 @@ def create_app(runtime: Served, *, serve_engine: ServeEngine | None = None, shut
         async with serve_engine(
             shutdown_grace=shutdown_grace, max_pending_tokens=config.server.max_pending_tokens
         ) as engine:
-            reasoning = resolve_reasoning_parser(config.server.reasoning_parser, runtime.registries,
-                                                 engine.runtime.tokenizer.chat_template)
+            template = engine.runtime.tokenizer.chat_template
+            reasoning = resolve_reasoning_parser(config.server.reasoning_parser, runtime.registries, template)
+            tools = resolve_tool_parser(config.server.tool_parser, runtime.registries, template)
             app.state.server = ServerState(engine, config, served_model_name(config), ServerMetrics(engine.metrics),
-                                           reasoning_parser=reasoning)
+                                           reasoning_parser=reasoning, tool_parser=tools)
             engine.register_metrics(app.state.server.metrics.registry)
             # Context providers build their indexes here, once (a folder of documents, say).
             context_plugins = await anyio.to_thread.run_sync(ContextPlugins, config, runtime.registries)

@@ -14,6 +14,7 @@ from cadenza.config import CadenzaConfig
 from cadenza.engine.async_engine import AsyncEngine
 from cadenza.models.default_model import DEFAULT_MODEL_NAME
 from cadenza.parsers.reasoning import ReasoningParser, parser_name_for_template
+from cadenza.parsers.tool_calls import ToolParser, tool_parser_name_for_template
 from cadenza.runtime.registries import Registries
 
 
@@ -26,6 +27,14 @@ class ServerState:
     draining: bool = False
     # Splits chat answers' reasoning from their content (`server.reasoning_parser`); None: off.
     reasoning_parser: ReasoningParser | None = None
+    # The tool-call format (`server.tool_parser`), made anew for each request that offers tools.
+    tool_parser: type[ToolParser] | None = None
+
+
+def resolve_tool_parser(name: str, registries: Registries, chat_template: str | None) -> type[ToolParser]:
+    """The tool-call format `server.tool_parser` names, or (auto) the one the chat template's
+    text teaches its model."""
+    return registries.tool_parsers.get(tool_parser_name_for_template(chat_template) if name == "auto" else name)
 
 
 def resolve_reasoning_parser(name: str, registries: Registries, chat_template: str | None) -> ReasoningParser | None:

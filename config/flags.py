@@ -87,7 +87,8 @@ ALIASES: tuple[ConfigAlias, ...] = (
     ConfigAlias("speculative.method", "--speculative-method", "speculative_method"),
     ConfigAlias("speculative.num_tokens", "--num-speculative-tokens", "num_speculative_tokens"),
     ConfigAlias("speculative", None, "speculative_config"),  # vLLM's: {"method": "ngram", "num_tokens": 8}
-    ConfigAlias("server.reasoning_parser", keyword=None),  # vLLM's --reasoning-parser; the server's concern
+    ConfigAlias("server.reasoning_parser", keyword=None),
+    ConfigAlias("server.tool_parser", "--tool-call-parser", None),  # vLLM's flag  # vLLM's --reasoning-parser; the server's concern
     ConfigAlias("sampling.sampler", flag=None),
     ConfigAlias("sampling.logits_processors", flag=None),
     ConfigAlias("plugins", flag=None),

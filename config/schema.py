@@ -325,6 +325,12 @@ class ServerConfig(_Section):
         10.0, ge=0, description="Seconds running requests get to finish on SIGINT/SIGTERM before "
         "they are aborted.",
     )
+    tool_parser: str = Field(
+        "auto", min_length=1, description="The format the model writes tool calls in, parsed into "
+        "`tool_calls` and used to force a call (tool_choice required or named): a registered tool parser "
+        "(built-ins: hermes, llama3_json, mistral, qwen3_coder; plugins add more) or auto (chosen by the "
+        "chat template's text, hermes when it says nothing).",
+    )
     reasoning_parser: str = Field(
         "auto", min_length=1, description="How chat answers split the model's reasoning "
         "(`reasoning_content`, streamed as deltas too) from its answer (`content`): a registered reasoning "

@@ -1,9 +1,16 @@
-"""cadenza's own reasoning parsers, registered as any plugin registers its own."""
+"""cadenza's own reasoning and tool-call parsers, registered as any plugin registers its own."""
 
 from __future__ import annotations
 
 from cadenza.parsers.reasoning import DeepSeekR1ReasoningParser, Qwen3ReasoningParser, ThinkTagParser
+from cadenza.parsers.tool_calls import BUILTIN_TOOL_PARSERS
 from cadenza.plugins.hookspecs import Register, hookimpl
+
+
+@hookimpl
+def register_tool_parsers(register: Register) -> None:
+    for parser in BUILTIN_TOOL_PARSERS:
+        register(parser.name, parser)
 
 
 @hookimpl

@@ -55,5 +55,10 @@ def register_kv_connectors(register: Register) -> None:
 
 
 @hookspec
+def register_tool_parsers(register: Register) -> None:
+    """Register tool-call formats: `register(name, cls)`, cls a `ToolParser` subclass."""
+
+
+@hookspec
 def register_reasoning_parsers(register: Register) -> None:
     """Register reasoning parsers: `register(name, cls)`, cls a `ReasoningParser` subclass."""

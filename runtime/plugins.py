@@ -64,6 +64,8 @@ def resolve_plugins(config: CadenzaConfig, extra_plugins: Iterable[object] = ())
     configured.append(registries.kv_connectors.get(config.parallel.disaggregation.connector))
     if config.server.reasoning_parser not in ("auto", "none"):  # a name that does not exist fails start-up here
         configured.append(registries.reasoning_parsers.get(config.server.reasoning_parser))
+    if config.server.tool_parser != "auto":
+        configured.append(registries.tool_parsers.get(config.server.tool_parser))
     plugins.options = _validate_options(config.plugin_options, registries, configured)
     return plugins
 

@@ -81,6 +81,7 @@ class Registries:
     proposers: Registry
     kv_connectors: Registry
     reasoning_parsers: Registry
+    tool_parsers: Registry
     plugin_names: list[str]
 
 
@@ -88,6 +89,7 @@ def _new_registries() -> Registries:
     from cadenza.attention_backends.base import AttentionBackend
     from cadenza.kv_connectors.base import KVConnector
     from cadenza.parsers.reasoning import ReasoningParser
+    from cadenza.parsers.tool_calls import ToolParser
     from cadenza.policies.context import ContextPolicy, ContextProvider
     from cadenza.policies.eviction import EvictionPolicy
     from cadenza.samplers.base import LogitsProcessor, Sampler
@@ -103,6 +105,7 @@ def _new_registries() -> Registries:
         proposers=Registry("proposer", Proposer),
         kv_connectors=Registry("KV connector", KVConnector),
         reasoning_parsers=Registry("reasoning parser", ReasoningParser),
+        tool_parsers=Registry("tool parser", ToolParser),
         plugin_names=[],
     )
 
@@ -178,6 +181,7 @@ def collect_registries(pm: pluggy.PluginManager) -> Registries:
         ("register_proposers", _checked(registries.proposers)),
         ("register_kv_connectors", _checked(registries.kv_connectors)),
         ("register_reasoning_parsers", _checked(registries.reasoning_parsers)),
+        ("register_tool_parsers", _checked(registries.tool_parsers)),
     ]
     for hook_name, add in hooks:
         for impl in getattr(pm.hook, hook_name).get_hookimpls():

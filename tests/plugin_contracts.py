@@ -10,6 +10,7 @@ import inspect
 
 from cadenza.attention_backends.base import AttentionBackend
 from cadenza.parsers.reasoning import ReasoningParser, ReasoningStream
+from cadenza.parsers.tool_calls import ToolParser
 from cadenza.plugins import hookspecs
 from cadenza.policies.context import ContextPolicy, ContextProvider
 from cadenza.policies.eviction import EvictionPolicy
@@ -17,7 +18,7 @@ from cadenza.samplers.base import LogitsProcessor, Sampler
 from cadenza.speculative.base import Proposer
 
 CONTRACTS = (LogitsProcessor, Sampler, EvictionPolicy, AttentionBackend, ContextPolicy, ContextProvider, Proposer,
-             ReasoningParser, ReasoningStream)
+             ReasoningParser, ReasoningStream, ToolParser)
 _DUNDERS = ("__init__", "__len__")
 
 

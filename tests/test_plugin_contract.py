@@ -453,6 +453,59 @@ def test_a_reasoning_parser_plugin_written_from_the_contract_alone():
     assert deltas[0] == ReasoningDelta()  # half a line: nothing yet
 
 
+# --- tool parsers (each built-in against its family's real template in test_tool_calls.py) --------
+
+
+@covers("register_tool_parsers", "ToolParser.__init__", "ToolParser.name", "ToolParser.consume", "ToolParser.grammar",
+        "ToolParser.parse", "ToolParser.parse_forced")
+def test_a_tool_parser_plugin_written_from_the_contract_alone():
+    """A format no built-in knows (`CALL name {json}` lines), written against `ToolParser` only:
+    registered by its hook, it streams, parses, forces and reads a forced output cut short."""
+    import json
+
+    import llguidance
+
+    from cadenza.parsers.tool_calls import Consumed, ToolCall, ToolCallStream, ToolParser
+    from cadenza.plugins.hookspecs import hookimpl
+    from cadenza.runtime.registries import load_registries
+
+    class LineParser(ToolParser):
+        name = "line_test"
+
+        def consume(self, text, final):
+            lines = text.split("\n")
+            rest = "" if final else lines.pop()  # a line is judged when it is whole
+            calls = [ToolCall(line.split(" ", 2)[1], line.split(" ", 2)[2]) for line in lines if line.startswith("CALL ")]
+            content = "".join(line + "\n" for line in lines if not line.startswith("CALL "))
+            return Consumed(content, calls, rest)
+
+        def grammar(self, tools, parallel):
+            names = " | ".join(json.dumps(t["function"]["name"]) for t in tools)
+            return f'start: "CALL " name " " %json {{"type": "object"}}\nname: {names}\n'
+
+        def parse_forced(self, text, names):
+            _, name, arguments = (text.split(" ", 2) + ["", ""])[:3]
+            return [ToolCall(name if name in names else "", arguments)]
+
+    class Plugin:
+        @hookimpl
+        def register_tool_parsers(self, register):
+            register(LineParser.name, LineParser)
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    parser = load_registries(entry_points=False, extra_plugins=[Plugin()]).tool_parsers.get("line_test")(tools)
+    assert parser.tools == tools
+    content, calls = parser.parse('hello\nCALL f {"a": 1}')
+    assert content == "hello" and [(c.name, c.arguments) for c in calls] == [("f", '{"a": 1}')]
+    stream = ToolCallStream(parser)
+    assert stream.feed("hel", final=False) == ("", [])
+    text, got = stream.feed('lo\nCALL f {}', final=True)
+    assert text == "hello\n" and [c.name for c in got] == ["f"]
+    grammar = llguidance.LLMatcher.grammar_from_lark(parser.grammar(tools, parallel=False))
+    assert llguidance.LLMatcher.validate_grammar(grammar) == ""
+    assert parser.parse_forced('CALL f {"a": ', ["f"])[0].arguments == '{"a": '
+
+
 # --- meta: every hook and contract member has a test --------------------------------------------
 
 

@@ -154,7 +154,7 @@ def test_builtins_are_ordinary_plugins_and_name_their_module():
         "cadenza.policies.context": (registries.context_policies, ["drop_oldest", "error"]),
         "cadenza.speculative.builtins": (registries.proposers, ["draft", "ngram", "suffix"]),
         "cadenza.kv_connectors.builtins": (registries.kv_connectors, ["nixl", "torch_distributed"]),
-        "cadenza.parsers.builtins": (registries.reasoning_parsers, ["deepseek_r1", "qwen3", "think"]),
+        "cadenza.parsers.builtins": (registries.tool_parsers, ["hermes", "llama3_json", "mistral", "qwen3_coder"]),
     }
     assert set(expected) == set(DEFAULT_PLUGINS)
     for module, (registry, names) in expected.items():
@@ -491,6 +491,7 @@ def test_registries_hold_no_plugin_manager():
         "proposers",
         "kv_connectors",
         "reasoning_parsers",
+        "tool_parsers",
         "plugin_names",
     ]
     assert all(isinstance(name, str) for name in registries.plugin_names)
@@ -673,6 +674,35 @@ def test_reasoning_parsers_register_beside_the_builtins_and_must_be_parsers():
         load(Wrong())
 
 
+def test_tool_parsers_register_beside_the_builtins_and_must_be_parsers():
+    from cadenza.parsers.tool_calls import HermesToolParser
+
+    class Plugin:
+        @hookimpl
+        def register_tool_parsers(self, register):
+            class Tagged(HermesToolParser):
+                name, start, end = "tagged_test", "<call>", "</call>"
+
+            register(Tagged.name, Tagged)
+
+    registries = load(Plugin())
+    assert registries.tool_parsers.names() == ["hermes", "llama3_json", "mistral", "qwen3_coder", "tagged_test"]
+    assert registries.tool_parsers.source_of("mistral") == "cadenza.parsers.builtins"
+    parser = registries.tool_parsers.get("tagged_test")()
+    content, calls = parser.parse('Sure.<call>{"name": "f", "arguments": {}}</call>')
+    assert content == "Sure." and [c.name for c in calls] == ["f"]
+    with pytest.raises(UnknownNameError, match="known tool parsers: hermes, llama3_json, mistral, qwen3_coder"):
+        registries.tool_parsers.get("harmony")
+
+    class Wrong:
+        @hookimpl
+        def register_tool_parsers(self, register):
+            register("wrong_test", MRUPolicy)
+
+    with pytest.raises(PluginError, match="tool parser 'wrong_test'.*not a subclass of ToolParser"):
+        load(Wrong())
+
+
 # --- meta: every hook is tested and documented ---------------------------------------------------
 
 
@@ -695,6 +725,7 @@ def test_hookspecs_are_found():
         "register_proposers",
         "register_kv_connectors",
         "register_reasoning_parsers",
+        "register_tool_parsers",
     }
 
 

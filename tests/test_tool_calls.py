@@ -11,16 +11,18 @@ import llguidance
 import pytest
 from openai_fixtures import client, model, server  # noqa: F401 (fixtures)
 
-from cadenza.api.openai.tool_parsers import (
-    HermesToolParser,
-    Llama3JsonToolParser,
-    ToolCallStream,
-    get_tool_parser,
-    parser_for_template,
-)
-from cadenza.api.openai.tool_schemas import closed_arguments
 from cadenza.models.prompts import ChatPrompt, tokenize_prompt
 from cadenza.models.tokenizer import Tokenizer, load_hf_tokenizer
+from cadenza.parsers.tool_calls import (
+    HermesToolParser,
+    Llama3JsonToolParser,
+    MistralToolParser,
+    Qwen3CoderToolParser,
+    ToolCall,
+    ToolCallStream,
+    tool_parser_name_for_template,
+)
+from cadenza.parsers.tool_schemas import closed_arguments
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
@@ -69,21 +71,31 @@ def test_llama3_json_parses_calls_only_when_the_output_is_calls():
 
 
 def test_the_parser_follows_the_chat_template():
-    assert parser_for_template("{{ '<tool_call>' }}").name == "hermes"
-    assert parser_for_template("<|python_tag|>").name == "llama3_json"
-    assert parser_for_template(None).name == "hermes"
-    with pytest.raises(ValueError, match="known: hermes, llama3_json"):
-        get_tool_parser("nope")
+    assert tool_parser_name_for_template("{{ '<tool_call>' }}") == "hermes"
+    assert tool_parser_name_for_template("<|python_tag|>") == "llama3_json"
+    assert tool_parser_name_for_template("{{- '[TOOL_CALLS]' + name }}") == "mistral"
+    assert tool_parser_name_for_template("<tool_call>\n<function=f>") == "qwen3_coder"
+    assert tool_parser_name_for_template(None) == "hermes"
 
 
-@pytest.mark.parametrize("parser", [HermesToolParser(), Llama3JsonToolParser()])
+def _format(parser, name: str, arguments: dict) -> str:
+    """One call as `parser`'s format writes it."""
+    if parser.name == "hermes":
+        return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+    if parser.name == "llama3_json":
+        return json.dumps({"name": name, "parameters": arguments})
+    if parser.name == "mistral":
+        return f"[TOOL_CALLS]{name}[ARGS]{json.dumps(arguments)}"
+    body = "".join(f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n" for k, v in arguments.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+@pytest.mark.parametrize("parser", [HermesToolParser(), Llama3JsonToolParser(), MistralToolParser(), Qwen3CoderToolParser(TOOLS)])
 def test_the_forcing_grammar_accepts_the_format_and_nothing_else(parser):
     grammar = llguidance.LLMatcher.grammar_from_lark(parser.grammar(TOOLS, parallel=True))
     assert llguidance.LLMatcher.validate_grammar(grammar) == ""
     tokenizer = llguidance.LLTokenizer(_ByteTokenizer(), n_vocab=257, eos_token=256)
-    key = "parameters" if parser.name == "llama3_json" else "arguments"
-    good = json.dumps({"name": "get_weather", key: {"city": "Paris", "days": 3}})
-    text = f"<tool_call>\n{good}\n</tool_call>" if parser.name == "hermes" else good
+    text = _format(parser, "get_weather", {"city": "Paris", "days": 3})
     bad = text.replace("Paris", "Rome")
 
     def accepts(sentence: str) -> bool:
@@ -370,3 +382,86 @@ def test_a_forced_call_on_the_model_writes_only_declared_keys_once(client, model
     # The same model, the same seeds, under the schema with other keys allowed: it writes some.
     opened = [keys({**CITY, "additionalProperties": True}, seed) for seed in seeds]
     assert any(set(k) - {"city"} for k in opened), opened
+
+
+# --- each family's real chat template, as llama.cpp's source keeps them ---------------------------
+
+FAMILY_TEMPLATES = {
+    "Qwen-Qwen3-0.6B.jinja": "hermes",
+    "meta-llama-Llama-3.1-8B-Instruct.jinja": "llama3_json",
+    "mistralai-Mistral-Nemo-Instruct-2407.jinja": "mistral",
+    "Mistral-Small-3.2-24B-Instruct-2506.jinja": "mistral",
+    "Qwen3-Coder.jinja": "qwen3_coder",
+}
+PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "mistral": MistralToolParser,
+           "qwen3_coder": Qwen3CoderToolParser}
+
+
+@pytest.fixture(scope="module")
+def templates():
+    from cadenza.bench.peers.llamacpp_build import source_dir
+
+    return source_dir() / "models" / "templates"
+
+
+def _assistant_turn(template: str, calls: list[dict]) -> str:
+    """What the template writes for an assistant turn that makes `calls`: the render of the
+    conversation with that turn, less the render of the conversation up to it."""
+    from tiny_models import build_tokenizer
+
+    tokenizer = Tokenizer(backend=build_tokenizer().backend_tokenizer, eos_token_ids=(2,), chat_template=template,
+                          bos_token="<s>", eos_token="</s>")
+    question = [{"role": "user", "content": "Weather in Paris for 2 days, and the time in UTC?"}]
+    turn = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": f"call{i:05d}", "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+        for i, c in enumerate(calls)]}  # fmt: skip
+    before = tokenizer.apply_chat_template(question, add_generation_prompt=True, tools=TOOLS)
+    whole = tokenizer.apply_chat_template([*question, turn], add_generation_prompt=False, tools=TOOLS)
+    prefix = 0
+    while prefix < min(len(before), len(whole)) and before[prefix] == whole[prefix]:
+        prefix += 1
+    # The end-of-turn token the model stops on, which the detokenizer never shows.
+    return re.sub(r"(<\|eot_id\|>|</s>|<\|im_end\|>)\s*$", "", whole[prefix:])
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY_TEMPLATES))
+def test_each_family_template_teaches_its_format_and_its_calls_parse_back(templates, name):
+    template = (templates / name).read_text()
+    family = FAMILY_TEMPLATES[name]
+    assert tool_parser_name_for_template(template) == family
+    calls = [{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}, {"name": "get_time", "arguments": {"zone": "UTC"}}]
+    if family == "llama3_json":  # Llama 3.1's template takes one call a turn
+        calls = calls[:1]
+    turn = _assistant_turn(template, calls)
+    parser = PARSERS[family](TOOLS)
+    content, parsed = parser.parse(turn)
+    assert [(c.name, json.loads(c.arguments)) for c in parsed] == [(c["name"], c["arguments"]) for c in calls], turn
+    # What is left is the template's end of turn, not any of the calls.
+    assert content is None or "get_weather" not in content
+    # Streamed a character at a time, the same calls.
+    stream = ToolCallStream(PARSERS[family](TOOLS))
+    streamed = [call for i, ch in enumerate(turn) for call in stream.feed(ch, final=i == len(turn) - 1)[1]]
+    assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in parsed]
+
+
+def test_mistral_reads_both_of_its_syntaxes_and_refuses_what_is_neither():
+    parser = MistralToolParser()
+    listed = '[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "UTC"}, "id": "abc123xyz"}]'
+    inline = '[TOOL_CALLS]get_time[CALL_ID]abc123xyz[ARGS]{"zone": "UTC"}[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 1}'
+    assert [(c.name, json.loads(c.arguments)) for c in parser.parse(listed)[1]] == [("get_time", {"zone": "UTC"})]
+    assert [c.name for c in parser.parse(inline)[1]] == ["get_time", "get_weather"]
+    assert parser.parse("Sure. [TOOL_CALLS]not a call") == ("Sure. [TOOL_CALLS]not a call", [])
+    forced = parser.parse_forced('[TOOL_CALLS]get_weather[ARGS]{"city": "Par', ["get_weather", "get_time"])
+    assert forced == [ToolCall("get_weather", '{"city": "Par', id=forced[0].id)]
+
+
+def test_qwen3_coder_types_values_by_the_tools_schema():
+    text = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n"
+            "</parameter>\n</function>\n</tool_call>")
+    (call,) = Qwen3CoderToolParser(TOOLS).parse(text)[1]
+    assert json.loads(call.arguments) == {"city": "Paris", "days": 2}  # an integer where the schema says so
+    note = {"type": "function", "function": {"name": "note", "parameters": {"type": "object", "properties": {
+        "text": {"type": "string"}}}}}  # fmt: skip
+    (call,) = Qwen3CoderToolParser([note]).parse("<tool_call>\n<function=note>\n<parameter=text>\n42\n</parameter>\n"
+                                                 "</function>\n</tool_call>")[1]
+    assert json.loads(call.arguments) == {"text": "42"}  # a string stays a string, digits or not

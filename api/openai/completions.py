@@ -23,7 +23,6 @@ from cadenza.api.errors import APIError, engine_error, error_responses
 from cadenza.api.http_streaming import Emit, EventStreamResponse, parse_body, run_choices, sse, until_disconnected
 from cadenza.api.openai.protocol import ChatCompletionRequest, CompletionRequest, to_sampling_params
 from cadenza.api.openai.schema import ChatCompletionResponse, CompletionResponse, openapi_request_body
-from cadenza.api.openai.tool_parsers import ToolCallStream, ToolParser, parser_for_template
 from cadenza.api.openai.tool_schemas import check_tool_schemas
 from cadenza.api.state import ServerState, server_state
 from cadenza.engine.streams import GenerationOutput
@@ -31,6 +30,7 @@ from cadenza.models.prompts import ChatPrompt, PromptError
 from cadenza.models.tokenizer import ChatTemplateError
 from cadenza.outputs import TokenLogprob
 from cadenza.parsers.reasoning import ReasoningParser, ReasoningStream
+from cadenza.parsers.tool_calls import HermesToolParser, ToolCallStream, ToolParser
 from cadenza.samplers.vocab import token_bytes_lookup
 from cadenza.sampling_params import SamplingParams, StructuredOutputs
 
@@ -91,7 +91,7 @@ async def chat_completions(request: Request) -> Response:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     tokenizer = state.engine.runtime.tokenizer
     tools = req.active_tools()
-    parser = parser_for_template(tokenizer.chat_template) if tools else None
+    parser = (state.tool_parser or HermesToolParser)(tools) if tools else None
     structured, structured_param = req.structured()
     if req.tools:  # every tool's schema compiles, whatever tool_choice says
         await check_tool_schemas([t.function.parameters for t in req.tools])

@@ -6,9 +6,10 @@ grammar (llguidance's dialect, with `%json{...}` for each tool's argument schema
 model emit calls in that format, for `tool_choice` "required" or a named function.
 
 Built-in: `hermes` (Qwen 2.5/3, Hermes, many others: `<tool_call>{"name": ..., "arguments": ...}
-</tool_call>`) and `llama3_json` (Llama 3.1+: `{"name": ..., "parameters": ...}`, calls separated
-by `;`). `register_tool_parser` adds another; `parser_for_template` picks one from the chat
-template's text.
+</tool_call>`), `llama3_json` (Llama 3.1+: `{"name": ..., "parameters": ...}`, calls separated by
+`;`), `mistral` (`[TOOL_CALLS]`, as a JSON list or `name[ARGS]{...}`) and `qwen3_coder` (XML:
+`<function=f><parameter=p>`). They are plugins (`register_tool_parsers`, parsers/builtins.py);
+`tool_parser_name_for_template` picks one by the chat template's text.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Sequence
 
-from cadenza.api.openai.tool_schemas import closed_arguments
+from cadenza.parsers.tool_schemas import closed_arguments
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,9 +47,13 @@ class Consumed:
 
 
 class ToolParser(ABC):
-    """One model family's tool-call format."""
+    """One model family's tool-call format, made for one request: `tools` are the request's
+    (OpenAI function tools), for a format whose parsing depends on their schemas."""
 
     name: ClassVar[str]
+
+    def __init__(self, tools: Sequence[dict[str, Any]] | None = None) -> None:
+        self.tools = list(tools or ())
 
     @abstractmethod
     def consume(self, text: str, final: bool) -> Consumed:
@@ -248,37 +253,204 @@ class Llama3JsonToolParser(ToolParser):
         return f"{start}\ncall: {_json_rule(tools, 'parameters')}\n"
 
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {}
+class MistralToolParser(ToolParser):
+    """Mistral's calls after `[TOOL_CALLS]`: a JSON list of `{"name", "arguments"}` objects
+    (Mistral-Nemo, the v3 tokenizers), or `name[ARGS]{...}` per call, optionally with
+    `[CALL_ID]id` before `[ARGS]` (Mistral-Small-3.2, Devstral, Magistral). Text before the first
+    `[TOOL_CALLS]` is content."""
+
+    name = "mistral"
+    tag, args_tag, id_tag = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+
+    def consume(self, text: str, final: bool) -> Consumed:
+        begin = text.find(self.tag)
+        if begin < 0:
+            keep = 0 if final else _partial_suffix(text, self.tag)
+            return Consumed(text[: len(text) - keep], [], text[len(text) - keep :])
+        if not final:  # calls run to the end of the output: parsed once it is whole
+            return Consumed(text[:begin], [], text[begin:])
+        parsed = self._calls(text[begin:])
+        if parsed is None:  # not calls after all: show them as written
+            return Consumed(text, [], "")
+        calls, tail = parsed
+        return Consumed(text[:begin] + tail, calls, "")
+
+    def _calls(self, text: str) -> tuple[list[ToolCall], str] | None:
+        """(the calls of `text`, from its first tag, and what follows the last), or None."""
+        calls: list[ToolCall] = []
+        decoder, tail = json.JSONDecoder(), ""
+        blocks = text.split(self.tag)[1:]
+        for i, block in enumerate(blocks):
+            block = block.strip()
+            if block.startswith("["):  # a JSON list of calls
+                value_text = block
+                name = None
+            else:
+                head, found, value_text = block.partition(self.args_tag)
+                name = head.partition(self.id_tag)[0].strip()
+                if not found or not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+                    return None
+                value_text = value_text.strip()
+            try:
+                value, end = decoder.raw_decode(value_text)
+            except (json.JSONDecodeError, RecursionError):
+                return None
+            rest = value_text[end:]
+            if rest.strip() and i < len(blocks) - 1:
+                return None
+            tail = rest if i == len(blocks) - 1 else tail
+            if name is not None:
+                calls.append(ToolCall(name, json.dumps(value, ensure_ascii=False)))
+                continue
+            items = value if isinstance(value, list) else None
+            parsed = [_call_from_json(json.dumps(item), ("arguments", "parameters")) for item in items or [None]]
+            if not items or None in parsed:
+                return None
+            calls += parsed
+        return calls, tail
+
+    def parse_forced(self, text: str, names: Sequence[str]) -> list[ToolCall]:
+        calls = []
+        for block in text.split(self.tag)[1:] or [""]:
+            head, found, arguments = block.partition(self.args_tag)
+            written = head.partition(self.id_tag)[0].strip()
+            if found:
+                arguments = arguments.strip()
+                try:
+                    calls.append(ToolCall(written, json.dumps(json.loads(arguments), ensure_ascii=False)))
+                except (json.JSONDecodeError, RecursionError):  # cut short: the arguments so far
+                    calls.append(ToolCall(written, arguments))
+                continue
+            fitting = [n for n in names if n.startswith(written)]
+            calls.append(ToolCall(written if written in names else (fitting[0] if len(fitting) == 1 else ""), ""))
+        return calls
+
+    def grammar(self, tools: Sequence[dict[str, Any]], parallel: bool) -> str:
+        alternatives = " | ".join(f"call_{i}" for i in range(len(tools)))
+        rules = [
+            f"call_{i}: {_lark_string(self.tag + t['function']['name'] + self.args_tag)} "
+            f"%json {json.dumps(closed_arguments(t['function'].get('parameters')), ensure_ascii=False)}"
+            for i, t in enumerate(tools)
+        ]
+        start = "start: call call*" if parallel else "start: call"
+        return "\n".join([start, f"call: {alternatives}", *rules]) + "\n"
 
 
-def register_tool_parser(cls: type[ToolParser]) -> type[ToolParser]:
-    """Make a format available by its `name` (usable as a class decorator)."""
-    if cls.name in TOOL_PARSERS and TOOL_PARSERS[cls.name] is not cls:
-        raise ValueError(f"tool parser {cls.name!r} is registered twice")
-    TOOL_PARSERS[cls.name] = cls
-    return cls
+class Qwen3CoderToolParser(ToolParser):
+    """Qwen3-Coder's XML calls: `<tool_call>\n<function=f>\n<parameter=p>\nvalue\n</parameter>\n
+    </function>\n</tool_call>`. A value is the parameter's text; where the tool's schema (the
+    request's `tools`) says the parameter is not a string, its JSON."""
+
+    name = "qwen3_coder"
+    start, end = "<tool_call>", "</tool_call>"
+    _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|\Z)", re.S)
+    _PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+
+    def __init__(self, tools: Sequence[dict[str, Any]] | None = None) -> None:
+        super().__init__(tools)
+        self.schemas = {t["function"]["name"]: (t["function"].get("parameters") or {}).get("properties") or {}
+                        for t in tools or ()}
+
+    def _value(self, function: str, parameter: str, text: str) -> Any:
+        if _is_text(self.schemas.get(function, {}).get(parameter)):
+            return text
+        try:
+            return json.loads(text)
+        except (json.JSONDecodeError, RecursionError):
+            return text
+
+    def _call(self, body: str) -> ToolCall | None:
+        match = self._FUNCTION.search(body)
+        if match is None:
+            return None
+        function = match.group(1).strip()
+        arguments = {p.strip(): self._value(function, p.strip(), v) for p, v in self._PARAMETER.findall(match.group(2))}
+        return ToolCall(function, json.dumps(arguments, ensure_ascii=False))
+
+    def consume(self, text: str, final: bool) -> Consumed:
+        content, calls = [], []
+        while True:
+            begin = text.find(self.start)
+            if begin < 0:
+                keep = 0 if final else _partial_suffix(text, self.start)
+                content.append(text[: len(text) - keep])
+                return Consumed("".join(content), calls, text[len(text) - keep :])
+            content.append(text[:begin])
+            stop = text.find(self.end, begin)
+            if stop < 0 and not final:
+                return Consumed("".join(content), calls, text[begin:])
+            body = text[begin + len(self.start) : stop if stop >= 0 else len(text)]
+            call = self._call(body)
+            if call is None:
+                content.append(text[begin : stop + len(self.end) if stop >= 0 else len(text)])
+            else:
+                calls.append(call)
+            text = text[stop + len(self.end) :] if stop >= 0 else ""
+
+    def parse_forced(self, text: str, names: Sequence[str]) -> list[ToolCall]:
+        calls = []
+        for block in text.split(self.start)[1:] or [""]:
+            call = self._call(block)
+            if call is None:
+                written = block.partition("<function=")[2].partition(">")[0].strip()
+                fitting = [n for n in names if n.startswith(written)]
+                call = ToolCall(fitting[0] if len(fitting) == 1 else "", "")
+            calls.append(call)
+        return calls
+
+    def grammar(self, tools: Sequence[dict[str, Any]], parallel: bool) -> str:
+        rules, alternatives = [], []
+        for i, tool in enumerate(tools):
+            function = tool["function"]
+            schema = closed_arguments(function.get("parameters"))
+            required = set(schema.get("required") or ())
+            parts = []
+            for j, (parameter, spec) in enumerate((schema.get("properties") or {}).items()):
+                value = _text_rule(spec) if _is_text(spec) else f"%json {json.dumps(spec or {}, ensure_ascii=False)}"
+                rules.append(f"param_{i}_{j}: {_lark_string(f'<parameter={parameter}>' + chr(10))} {value} "
+                             f"{_lark_string(chr(10) + '</parameter>' + chr(10))}")
+                parts.append(f"param_{i}_{j}" + ("" if parameter in required else "?"))
+            body = " ".join(parts)
+            rules.append(f"call_{i}: {_lark_string(self.start + chr(10) + '<function=' + function['name'] + '>' + chr(10))} "
+                         f"{body} {_lark_string('</function>' + chr(10) + self.end)}")
+            alternatives.append(f"call_{i}")
+        start = 'start: call ("\\n" call)*' if parallel else "start: call"
+        return "\n".join([start, f"call: {' | '.join(alternatives)}", *rules, 'text: /[^<]*/']) + "\n"
 
 
-def get_tool_parser(name: str) -> ToolParser:
-    try:
-        return TOOL_PARSERS[name]()
-    except KeyError:
-        raise ValueError(f"no tool parser named {name!r}; known: {', '.join(sorted(TOOL_PARSERS))}") from None
+def _is_text(spec: Any) -> bool:
+    """Whether a parameter's schema takes only strings, which Qwen3-Coder writes bare (others: JSON)."""
+    if not isinstance(spec, dict):
+        return False
+    if spec.get("type") == "string":
+        return True
+    choices = spec.get("enum", [spec["const"]] if "const" in spec else None)
+    return bool(choices) and all(isinstance(c, str) for c in choices)
 
 
-register_tool_parser(HermesToolParser)
-register_tool_parser(Llama3JsonToolParser)
+def _text_rule(spec: dict[str, Any]) -> str:
+    choices = spec.get("enum", [spec["const"]] if "const" in spec else None)
+    return "(" + " | ".join(_lark_string(c) for c in choices) + ")" if choices else "text"
+
+
+BUILTIN_TOOL_PARSERS = (HermesToolParser, Llama3JsonToolParser, MistralToolParser, Qwen3CoderToolParser)
 
 # Markers a chat template's text carries for its family's format, checked in order.
-_TEMPLATE_MARKERS = ((re.compile(r"<tool_call>"), "hermes"), (re.compile(r"<\|python_tag\|>|\"parameters\""), "llama3_json"))
+_TEMPLATE_MARKERS = (
+    (re.compile(r"<function="), "qwen3_coder"),
+    (re.compile(r"<tool_call>"), "hermes"),
+    (re.compile(r"\[TOOL_CALLS\]"), "mistral"),
+    (re.compile(r"<\|python_tag\|>|\"parameters\""), "llama3_json"),
+)
 
 
-def parser_for_template(chat_template: str | None) -> ToolParser:
-    """The format a chat template teaches its model; Hermes (the most common) when it says none."""
+def tool_parser_name_for_template(chat_template: str | None) -> str:
+    """The format a chat template teaches its model, by its registered name; Hermes (the most
+    common) when it says none."""
     for pattern, name in _TEMPLATE_MARKERS:
         if chat_template and pattern.search(chat_template):
-            return get_tool_parser(name)
-    return get_tool_parser("hermes")
+            return name
+    return "hermes"
 
 
 class ToolCallStream:
