@@ -310,6 +310,8 @@ class MistralToolParser(ToolParser):
         return calls, tail
 
     def parse_forced(self, text: str, names: Sequence[str]) -> list[ToolCall]:
+        if not _begins(text, self.tag):
+            return []  # not even the start of a call yet
         calls = []
         for block in text.split(self.tag)[1:] or [""]:
             head, found, arguments = block.partition(self.args_tag)
@@ -388,6 +390,8 @@ class Qwen3CoderToolParser(ToolParser):
             text = text[stop + len(self.end) :] if stop >= 0 else ""
 
     def parse_forced(self, text: str, names: Sequence[str]) -> list[ToolCall]:
+        if not _begins(text, self.start):
+            return []  # not even the start of a call yet
         calls = []
         for block in text.split(self.start)[1:] or [""]:
             call = self._call(block)
@@ -416,6 +420,11 @@ class Qwen3CoderToolParser(ToolParser):
             alternatives.append(f"call_{i}")
         start = 'start: call ("\\n" call)*' if parallel else "start: call"
         return "\n".join([start, f"call: {' | '.join(alternatives)}", *rules, 'text: /[^<]*/']) + "\n"
+
+
+def _begins(text: str, marker: str) -> bool:
+    """Whether `text` holds `marker`, or is (blanks aside) the start of it."""
+    return marker in text or bool(text.strip()) and marker.startswith(text.strip())
 
 
 def _is_text(spec: Any) -> bool:

@@ -465,3 +465,41 @@ def test_qwen3_coder_types_values_by_the_tools_schema():
     (call,) = Qwen3CoderToolParser([note]).parse("<tool_call>\n<function=note>\n<parameter=text>\n42\n</parameter>\n"
                                                  "</function>\n</tool_call>")[1]
     assert json.loads(call.arguments) == {"text": "42"}  # a string stays a string, digits or not
+
+
+@pytest.fixture(scope="module", params=["Qwen3-Coder.jinja", "Mistral-Small-3.2-24B-Instruct-2506.jinja"])
+def family_server(request, tmp_path_factory, templates):
+    """The tiny model served with a family's real chat template, whose format the server picks."""
+    import openai
+    from server_process import running_server
+    from tiny_models import build_tiny_model
+
+    # The templates' tool preambles are long in the tiny byte-level vocabulary: a longer context.
+    directory = build_tiny_model(tmp_path_factory.mktemp("family-template") / "model", "llama3",
+                                 max_position_embeddings=4096)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    (directory / "chat_template.jinja").write_text((templates / request.param).read_text())
+    with running_server(directory) as server:
+        with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as client:
+            yield client, client.models.list().data[0].id, FAMILY_TEMPLATES[request.param]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_call_in_the_family_s_own_syntax_through_the_sdk(family_server, stream):
+    """tool_choice required: the grammar makes the model write a call in the template's syntax,
+    and the server parses it back into `tool_calls`."""
+    client, model, family = family_server
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    kwargs = dict(model=model, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=200, temperature=1.0)
+    if stream:
+        content, calls, reason = _accumulate(client.chat.completions.create(messages=messages, stream=True, **kwargs))
+    else:
+        (choice,) = client.chat.completions.create(messages=messages, **kwargs).choices
+        reason, content = choice.finish_reason, choice.message.content
+        calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments} for c in choice.message.tool_calls]
+    assert reason == "tool_calls" and not content and len(calls) == 1, family
+    arguments = json.loads(calls[0]["arguments"])
+    assert calls[0]["name"] in ("get_weather", "get_time")
+    assert arguments in ({"zone": "UTC"}, {"zone": "CET"}) or (arguments["city"] in ("Paris", "Tokyo") and 1 <= arguments["days"] <= 3)
