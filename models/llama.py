@@ -182,8 +182,8 @@ class DecoderLayer(nn.Module):
     def fuse(self, kernels, rotary: RotaryEmbedding) -> None:
         """Run steps under the kernels' row threshold through `DecoderLayerKernel`: two calls a
         layer around the attention backend. Needs bf16 projections (`DualPrecisionLinear`) or
-        quantized ones of one block type each (`QuantizedLinear`), a dense MLP, rotary, and no
-        q/k norms, clipping or residual multiplier; otherwise
+        quantized ones of one block type each (`QuantizedLinear`), a dense MLP, rotary, q/k norms
+        per head or none, and no clipping or residual multiplier; otherwise
         (or with `kernels` None) the modules run one by one."""
         attn, mlp = self.self_attn, self.mlp
         if isinstance(mlp, SparseMoE):
@@ -192,7 +192,8 @@ class DecoderLayer(nn.Module):
         cfg = self.cfg
         plain = (not attn.rotates or cfg.rotary_dim is not None or cfg.residual_multiplier != 1.0 or cfg.sandwich_norms
                  or cfg.norm_offset or cfg.hidden_act != "silu" or cfg.layer_windows is not None)
-        if kernels is None or self.cfg.qk_norm or self.cfg.clip_qkv is not None or plain or not isinstance(mlp, MLP):
+        if kernels is None or cfg.qk_norm not in (None, False, "head") or cfg.clip_qkv is not None or plain \
+                or not isinstance(mlp, MLP):
             self.fused, self.fused_max_rows = None, 0
             return
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
@@ -207,6 +208,8 @@ class DecoderLayer(nn.Module):
             rotary.cos_table, rotary.sin_table,
             self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim, self.cfg.rms_norm_eps,
             *(qtype for _, qtype in weights),
+            q_norm=attn.q_norm.weight_f32 if cfg.qk_norm else None,
+            k_norm=attn.k_norm.weight_f32 if cfg.qk_norm else None,
         )  # fmt: skip
         self.fused_max_rows = min(m.min_rows for m in linears) - 1
 

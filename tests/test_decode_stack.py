@@ -101,3 +101,24 @@ def test_a_chunk_of_rows_equals_the_decode_steps_it_stands_for(runtime):
     chunk, chunk_neighbour = run(32, chunked=True)
     assert torch.equal(chunk[0], decoded[0])  # the chunk's last row = the last of the decode steps
     assert torch.equal(chunk_neighbour, decoded_neighbour)
+
+
+def test_qwen3_s_q_and_k_norms_run_inside_the_fused_layer(kernels, tiny_model_dir):
+    """Qwen3 normalises each query and key head before rotary; the fused layer kernel does it too
+    (kernels/cpu/decode_layer.h), so a decode step's logits equal the modules' one by one."""
+    from model_forward import prefill_logits
+
+    from cadenza.models.loading import load_model
+
+    loaded = load_model(tiny_model_dir("qwen3"), dtype=torch.bfloat16, quantization="int8", cpu_kernels="auto")
+    assert all(layer.fused is not None for layer in loaded.model.layers)
+    tokens = [7, 99, 123]
+    fused = prefill_logits(loaded, tokens)
+    kept = [(layer.fused, layer.fused_max_rows) for layer in loaded.model.layers]
+    for layer in loaded.model.layers:
+        layer.fused, layer.fused_max_rows = None, 0
+    loaded.model.fused_stack = None
+    one_by_one = prefill_logits(loaded, tokens)
+    for layer, (fused_layer, rows) in zip(loaded.model.layers, kept):
+        layer.fused, layer.fused_max_rows = fused_layer, rows
+    torch.testing.assert_close(fused, one_by_one, rtol=1e-5, atol=1e-5)

@@ -419,8 +419,10 @@ class DecoderLayerKernel {
                      OptionalTensor o_bias, Tensor post_norm, Tensor gate_up_weight, OptionalTensor gate_up_bias,
                      Tensor down_weight, OptionalTensor down_bias, Tensor cos_table, Tensor sin_table,
                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, int64_t qkv_type,
-                     int64_t o_type, int64_t gate_up_type, int64_t down_type)
-      : input_norm_(std::move(input_norm)), post_norm_(std::move(post_norm)), cos_table_(std::move(cos_table)),
+                     int64_t o_type, int64_t gate_up_type, int64_t down_type, OptionalTensor q_norm,
+                     OptionalTensor k_norm)
+      : input_norm_(std::move(input_norm)), post_norm_(std::move(post_norm)), q_norm_(std::move(q_norm)),
+        k_norm_(std::move(k_norm)), cos_table_(std::move(cos_table)),
         sin_table_(std::move(sin_table)), qkv_{std::move(qkv_weight), std::move(qkv_bias), qkv_type},
         o_{std::move(o_weight), std::move(o_bias), o_type},
         gate_up_{std::move(gate_up_weight), std::move(gate_up_bias), gate_up_type},
@@ -437,6 +439,13 @@ class DecoderLayerKernel {
                     2 * down_.in_features() == gate_up_.out_features(),
                 "down_proj weight must be [hidden, intermediate]");
     TORCH_CHECK(post_norm_.numel() == hidden, "the two norms must have one weight per hidden feature");
+    TORCH_CHECK(q_norm_.has_value() == k_norm_.has_value(), "q and k norms come together or not at all");
+    if (q_norm_.has_value()) {
+      for (const Tensor* norm : {&*q_norm_, &*k_norm_}) {
+        TORCH_CHECK(norm->scalar_type() == at::kFloat && norm->is_contiguous() && norm->numel() == head_dim,
+                    "q and k norms must be contiguous float32 [head_dim] tensors");
+      }
+    }
     // Every product is checked once here rather than on each call.
     qkv_.check(hidden);
     gate_up_.check(hidden);
@@ -450,6 +459,8 @@ class DecoderLayerKernel {
     const auto floats = [](const Tensor& t) { return static_cast<const float*>(t.data_ptr()); };
     return {floats(input_norm_),
             floats(post_norm_),
+            q_norm_.has_value() ? floats(*q_norm_) : nullptr,
+            k_norm_.has_value() ? floats(*k_norm_) : nullptr,
             qkv_.plain(),
             o_.plain(),
             gate_up_.plain(),
@@ -508,7 +519,9 @@ class DecoderLayerKernel {
                 "h must be a contiguous float32 [tokens, hidden] tensor");
   }
 
-  Tensor input_norm_, post_norm_, cos_table_, sin_table_;
+  Tensor input_norm_, post_norm_;
+  OptionalTensor q_norm_, k_norm_;
+  Tensor cos_table_, sin_table_;
   Projection qkv_, o_, gate_up_, down_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_;
@@ -599,7 +612,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecoderLayerKernel>(m, "DecoderLayerKernel")
       .def(py::init<Tensor, Tensor, OptionalTensor, Tensor, OptionalTensor, Tensor, Tensor, OptionalTensor, Tensor,
                     OptionalTensor, Tensor, Tensor, int64_t, int64_t, int64_t, double, int64_t, int64_t, int64_t,
-                    int64_t>())
+                    int64_t, OptionalTensor, OptionalTensor>(),
+           py::arg("input_norm"), py::arg("qkv_weight"), py::arg("qkv_bias"), py::arg("o_weight"), py::arg("o_bias"),
+           py::arg("post_norm"), py::arg("gate_up_weight"), py::arg("gate_up_bias"), py::arg("down_weight"),
+           py::arg("down_bias"), py::arg("cos_table"), py::arg("sin_table"), py::arg("num_heads"),
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("qkv_type"), py::arg("o_type"),
+           py::arg("gate_up_type"), py::arg("down_type"), py::arg("q_norm") = py::none(),
+           py::arg("k_norm") = py::none())
       .def("attention_input", &DecoderLayerKernel::attention_input,
            "(q, k, v) of h: input norm, fused projection, rotary", release())
       .def("finish_", &DecoderLayerKernel::finish_, "h += attention output and MLP, in place", release());

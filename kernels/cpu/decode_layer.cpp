@@ -51,6 +51,14 @@ void layer_attention_input(const DecoderLayer& layer, const float* h, int64_t T,
   float* x = normed.get(T * hidden);
   rms_norm(in_rows(h, T, hidden), layer.input_norm, layer.eps, out_rows(x, T, hidden));
   project(layer.qkv, in_rows(x, T, hidden), out_rows(qkv, T, width), false);
+  if (layer.q_norm != nullptr) {  // each head of each row, in place (rms_norm reads a row before it writes it)
+    const int64_t H = layer.num_heads, KVH = layer.num_kv_heads, D = layer.head_dim;
+    for (int64_t t = 0; t < T; ++t) {
+      float* q = qkv + t * width;
+      rms_norm(In{q, H, D, D}, layer.q_norm, layer.eps, Out{q, H, D, D});
+      rms_norm(In{q + H * D, KVH, D, D}, layer.k_norm, layer.eps, Out{q + H * D, KVH, D, D});
+    }
+  }
   // q and k side by side: one pass
   rotary(qkv, T, layer.num_heads + layer.num_kv_heads, layer.head_dim, width, positions, layer.rotary);
 }

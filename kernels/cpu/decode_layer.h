@@ -18,10 +18,13 @@
 namespace cadenza {
 
 // A layer's weights: float32 norms [hidden], projections (bf16 or raw GGUF blocks, see `Weight`)
-// qkv [(H + 2 KVH) D, hidden], o [hidden, H D], gate_up [2 I, hidden], down [hidden, I].
+// qkv [(H + 2 KVH) D, hidden], o [hidden, H D], gate_up [2 I, hidden], down [hidden, I]; and
+// Qwen3's RMSNorms of each query and key head [D] before rotary (nullptr: none).
 struct DecoderLayer {
   const float* input_norm;
   const float* post_norm;
+  const float* q_norm;
+  const float* k_norm;
   Weight qkv, o, gate_up, down;
   RotaryTables rotary;
   int64_t hidden, num_heads, num_kv_heads, head_dim;
@@ -31,7 +34,8 @@ struct DecoderLayer {
 };
 
 // qkv [T, qkv_features] (contiguous) = the fused projection of input_norm(h) for h [T, hidden]
-// (contiguous), rotary at positions [T] applied to its q and k heads.
+// (contiguous), its q and k heads normed (where the layer has q/k norms), then rotary at
+// positions [T] applied to them.
 void layer_attention_input(const DecoderLayer& layer, const float* h, int64_t T, const int64_t* positions, float* qkv);
 
 // h += o_proj(attn); h += down(SiLU(gate) * up) of post_norm(h): the residual stream, in place.
