@@ -192,26 +192,29 @@ class DecoderLayer(nn.Module):
         cfg = self.cfg
         plain = (not attn.rotates or cfg.rotary_dim is not None or cfg.residual_multiplier != 1.0 or cfg.sandwich_norms
                  or cfg.norm_offset or cfg.hidden_act != "silu" or cfg.layer_windows is not None)
-        if kernels is None or cfg.qk_norm not in (None, False, "head") or cfg.clip_qkv is not None or plain \
-                or not isinstance(mlp, MLP):
+        if kernels is None or cfg.qk_norm not in (None, False, "head") or cfg.clip_qkv is not None or plain:
             self.fused, self.fused_max_rows = None, 0
             return
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        # A mixture's layer fuses its attention half; its experts run apart (models/moe.py).
+        dense = isinstance(mlp, MLP)
+        linears = (attn.qkv_proj, attn.o_proj, *((mlp.gate_up_proj, mlp.down_proj) if dense else ()))
         if not all(_fusable(m) for m in linears):
             self.fused, self.fused_max_rows = None, 0
             return
-        weights = [_fused_weight(m) for m in linears]
+        weights = [_fused_weight(m) for m in linears] + [(None, -1)] * (0 if dense else 2)
         self.fused = kernels.DecoderLayerKernel(
             self.input_layernorm.weight_f32, weights[0][0], attn.qkv_proj.bias_f32,
             weights[1][0], attn.o_proj.bias_f32, self.post_attention_layernorm.weight_f32,
-            weights[2][0], mlp.gate_up_proj.bias_f32, weights[3][0], mlp.down_proj.bias_f32,
+            weights[2][0], mlp.gate_up_proj.bias_f32 if dense else None,
+            weights[3][0], mlp.down_proj.bias_f32 if dense else None,
             rotary.cos_table, rotary.sin_table,
             self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim, self.cfg.rms_norm_eps,
             *(qtype for _, qtype in weights),
             q_norm=attn.q_norm.weight_f32 if cfg.qk_norm else None,
             k_norm=attn.k_norm.weight_f32 if cfg.qk_norm else None,
         )  # fmt: skip
-        self.fused_max_rows = min(m.min_rows for m in linears) - 1
+        moe_rows = mlp.fused_max_rows if isinstance(mlp, SparseMoE) else 1 << 30
+        self.fused_max_rows = min(min(m.min_rows for m in linears) - 1, moe_rows)
 
     def uses_fused(self, h: torch.Tensor, rotary: StepRotary) -> bool:
         """Whether a step of `h` runs through the fused kernel: few rows, and (rotary.on_kernels)
@@ -223,7 +226,7 @@ class DecoderLayer(nn.Module):
         if self.uses_fused(h, rotary):
             q, k, v = self.fused.attention_input(h, rotary.positions)
             self.fused.finish_(h, backend.forward(q, k, v, kv_cache, meta))
-            return h
+            return h if self.fused.has_mlp else self.mlp(self.post_attention_layernorm(h), h)
         if self.cfg.sandwich_norms:
             h = self.self_attn(self.input_layernorm(h), h, rotary, kv_cache, meta, backend, self.post_attention_layernorm)
             return self.mlp(self.pre_feedforward_layernorm(h), h, self.post_feedforward_layernorm)
@@ -283,8 +286,8 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             layer.fuse(kernels, self.rotary)
         fused = [layer.fused for layer in self.layers]
-        # Every layer on the fused kernel: a decode step can run them all in one call.
-        self.fused_stack = fused if fused and all(f is not None for f in fused) else None
+        # Every layer whole on the fused kernel: a decode step can run them all in one call.
+        self.fused_stack = fused if fused and all(f is not None and f.has_mlp for f in fused) else None
 
     @torch.inference_mode()
     def forward(

@@ -225,3 +225,22 @@ def test_the_experts_kernel_refuses_a_bad_expert_id(kernels, tiny_model_dir):
     x = torch.zeros(1, loaded.arch.hidden_size)
     with pytest.raises(RuntimeError, match="expert id 8 out of 8"):
         moe.fused.add_(x.clone(), x, torch.tensor([[0, 8]]), torch.ones(1, 2))
+
+
+def test_a_mixture_layer_fuses_its_attention_half(kernels, tiny_model_dir):
+    """A mixture's layer runs its attention through the fused layer kernel (norms, q/k norms,
+    rotary, o_proj in two calls) and its experts apart; logits equal the modules' one by one."""
+    loaded = load_model(tiny_model_dir("qwen3_moe"), dtype=torch.bfloat16, quantization="int8", cpu_kernels="auto")
+    layers = loaded.model.layers
+    assert layers[0].fused is not None and not layers[0].fused.has_mlp  # the mixture's layer: attention only
+    assert layers[1].fused is not None and layers[1].fused.has_mlp  # the dense layer: whole
+    assert loaded.model.fused_stack is None  # a stack needs whole layers
+    tokens = [7, 99, 123]
+    fused = prefill_logits(loaded, tokens)
+    kept = [(layer.fused, layer.fused_max_rows) for layer in layers]
+    for layer in layers:
+        layer.fused, layer.fused_max_rows = None, 0
+    one_by_one = prefill_logits(loaded, tokens)
+    for layer, (kernel, rows) in zip(layers, kept):
+        layer.fused, layer.fused_max_rows = kernel, rows
+    torch.testing.assert_close(fused, one_by_one, rtol=1e-5, atol=1e-5)

@@ -416,8 +416,8 @@ class DecoderLayerKernel {
   // `Projection`; float32 norms and biases). The *_type arguments are each projection's GGML
   // type, -1 for bf16.
   DecoderLayerKernel(Tensor input_norm, Tensor qkv_weight, OptionalTensor qkv_bias, Tensor o_weight,
-                     OptionalTensor o_bias, Tensor post_norm, Tensor gate_up_weight, OptionalTensor gate_up_bias,
-                     Tensor down_weight, OptionalTensor down_bias, Tensor cos_table, Tensor sin_table,
+                     OptionalTensor o_bias, Tensor post_norm, OptionalTensor gate_up_weight, OptionalTensor gate_up_bias,
+                     OptionalTensor down_weight, OptionalTensor down_bias, Tensor cos_table, Tensor sin_table,
                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, int64_t qkv_type,
                      int64_t o_type, int64_t gate_up_type, int64_t down_type, OptionalTensor q_norm,
                      OptionalTensor k_norm)
@@ -425,19 +425,23 @@ class DecoderLayerKernel {
         k_norm_(std::move(k_norm)), cos_table_(std::move(cos_table)),
         sin_table_(std::move(sin_table)), qkv_{std::move(qkv_weight), std::move(qkv_bias), qkv_type},
         o_{std::move(o_weight), std::move(o_bias), o_type},
-        gate_up_{std::move(gate_up_weight), std::move(gate_up_bias), gate_up_type},
-        down_{std::move(down_weight), std::move(down_bias), down_type}, num_heads_(num_heads),
+        gate_up_{gate_up_weight.has_value() ? *gate_up_weight : at::empty({0, 0}), std::move(gate_up_bias), gate_up_type},
+        down_{down_weight.has_value() ? *down_weight : at::empty({0, 0}), std::move(down_bias), down_type},
+        has_mlp_(gate_up_weight.has_value()), num_heads_(num_heads),
         num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps) {
     const int64_t hidden = input_norm_.numel(), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
     TORCH_CHECK(qkv_.w.dim() == 2 && qkv_.out_features() == q_size + 2 * kv_size && qkv_.in_features() == hidden,
                 "qkv weight must be [q_size + 2 * kv_size, hidden]");
     TORCH_CHECK(o_.w.dim() == 2 && o_.out_features() == hidden && o_.in_features() == q_size,
                 "o_proj weight must be [hidden, q_size]");
-    TORCH_CHECK(gate_up_.w.dim() == 2 && gate_up_.in_features() == hidden && gate_up_.out_features() % 2 == 0,
-                "gate_up weight must be [2 * intermediate, hidden]");
-    TORCH_CHECK(down_.w.dim() == 2 && down_.out_features() == hidden &&
-                    2 * down_.in_features() == gate_up_.out_features(),
-                "down_proj weight must be [hidden, intermediate]");
+    TORCH_CHECK(gate_up_weight.has_value() == down_weight.has_value(), "gate_up and down come together or not at all");
+    if (has_mlp_) {
+      TORCH_CHECK(gate_up_.w.dim() == 2 && gate_up_.in_features() == hidden && gate_up_.out_features() % 2 == 0,
+                  "gate_up weight must be [2 * intermediate, hidden]");
+      TORCH_CHECK(down_.w.dim() == 2 && down_.out_features() == hidden &&
+                      2 * down_.in_features() == gate_up_.out_features(),
+                  "down_proj weight must be [hidden, intermediate]");
+    }
     TORCH_CHECK(post_norm_.numel() == hidden, "the two norms must have one weight per hidden feature");
     TORCH_CHECK(q_norm_.has_value() == k_norm_.has_value(), "q and k norms come together or not at all");
     if (q_norm_.has_value()) {
@@ -448,9 +452,11 @@ class DecoderLayerKernel {
     }
     // Every product is checked once here rather than on each call.
     qkv_.check(hidden);
-    gate_up_.check(hidden);
     o_.check(q_size);
-    down_.check(down_.in_features());
+    if (has_mlp_) {
+      gate_up_.check(hidden);
+      down_.check(down_.in_features());
+    }
     // The norms and tables are checked on each call (`check_attention_input`, `check_post_norm`).
   }
 
@@ -463,8 +469,8 @@ class DecoderLayerKernel {
             k_norm_.has_value() ? floats(*k_norm_) : nullptr,
             qkv_.plain(),
             o_.plain(),
-            gate_up_.plain(),
-            down_.plain(),
+            has_mlp_ ? gate_up_.plain() : cadenza::Weight{nullptr, 0, 0, -1, nullptr},
+            has_mlp_ ? down_.plain() : cadenza::Weight{nullptr, 0, 0, -1, nullptr},
             {floats(cos_table_), floats(sin_table_), cos_table_.dim() > 0 ? cos_table_.size(0) : 0},
             input_norm_.numel(),
             num_heads_,
@@ -512,6 +518,8 @@ class DecoderLayerKernel {
 
   void check_post_norm() const { check_f32_rows(post_norm_, "weight"); }
 
+  bool has_mlp() const { return has_mlp_; }
+
  private:
   void check_hidden(const Tensor& h) const {
     check_f32_rows(h, "h");
@@ -523,6 +531,7 @@ class DecoderLayerKernel {
   OptionalTensor q_norm_, k_norm_;
   Tensor cos_table_, sin_table_;
   Projection qkv_, o_, gate_up_, down_;
+  bool has_mlp_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_;
 };
@@ -540,6 +549,7 @@ void decode_stack_(const std::vector<const DecoderLayerKernel*>& layers, Tensor 
   std::vector<cadenza::KvCache> caches;
   for (size_t i = 0; i < layers.size(); ++i) {
     TORCH_CHECK(layers[i] != nullptr, "layer ", i, " has no kernel");
+    TORCH_CHECK(layers[i]->has_mlp(), "layer ", i, "'s kernel has no MLP (a mixture of experts): a stack needs whole layers");
     layers[i]->check_attention_input(h, positions);
     layers[i]->check_post_norm();
     caches.push_back(int8 ? int8_cache(kv_caches[i], kv_scales[i]) : float_cache(kv_caches[i]));
@@ -610,9 +620,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<std::vector<Tensor>, std::vector<int64_t>, std::vector<Tensor>, std::vector<int64_t>, int64_t>())
       .def("add_", &MoEKernel::add_, "residual += the experts' outputs for the router's picks, in place", release());
   py::class_<DecoderLayerKernel>(m, "DecoderLayerKernel")
-      .def(py::init<Tensor, Tensor, OptionalTensor, Tensor, OptionalTensor, Tensor, Tensor, OptionalTensor, Tensor,
-                    OptionalTensor, Tensor, Tensor, int64_t, int64_t, int64_t, double, int64_t, int64_t, int64_t,
-                    int64_t, OptionalTensor, OptionalTensor>(),
+      .def(py::init<Tensor, Tensor, OptionalTensor, Tensor, OptionalTensor, Tensor, OptionalTensor, OptionalTensor,
+                    OptionalTensor, OptionalTensor, Tensor, Tensor, int64_t, int64_t, int64_t, double, int64_t, int64_t,
+                    int64_t, int64_t, OptionalTensor, OptionalTensor>(),
            py::arg("input_norm"), py::arg("qkv_weight"), py::arg("qkv_bias"), py::arg("o_weight"), py::arg("o_bias"),
            py::arg("post_norm"), py::arg("gate_up_weight"), py::arg("gate_up_bias"), py::arg("down_weight"),
            py::arg("down_bias"), py::arg("cos_table"), py::arg("sin_table"), py::arg("num_heads"),
@@ -621,7 +631,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("k_norm") = py::none())
       .def("attention_input", &DecoderLayerKernel::attention_input,
            "(q, k, v) of h: input norm, fused projection, rotary", release())
-      .def("finish_", &DecoderLayerKernel::finish_, "h += attention output and MLP, in place", release());
+      .def("finish_", &DecoderLayerKernel::finish_, "h += attention output and MLP (if it has one), in place", release())
+      .def_property_readonly("has_mlp", &DecoderLayerKernel::has_mlp);
   m.def("set_team_affinity", &set_team_affinity, "the CPU mask of each thread of the calling thread's OpenMP team",
         release());
   m.def("decode_stack_", &decode_stack_, "a decode step through every layer and its paged KV cache, h in place",

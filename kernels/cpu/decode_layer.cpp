@@ -67,6 +67,7 @@ void layer_finish(const DecoderLayer& layer, float* h, int64_t T, In attn) {
   thread_local Scratch normed, gate_up, hidden;
   const int64_t H = layer.hidden, I2 = layer.gate_up.rows;
   project(layer.o, attn, out_rows(h, T, H), true);
+  if (layer.gate_up.data == nullptr) return;  // the attention half only (a mixture of experts' layer)
   float* x = normed.get(T * H);
   rms_norm(in_rows(h, T, H), layer.post_norm, layer.eps, out_rows(x, T, H));
   float* gu = gate_up.get(T * I2);

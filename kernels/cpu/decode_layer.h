@@ -39,6 +39,7 @@ struct DecoderLayer {
 void layer_attention_input(const DecoderLayer& layer, const float* h, int64_t T, const int64_t* positions, float* qkv);
 
 // h += o_proj(attn); h += down(SiLU(gate) * up) of post_norm(h): the residual stream, in place.
+// A layer without gate_up (its data nullptr: a mixture of experts, run apart) stops after o_proj.
 void layer_finish(const DecoderLayer& layer, float* h, int64_t T, In attn);
 
 // A step of few rows through every layer in one call: per layer, `layer_attention_input`, the new
