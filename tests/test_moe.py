@@ -1,9 +1,9 @@
 """Mixtures of experts (Qwen3-MoE, Mixtral, OLMoE): routing as transformers routes, only the picked
-experts read, quantized experts on the packed kernels, and each family's GGUF as llama.cpp's own
-converter writes it.
+experts read, quantized experts on the packed kernels and the experts kernel.
 
 Logits and greedy tokens against transformers, through the paged cache and mixed batches, are in
-test_model_parity.py (the three families are among its architectures).
+test_model_parity.py (the three families are among its architectures); each family's GGUF, made by
+llama.cpp's converter, in test_families.py.
 """
 
 from __future__ import annotations
@@ -141,60 +141,6 @@ def test_a_dense_mlp_layer_beside_experts_stays_an_mlp(tiny_model_dir):
     assert isinstance(loaded.model.layers[1].mlp, MLP) and not isinstance(loaded.model.layers[1].mlp, SparseMoE)
     assert loaded.model.layers[1].mlp.intermediate == 128  # the dense width, not the experts' 64
     assert mixtures(loaded)[0].experts[0].intermediate == 64
-
-
-# --- each family's GGUF, written by llama.cpp's convert_hf_to_gguf.py -------------------------------
-
-# llama.cpp's converter has no dense layers beside experts for Qwen3-MoE, and writes OLMoE's norm
-# epsilon as 1e-5 whatever the config says: the checkpoints converted are made to fit.
-GGUF_OVERRIDES = {"qwen3_moe": dict(mlp_only_layers=[]), "mixtral": {}, "olmoe": dict(rms_norm_eps=1e-5)}
-
-
-@pytest.fixture(scope="module")
-def converted(tmp_path_factory):
-    """arch -> (HF directory, its F32 GGUF, its Q8_0 GGUF), made once per module."""
-    from cadenza.bench.peers.convert import convert_hf_to_gguf
-
-    made = {}
-
-    def get(arch: str):
-        if arch not in made:
-            root = tmp_path_factory.mktemp(f"{arch}-gguf")
-            directory = build_tiny_model(root / "hf", arch, **GGUF_OVERRIDES[arch])
-            files = [convert_hf_to_gguf(directory, root / f"{arch}-{kind}.gguf", kind, pre_tokenizer="qwen2")
-                     for kind in ("f32", "q8_0")]
-            made[arch] = (directory, *files)
-        return made[arch]
-
-    return get
-
-
-@pytest.mark.parametrize("arch", MOE_ARCHS)
-def test_the_gguf_of_llamacpps_converter_computes_as_transformers(converted, arch):
-    directory, f32, _ = converted(arch)
-    from_gguf = load_model(f32, dtype=torch.float32)
-    assert from_gguf.arch.model_type == arch
-    assert from_gguf.arch.moe == load_model(directory, dtype=torch.float32).arch.moe
-    torch.testing.assert_close(prefill_logits(from_gguf, PROMPT), reference_logits(directory, PROMPT),
-                               rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("arch", MOE_ARCHS)
-def test_a_q8_0_gguf_runs_its_experts_on_the_kernels(kernels, converted, arch):
-    _, f32, q8 = converted(arch)
-    native = load_model(q8, dtype=torch.bfloat16, quantization="auto", cpu_kernels="auto")
-    experts = [e for moe in mixtures(native) for e in moe.experts]
-    assert all(isinstance(e.down_proj, QuantizedLinear) for e in experts)
-    exact = load_model(q8, dtype=torch.float32)  # the file's own values, de-quantized
-    (want, want_routes), (got, got_routes) = routed_logits(exact, PROMPT), routed_logits(native, PROMPT)
-    # Tokens routed alike differ by the activations' int8 rounding (or a bf16 GEMM's) only.
-    same = (want_routes == got_routes).all(dim=(0, 2))
-    assert same.sum() >= 0.75 * len(PROMPT)
-    assert (got - want)[same].norm() / want[same].norm() < 0.05
-    f32_logits, f32_routes = routed_logits(load_model(f32, dtype=torch.float32), PROMPT)
-    same = (want_routes == f32_routes).all(dim=(0, 2))
-    assert same.sum() >= 0.75 * len(PROMPT)
-    assert (want - f32_logits)[same].norm() / f32_logits[same].norm() < 0.08
 
 
 def test_the_experts_kernel_gives_what_the_experts_one_by_one_give(kernels, tiny_model_dir):
