@@ -18,6 +18,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
+from cadenza.parsers.markers import partial_suffix
+
 
 @dataclass(frozen=True, slots=True)
 class ReasoningDelta:
@@ -51,14 +53,6 @@ class ReasoningParser(ABC):
         none), each without its surrounding whitespace."""
         delta = self.stream(prompt_text).feed(text, final=True)
         return delta.reasoning.strip() or None, delta.content.strip() or None
-
-
-def _held_back(text: str, tag: str) -> int:
-    """How many characters at the end of `text` may be the start of `tag`."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-size:]):
-            return size
-    return 0
 
 
 class ThinkTagStream(ReasoningStream):
@@ -101,7 +95,7 @@ class ThinkTagStream(ReasoningStream):
                 self.pending = self.pending[end + len(self.close_tag):]
                 self.mode, self.strip_next = "content", True
                 continue
-            keep = 0 if final else _held_back(self.pending, self.close_tag)
+            keep = 0 if final else partial_suffix(self.pending, self.close_tag)
             reasoning.append(self.pending[: len(self.pending) - keep])
             self.pending = self.pending[len(self.pending) - keep:]
             break

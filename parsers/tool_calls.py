@@ -21,6 +21,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Sequence
 
+from cadenza.parsers.markers import partial_suffix
 from cadenza.parsers.tool_schemas import closed_arguments
 
 
@@ -141,14 +142,6 @@ def partial_call(text: str, arguments_key: str, names: Sequence[str]) -> ToolCal
     return ToolCall(name, arguments)
 
 
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest end of `text` that is the start of `marker` (to hold back)."""
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-size:]):
-            return size
-    return 0
-
-
 class HermesToolParser(ToolParser):
     """`<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`, one block per call."""
 
@@ -160,7 +153,7 @@ class HermesToolParser(ToolParser):
         while True:
             begin = text.find(self.start)
             if begin < 0:
-                keep = 0 if final else _partial_suffix(text, self.start)
+                keep = 0 if final else partial_suffix(text, self.start)
                 content.append(text[: len(text) - keep])
                 return Consumed("".join(content), calls, text[len(text) - keep :])
             content.append(text[:begin])
@@ -171,12 +164,16 @@ class HermesToolParser(ToolParser):
                 body, after = text[begin + len(self.start) :], ""  # cut short (max_tokens): try it
             else:
                 body, after = text[begin + len(self.start) : stop], text[stop + len(self.end) :]
-            call = _call_from_json(body.strip(), ("arguments", "parameters"))
+            call = self.read_call(body)
             if call is None:  # not a call after all: show it as it was written
                 content.append(text[begin : (stop + len(self.end)) if stop >= 0 else len(text)])
             else:
                 calls.append(call)
             text = after
+
+    def read_call(self, body: str) -> ToolCall | None:
+        """The call written between the tags, or None when it is not one."""
+        return _call_from_json(body.strip(), ("arguments", "parameters"))
 
     def parse_forced(self, text: str, names: Sequence[str]) -> list[ToolCall]:
         calls = []
@@ -186,7 +183,7 @@ class HermesToolParser(ToolParser):
         for block in blocks[1:] if len(blocks) > 1 else [""]:
             body, ended, _ = block.partition(self.end)
             if not ended:  # cut short, maybe within the end marker
-                body = body[: len(body) - _partial_suffix(body, self.end)]
+                body = body[: len(body) - partial_suffix(body, self.end)]
             call = _call_from_json(body.strip(), ("arguments", "parameters"))
             calls.append(call or partial_call(body, "arguments", names))
         return calls
@@ -265,7 +262,7 @@ class MistralToolParser(ToolParser):
     def consume(self, text: str, final: bool) -> Consumed:
         begin = text.find(self.tag)
         if begin < 0:
-            keep = 0 if final else _partial_suffix(text, self.tag)
+            keep = 0 if final else partial_suffix(text, self.tag)
             return Consumed(text[: len(text) - keep], [], text[len(text) - keep :])
         if not final:  # calls run to the end of the output: parsed once it is whole
             return Consumed(text[:begin], [], text[begin:])
@@ -338,13 +335,12 @@ class MistralToolParser(ToolParser):
         return "\n".join([start, f"call: {alternatives}", *rules]) + "\n"
 
 
-class Qwen3CoderToolParser(ToolParser):
+class Qwen3CoderToolParser(HermesToolParser):
     """Qwen3-Coder's XML calls: `<tool_call>\n<function=f>\n<parameter=p>\nvalue\n</parameter>\n
     </function>\n</tool_call>`. A value is the parameter's text; where the tool's schema (the
     request's `tools`) says the parameter is not a string, its JSON."""
 
-    name = "qwen3_coder"
-    start, end = "<tool_call>", "</tool_call>"
+    name = "qwen3_coder"  # Hermes's tags around each call, XML inside them
     _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|\Z)", re.S)
     _PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
 
@@ -361,7 +357,7 @@ class Qwen3CoderToolParser(ToolParser):
         except (json.JSONDecodeError, RecursionError):
             return text
 
-    def _call(self, body: str) -> ToolCall | None:
+    def read_call(self, body: str) -> ToolCall | None:
         match = self._FUNCTION.search(body)
         if match is None:
             return None
@@ -369,32 +365,12 @@ class Qwen3CoderToolParser(ToolParser):
         arguments = {p.strip(): self._value(function, p.strip(), v) for p, v in self._PARAMETER.findall(match.group(2))}
         return ToolCall(function, json.dumps(arguments, ensure_ascii=False))
 
-    def consume(self, text: str, final: bool) -> Consumed:
-        content, calls = [], []
-        while True:
-            begin = text.find(self.start)
-            if begin < 0:
-                keep = 0 if final else _partial_suffix(text, self.start)
-                content.append(text[: len(text) - keep])
-                return Consumed("".join(content), calls, text[len(text) - keep :])
-            content.append(text[:begin])
-            stop = text.find(self.end, begin)
-            if stop < 0 and not final:
-                return Consumed("".join(content), calls, text[begin:])
-            body = text[begin + len(self.start) : stop if stop >= 0 else len(text)]
-            call = self._call(body)
-            if call is None:
-                content.append(text[begin : stop + len(self.end) if stop >= 0 else len(text)])
-            else:
-                calls.append(call)
-            text = text[stop + len(self.end) :] if stop >= 0 else ""
-
     def parse_forced(self, text: str, names: Sequence[str]) -> list[ToolCall]:
         if not _begins(text, self.start):
             return []  # not even the start of a call yet
         calls = []
         for block in text.split(self.start)[1:] or [""]:
-            call = self._call(block)
+            call = self.read_call(block)
             if call is None:
                 written = block.partition("<function=")[2].partition(">")[0].strip()
                 fitting = [n for n in names if n.startswith(written)]

@@ -161,10 +161,10 @@ def _accumulate(chunks):
     return content, [calls[i] for i in sorted(calls)], reason
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_a_required_call_round_trip(client, model, stream):
-    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
-    kwargs = dict(model=model, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=300, temperature=1.0)
+def _required_call(client, model, messages, stream: bool, max_tokens: int = 300) -> dict:
+    """The one call a tool_choice "required" request gets, asserted well-formed for TOOLS."""
+    kwargs = dict(model=model, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=max_tokens,
+                  temperature=1.0)
     if stream:
         content, calls, reason = _accumulate(client.chat.completions.create(messages=messages, stream=True, **kwargs))
     else:
@@ -176,6 +176,13 @@ def test_a_required_call_round_trip(client, model, stream):
     arguments = json.loads(call["arguments"])
     assert call["name"] in ("get_weather", "get_time") and call["id"].startswith("call_")
     assert arguments in ({"zone": "UTC"}, {"zone": "CET"}) or (arguments["city"] in ("Paris", "Tokyo") and 1 <= arguments["days"] <= 3)
+    return call
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_required_call_round_trip(client, model, stream):
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    call = _required_call(client, model, messages, stream)
 
     messages += [
         {"role": "assistant", "content": None, "tool_calls": [
@@ -490,16 +497,5 @@ def family_server(request, tmp_path_factory, templates):
 def test_a_forced_call_in_the_family_s_own_syntax_through_the_sdk(family_server, stream):
     """tool_choice required: the grammar makes the model write a call in the template's syntax,
     and the server parses it back into `tool_calls`."""
-    client, model, family = family_server
-    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
-    kwargs = dict(model=model, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=200, temperature=1.0)
-    if stream:
-        content, calls, reason = _accumulate(client.chat.completions.create(messages=messages, stream=True, **kwargs))
-    else:
-        (choice,) = client.chat.completions.create(messages=messages, **kwargs).choices
-        reason, content = choice.finish_reason, choice.message.content
-        calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments} for c in choice.message.tool_calls]
-    assert reason == "tool_calls" and not content and len(calls) == 1, family
-    arguments = json.loads(calls[0]["arguments"])
-    assert calls[0]["name"] in ("get_weather", "get_time")
-    assert arguments in ({"zone": "UTC"}, {"zone": "CET"}) or (arguments["city"] in ("Paris", "Tokyo") and 1 <= arguments["days"] <= 3)
+    client, model, _ = family_server
+    _required_call(client, model, [{"role": "user", "content": "What is the weather in Paris?"}], stream, max_tokens=200)
