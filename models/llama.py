@@ -1,6 +1,6 @@
-"""The decoder every family runs on (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, and the mixtures of
-experts Qwen3-MoE, Mixtral and OLMoE), over a paged KV cache. A family is options of it
-(models/families.py, `ModelArchConfig`), never a copy.
+"""The decoder every family runs on (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, the mixtures of
+experts Qwen3-MoE, Mixtral and OLMoE, Gemma 3, Phi-3/4, SmolLM3, Granite), over a paged KV cache. A
+family is options of it (models/families.py, `ModelArchConfig`), never a copy.
 
 The math mirrors transformers' reference modelling (fp32 RMSNorm, cos/sin cast to the activation
 dtype), so logits agree to rounding; where cadenza's CPU kernels run (`use_cpu_kernels`), norms,
@@ -117,8 +117,8 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelArchConfig, intermediate_size: int | None = None) -> None:
-        """A SiLU-gated MLP of `intermediate_size` (the config's by default; a mixture's experts
-        are MLPs of their own width)."""
+        """A gated MLP (SiLU, or Gemma's tanh GELU) of `intermediate_size` (the config's by
+        default; a mixture's experts are MLPs of their own width)."""
         super().__init__()
         self.intermediate = intermediate_size or cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate, bias=cfg.mlp_bias)
@@ -134,7 +134,9 @@ class MLP(nn.Module):
         """gate_up(x) in bfloat16 where both quantized projections run this step as bfloat16
         GEMMs (what the down projection would round the hidden state to anyway), else None."""
         up, down = self.gate_up_proj, self.down_proj
-        if self.kernels is None or self.act != "silu" or not isinstance(up, QuantizedLinear) or not isinstance(down, QuantizedLinear):
+        if self.kernels is None or self.act != "silu":
+            return None
+        if not isinstance(up, QuantizedLinear) or not isinstance(down, QuantizedLinear):
             return None
         return up.bf16_product(x) if down.takes_bf16(x.shape[0]) else None
 
