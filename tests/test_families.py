@@ -7,7 +7,9 @@ the paged cache, are in test_model_parity.py; the mixtures' routing and kernels 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 
 import pytest
 import torch
@@ -34,7 +36,7 @@ CONVERTIBLE = {
     # and writes OLMoE's norm epsilon as 1e-5 whatever the config says.
     "qwen3_moe": dict(mlp_only_layers=[]),
     "mixtral": {},
-    "olmoe": dict(rms_norm_eps=1e-5),
+    "olmoe": dict(rms_norm_eps=1e-5, num_key_value_heads=4),  # llama.cpp's OLMoE has no GQA (nor has OLMoE-1B-7B)
     # llama.cpp's graph makes every sixth layer global (the converter writes no pattern), and its
     # converter trims the embedding to the tokenizer's size: the checkpoint has no padding rows.
     "gemma3": dict(num_hidden_layers=6, sliding_window_pattern=6, vocab_size=len(build_tokenizer())),
@@ -136,3 +138,60 @@ def test_longrope_uses_the_factors_of_the_context_served(tmp_path, max_model_len
     with torch.no_grad():
         want = reference(torch.tensor([tokens])).logits[0].float()
     torch.testing.assert_close(prefill_logits(loaded, tokens), want, rtol=1e-4, atol=1e-4)
+
+
+# Phi-3 is left out: on the tiny Phi-4-mini-like file (partial rotary, LongRoPE) llama.cpp's next
+# token differs from both transformers' and cadenza's, which agree to 1e-4; not yet understood.
+@pytest.mark.parametrize("arch", sorted(set(CONVERTIBLE) - {"phi3"}))
+def test_llamacpp_on_the_same_file_gives_the_same_next_token_probabilities(converted, arch):
+    """llama.cpp's own server on each converted F32 file: its most likely next tokens after the
+    prompt, and their log-probabilities, are cadenza's to 5e-3 (llama.cpp keeps its KV cache in
+    float16). Skipped where llama.cpp is not built (`python -m cadenza.bench.peers.llamacpp_build`)."""
+    import os
+    import signal
+    import subprocess
+
+    import httpx
+
+    from cadenza.bench.peers.llamacpp_build import find_binary, why_binaries_missing
+    from tests.server_process import wait_for
+
+    binary = find_binary("llama-server")
+    if binary is None:
+        pytest.skip(why_binaries_missing() or "llama-server is not built")
+    _, f32, _ = converted(arch)
+    context = MAX_MODEL_LEN.get(arch, 256)  # Phi-3 within its original context: the short LongRoPE factors
+    ours = torch.log_softmax(prefill_logits(load_model(f32, dtype=torch.float32, max_model_len=context), PROMPT)[-1], -1)
+    with socket_port() as port:
+        process = subprocess.Popen([str(binary), "-m", str(f32), "--host", "127.0.0.1", "--port", str(port), "-t", "2",
+                                    "-c", str(context), "--no-webui"], stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    try:
+        base = f"http://127.0.0.1:{port}"
+
+        def healthy() -> bool:
+            try:
+                return httpx.get(base + "/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return process.poll() is not None
+
+        assert wait_for(healthy, timeout=60) and process.poll() is None, "llama-server did not start"
+        body = {"prompt": PROMPT, "n_predict": 1, "n_probs": 5, "temperature": 0, "return_tokens": True}
+        answer = httpx.post(base + "/completion", json=body, timeout=60).json()
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    assert answer["tokens"] == [int(ours.argmax())]  # the greedy next token
+    # llama-server withholds the probabilities of a token that ends inside a UTF-8 character.
+    for first in answer.get("completion_probabilities") or []:
+        for entry in first["top_logprobs"]:
+            assert abs(ours[entry["id"]].item() - entry["logprob"]) < 5e-3, (entry, ours[entry["id"]].item())
+
+
+@contextlib.contextmanager
+def socket_port():
+    """A free loopback port (released for the server to bind)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    yield port
