@@ -97,9 +97,6 @@ class ModelArchConfig:
         """The sliding window layer `layer` attends within (None: the whole context)."""
         return self.sliding_window if self.layer_windows is None else self.layer_windows[layer]
 
-    def rope_of(self, layer: int) -> RopeConfig:
-        return self.local_rope if self.local_rope is not None and self.window(layer) is not None else self.rope
-
     @property
     def rotated_dims(self) -> int:
         return self.head_dim if self.rotary_dim is None else self.rotary_dim

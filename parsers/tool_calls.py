@@ -122,6 +122,13 @@ _WS = r"[ \t\n\r]*"
 _NAME = re.compile(_WS + r'\{' + _WS + r'(?:"(?:n(?:a(?:m(?:e(?:"' + _WS + r'(?::' + _WS + r'(?:"(?P<name>[A-Za-z0-9_-]*)(?P<closed>")?)?)?)?)?)?)?)?)?')
 
 
+def settled_name(written: str, names: Sequence[str]) -> str:
+    """The function a name written only in part settles: the one of `names` it is the start of,
+    when only one is; else ""."""
+    fitting = [n for n in names if n.startswith(written)]
+    return fitting[0] if len(fitting) == 1 else ""
+
+
 def partial_call(text: str, arguments_key: str, names: Sequence[str]) -> ToolCall:
     """A call the forcing grammar began and `text` (its JSON, from `{`) leaves unfinished, as
     OpenAI returns a call cut short: the function's name, when what was written settles it
@@ -129,11 +136,7 @@ def partial_call(text: str, arguments_key: str, names: Sequence[str]) -> ToolCal
     the arguments, the JSON text as far as it got (possibly "")."""
     match = _NAME.match(text)
     written, closed = (match["name"] or "", bool(match["closed"])) if match else ("", False)
-    if closed:
-        name = written
-    else:
-        fitting = [n for n in names if n.startswith(written)]
-        name = fitting[0] if len(fitting) == 1 else ""
+    name = written if closed else settled_name(written, names)
     arguments = ""
     if closed:
         rest = re.match(_WS + r',' + _WS + r'"' + re.escape(arguments_key) + r'"' + _WS + r':' + _WS, text[match.end() :])
@@ -320,8 +323,7 @@ class MistralToolParser(ToolParser):
                 except (json.JSONDecodeError, RecursionError):  # cut short: the arguments so far
                     calls.append(ToolCall(written, arguments))
                 continue
-            fitting = [n for n in names if n.startswith(written)]
-            calls.append(ToolCall(written if written in names else (fitting[0] if len(fitting) == 1 else ""), ""))
+            calls.append(ToolCall(written if written in names else settled_name(written, names), ""))
         return calls
 
     def grammar(self, tools: Sequence[dict[str, Any]], parallel: bool) -> str:
@@ -373,8 +375,7 @@ class Qwen3CoderToolParser(HermesToolParser):
             call = self.read_call(block)
             if call is None:
                 written = block.partition("<function=")[2].partition(">")[0].strip()
-                fitting = [n for n in names if n.startswith(written)]
-                call = ToolCall(fitting[0] if len(fitting) == 1 else "", "")
+                call = ToolCall(settled_name(written, names), "")
             calls.append(call)
         return calls
 

@@ -31,7 +31,9 @@ def prefill_logits(loaded, token_ids: list[int]) -> torch.Tensor:
 
     backend = backend_of(arch.sliding_window)
     if arch.layer_windows is not None:  # Gemma 3's local layers attend through a backend of their own
-        loaded.model.use_windowed_backend(backend_of(next(w for w in arch.layer_windows if w is not None)))
+        from cadenza.runtime.shard import layer_window
+
+        loaded.model.use_windowed_backend(backend_of(layer_window(arch)))
     with torch.no_grad():
         hidden = loaded.model(torch.tensor(token_ids), torch.arange(n), caches, chunk_metadata(0, n, blocks), backend)
         return loaded.model.compute_logits(hidden).float()

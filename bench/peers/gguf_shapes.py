@@ -29,8 +29,14 @@ def gguf_dir() -> Path:
     return cache_root().parent / "gguf"
 
 
-# model_type -> GGUF architecture name (llama.cpp's) of the shapes this writes.
-_GGUF_ARCH = {"llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
+# The families whose tensors this writes (their GGUF names: models/families.py).
+_WRITES = ("llama", "qwen3", "qwen3_moe")
+
+
+def _gguf_arch(model_type: str) -> str:
+    from cadenza.models.families import GGUF_ARCHITECTURES
+
+    return next(arch for arch, family in GGUF_ARCHITECTURES.items() if family == model_type)
 
 
 def _config(shape: str, layers: int | None = None):
@@ -41,9 +47,9 @@ def _config(shape: str, layers: int | None = None):
     from cadenza.models.dummy import read_dummy_arch
 
     arch, _ = read_dummy_arch(shape)
-    if arch.model_type not in _GGUF_ARCH:
+    if arch.model_type not in _WRITES:
         raise ValueError(f"shape {shape}: writing a {arch.model_type} GGUF is not supported; "
-                         f"supported: {', '.join(_GGUF_ARCH)}")
+                         f"supported: {', '.join(_WRITES)}")
     if layers is None or layers == arch.num_layers:
         return arch
     if not 0 < layers < arch.num_layers:
@@ -101,7 +107,7 @@ def write_shape_gguf(shape: str, path: Path, seed: int = 0, layers: int | None =
     tensors = _tensors(arch, vocab)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")  # renamed when whole: a killed write leaves no torn file
-    writer = gguf.GGUFWriter(str(partial), _GGUF_ARCH[arch.model_type])
+    writer = gguf.GGUFWriter(str(partial), _gguf_arch(arch.model_type))
     writer.add_name(f"{shape} (random weights{'' if layers is None else f', {arch.num_layers} layers'})")
     writer.add_context_length(min(arch.max_position_embeddings, 8192))
     writer.add_embedding_length(arch.hidden_size)
