@@ -77,6 +77,11 @@ class AttentionBackend(ABC):
     # takes block tables of any strides (column-major there) whose entries past a row's last
     # block are stale: only a row's blocks below its length may be dereferenced.
     supports_cuda_graphs: ClassVar[bool] = False
+    # Whether `forward` takes `sinks=` (gpt-oss): a float32 logit per query head [num_heads] that
+    # joins each query's softmax denominator with no value behind it, i.e. the output is scaled
+    # by sum(e^s) / (sum(e^s) + e^sink) over the scores s the query sees. A model with sinks is
+    # refused at start-up by a backend that does not set this; others are never passed `sinks`.
+    supports_attention_sinks: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -129,6 +134,7 @@ class AttentionBackend(ABC):
         v: torch.Tensor,  # [T, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
+        sinks: torch.Tensor | None = None,  # [num_heads] float32; only where supports_attention_sinks
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         ...
 

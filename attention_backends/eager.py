@@ -13,8 +13,9 @@ class EagerBackend(AttentionBackend):
 
     name = "eager"
     supports_int8_kv_cache = True
+    supports_attention_sinks = True
 
-    def forward(self, q, k, v, kv_cache, meta):
+    def forward(self, q, k, v, kv_cache, meta, sinks=None):
         write_kv(k, v, kv_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         group = self.num_heads // self.num_kv_heads
@@ -31,5 +32,10 @@ class EagerBackend(AttentionBackend):
             positions = torch.arange(seq_len - (end - start), seq_len)
             allowed = causal_mask(positions, torch.arange(seq_len), torch.tensor(seq_len), self.sliding_window)
             scores = scores.masked_fill(~allowed, float("-inf"))
-            out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(q.dtype)
+            if sinks is not None:  # a column per head in the softmax, dropped after it
+                sink = sinks.float().view(-1, 1, 1).expand(-1, scores.shape[1], 1)
+                probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+            else:
+                probs = scores.softmax(-1)
+            out[start:end] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
         return out

@@ -30,6 +30,7 @@ class _Group:
     rows: torch.Tensor | None
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
+    context_lens: torch.Tensor
     num_seqs: int
     max_q: int
     max_k: int
@@ -66,6 +67,7 @@ class TorchSDPABackend(AttentionBackend):
 
     name = "torch_sdpa"
     supports_int8_kv_cache = True
+    supports_attention_sinks = True
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -124,7 +126,7 @@ class TorchSDPABackend(AttentionBackend):
             positions = context_lens[:, None] + torch.arange(max_q, device=device)[None, :]
             key_positions = torch.arange(max_k, device=device)
             mask_bool = causal_mask(positions, key_positions, seq_lens, self.sliding_window).unsqueeze(1)
-        return _Group(rows, block_tables, seq_lens, num_seqs, max_q, max_k, padded_rows, mask_bool, is_causal)
+        return _Group(rows, block_tables, seq_lens, context_lens, num_seqs, max_q, max_k, padded_rows, mask_bool, is_causal)
 
     def run_decode_stack(self, layers, h, positions, kv_caches, meta) -> bool:
         """The kernels' whole-step path (`forward`'s kernel calls, in C++ one layer after another),
@@ -154,7 +156,7 @@ class TorchSDPABackend(AttentionBackend):
         offsets = torch.arange(meta.num_tokens) - meta.query_start_loc[:-1].repeat_interleave(counts)
         return meta.block_tables.index_select(0, seq), meta.context_lens[seq] + offsets + 1
 
-    def forward(self, q, k, v, kv_cache, meta):
+    def forward(self, q, k, v, kv_cache, meta, sinks=None):
         int8 = isinstance(kv_cache, Int8KVCache)
         if int8 and self._kernels is not None:
             k, v = k.float(), v.float()  # bf16 activations: a copy of the step's new rows only
@@ -166,22 +168,23 @@ class TorchSDPABackend(AttentionBackend):
         else:
             write_kv(k, v, kv_cache, meta.slot_mapping)
         if len(self._groups) == 1:
-            return self._attend(self._groups[0], q, kv_cache)
+            return self._attend(self._groups[0], q, kv_cache, sinks)
         out = torch.empty_like(q)
         for group in self._groups:
-            out.index_copy_(0, group.rows, self._attend(group, q.index_select(0, group.rows), kv_cache))
+            out.index_copy_(0, group.rows, self._attend(group, q.index_select(0, group.rows), kv_cache, sinks))
         return out
 
-    def _attend(self, group: _Group, q: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+    def _attend(self, group: _Group, q: torch.Tensor, kv_cache: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
         if group.is_decode and self._kernels is not None:
             window = self.sliding_window or 0
             if isinstance(kv_cache, Int8KVCache):  # in float32, whatever the activations' dtype
                 return self._kernels.paged_decode_attention_int8(
-                    q.float(), kv_cache.data, kv_cache.scales, group.block_tables, group.seq_lens, self.scale, window
+                    q.float(), kv_cache.data, kv_cache.scales, group.block_tables, group.seq_lens, self.scale, window,
+                    sinks,
                 ).to(q.dtype)
             if q.dtype == torch.float32 and kv_cache.dtype in KERNEL_FLOAT_CACHES:
                 return self._kernels.paged_decode_attention(
-                    q, kv_cache, group.block_tables, group.seq_lens, self.scale, window
+                    q, kv_cache, group.block_tables, group.seq_lens, self.scale, window, sinks
                 )
         num_seqs, max_q, max_k = group.num_seqs, group.max_q, group.max_k
         compute = torch.float32 if self._upcast and q.dtype != torch.float32 else q.dtype
@@ -196,18 +199,41 @@ class TorchSDPABackend(AttentionBackend):
         else:
             padded = q.new_zeros(num_seqs * max_q, self.num_heads, self.head_dim)
             queries = padded.index_copy_(0, group.padded_rows, q).view(num_seqs, max_q, self.num_heads, self.head_dim)
+        mask, is_causal = self._additive_mask(group, compute), group.is_causal
+        if sinks is not None:
+            keys, values, mask = self._with_sink_key(group, keys, values, sinks, compute)
+            is_causal = False
         out = F.scaled_dot_product_attention(
             queries.transpose(1, 2).to(compute),
             keys.transpose(1, 2),
             values.transpose(1, 2),
-            attn_mask=self._additive_mask(group, compute),
-            is_causal=group.is_causal,
+            attn_mask=mask,
+            is_causal=is_causal,
             scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         ).transpose(1, 2).to(q.dtype)  # [n, Q, H, D]
         if group.is_decode:
             return out.reshape(num_seqs, self.num_heads, self.head_dim)
         return out.reshape(num_seqs * max_q, self.num_heads, self.head_dim).index_select(0, group.padded_rows)
+
+    def _with_sink_key(self, group: _Group, keys, values, sinks: torch.Tensor, dtype: torch.dtype):
+        """Keys and values with one more, all zeros, at the end, and the mask [n, H, Q, K + 1] that
+        gives that key each head's sink as its score: its exponential joins the softmax's
+        denominator while its value adds nothing, which is what a sink is."""
+        n, max_q, max_k = group.num_seqs, group.max_q, group.max_k
+        zeros = keys.new_zeros(n, 1, self.num_kv_heads, self.head_dim)
+        keys, values = torch.cat([keys, zeros], dim=1), torch.cat([values, zeros], dim=1)
+        if group.mask_bool is not None:
+            base = self._additive_mask(group, dtype).expand(n, self.num_heads, max_q, max_k)
+        elif group.is_causal or max_q > 1:
+            positions = group.context_lens[:, None] + torch.arange(max_q, device=keys.device)[None, :]
+            allowed = causal_mask(positions, torch.arange(max_k, device=keys.device), group.seq_lens, self.sliding_window)
+            base = torch.zeros(allowed.shape, dtype=dtype, device=keys.device).masked_fill_(~allowed, float("-inf"))
+            base = base.unsqueeze(1).expand(n, self.num_heads, max_q, max_k)
+        else:  # one query a sequence, every key visible
+            base = torch.zeros(n, self.num_heads, max_q, max_k, dtype=dtype, device=keys.device)
+        sink = sinks.to(dtype).view(1, -1, 1, 1).expand(n, self.num_heads, max_q, 1)
+        return keys, values, torch.cat([base, sink], dim=-1)
 
     def _key_slots(self, group: _Group) -> torch.Tensor:
         # The flat cache slot of every key position each sequence attends to (padding reads slot 0,

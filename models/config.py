@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from cadenza.models.errors import UnsupportedModelError
 from cadenza.models.families import FAMILIES
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# gpt-oss's experts: min(gate, limit) * sigmoid(alpha * min(gate, limit)) * (clamp(up, +-limit) + 1).
+SWIGLU_CLAMPED = "swiglu_clamped"
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,19 +29,27 @@ class RopeConfig:
     short_factor: tuple[float, ...] | None = None
     long_factor: tuple[float, ...] | None = None
     attention_factor: float = 1.0
+    # YaRN (gpt-oss): the rotations that bound the ramp between extrapolated and interpolated
+    # frequencies, and whether the ramp's ends are rounded to whole dimensions.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
 
 
 @dataclass(frozen=True, slots=True)
 class MoEConfig:
     """A mixture-of-experts MLP (models/moe.py): each token's `top_k` of `num_experts` experts,
     each a SiLU-gated MLP of `intermediate_size`, weighted by the router's softmax probabilities
-    (renormalised over the top k when `normalize_top_k`)."""
+    (renormalised over the top k when `normalize_top_k`); gpt-oss's router has a bias and takes
+    the softmax over the k picked logits only (`softmax_after_top_k`), which is the same ranking."""
 
     num_experts: int
     top_k: int
     intermediate_size: int
     normalize_top_k: bool
     layers: tuple[int, ...]  # the decoder layers whose MLP is the mixture; the others are dense
+    router_bias: bool = False
+    softmax_after_top_k: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.num_experts:
@@ -92,6 +102,11 @@ class ModelArchConfig:
     norm_offset: float = 0.0
     sandwich_norms: bool = False
     final_logit_softcapping: float | None = None
+    # gpt-oss: a learnt logit per query head that joins each softmax's denominator (an attention
+    # "sink" no value stands behind), and its experts' clamped SwiGLU (`SWIGLU_CLAMPED`).
+    attention_sinks: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def window(self, layer: int) -> int | None:
         """The sliding window layer `layer` attends within (None: the whole context)."""
@@ -168,6 +183,8 @@ class ModelArchConfig:
         )
         if family.gemma:
             options.update(_gemma_options(cfg, num_layers, source))
+        if family.gpt_oss:
+            options.update(_gpt_oss_options(cfg, options["moe"], num_layers))
         return cls(**options)
 
 
@@ -194,6 +211,8 @@ def _rope_from_hf(cfg: Mapping[str, Any], source: str) -> RopeConfig:
                               cfg.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192))))
     if rope_type == "longrope":
         return _longrope(cfg, params, theta, original, source)
+    if rope_type == "yarn":
+        return _yarn(cfg, params, theta, original)
     return RopeConfig(
         theta=theta,
         rope_type=rope_type,
@@ -217,6 +236,22 @@ def _longrope(cfg: Mapping[str, Any], params: Mapping[str, Any], theta: float, o
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     return RopeConfig(theta=theta, rope_type="longrope", factor=float(factor), original_max_position_embeddings=original,
                       short_factor=short, long_factor=long, attention_factor=float(attention))
+
+
+def _yarn(cfg: Mapping[str, Any], params: Mapping[str, Any], theta: float, original: int) -> RopeConfig:
+    """YaRN as transformers computes it: the attention factor from `factor` (and DeepSeek's
+    `mscale`s) unless given."""
+    factor = params.get("factor") or int(cfg.get("max_position_embeddings", original)) / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return RopeConfig(theta=theta, rope_type="yarn", factor=float(factor), original_max_position_embeddings=original,
+                      attention_factor=float(attention), beta_fast=float(params.get("beta_fast") or 32.0),
+                      beta_slow=float(params.get("beta_slow") or 1.0), truncate=bool(params.get("truncate", True)))
 
 
 def _rotary_dim(cfg: Mapping[str, Any], head_dim: int) -> int | None:
@@ -253,6 +288,25 @@ def _gemma_options(cfg: Mapping[str, Any], num_layers: int, source: str) -> dict
         norm_offset=1.0,
         sandwich_norms=True,
         final_logit_softcapping=None if softcap is None else float(softcap),
+    )
+
+
+def _gpt_oss_options(cfg: Mapping[str, Any], moe: MoEConfig, num_layers: int) -> dict[str, Any]:
+    """gpt-oss's differences as the decoder's options: `layer_types` alternate sliding and full
+    attention, every layer has sinks, every MLP is a mixture of biased experts whose router has a
+    bias and softmaxes its top k."""
+    types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
+    window = cfg.get("sliding_window")
+    return dict(
+        layer_windows=tuple(int(window) if t == "sliding_attention" and window else None for t in types),
+        sliding_window=None,
+        attention_sinks=True,
+        mlp_bias=True,
+        o_bias=True,
+        hidden_act=SWIGLU_CLAMPED,
+        swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+        swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+        moe=replace(moe, router_bias=True, softmax_after_top_k=True, normalize_top_k=False),
     )
 
 

@@ -36,6 +36,10 @@ class Family:
     # Gemma 3's differences (models/config.py `_gemma_options`): local and global layers, norms
     # around each block, scaled embeddings.
     gemma: bool = False
+    # gpt-oss's differences (models/config.py `_gpt_oss_options`): attention sinks, alternating
+    # sliding and full layers, a biased router whose softmax runs over the top k, biased experts
+    # with a clamped SwiGLU, stored as 3-D tensors with gate and up interleaved.
+    gpt_oss: bool = False
     # Checkpoint name fragments as this family writes them -> the canonical ones (Mixtral's
     # `block_sparse_moe.experts.N.w1` is `mlp.experts.N.gate_proj`).
     renames: tuple[tuple[str, str], ...] = ()
@@ -73,13 +77,15 @@ FAMILIES: dict[str, Family] = {
         Family("smollm3"),
         # Llama's decoder with multipliers (config embedding/residual/attention_multiplier, logits_scaling).
         Family("granite", o_bias=True),
+        Family("gpt_oss", moe=True, gpt_oss=True, renames=((".mlp.router.", ".mlp.gate."),)),
     )
 }
 
 # GGUF `general.architecture` -> model_type; "llama" with experts is Mixtral (`gguf_model_type`).
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
                       "qwen3moe": "qwen3_moe", "olmoe": "olmoe", "smollm3": "smollm3", "granite": "granite",
-                      "phi3": "phi3", "gemma3": "gemma3_text"}
+                      "phi3": "phi3", "gemma3": "gemma3_text",
+                      "gpt-oss": "gpt_oss"}
 
 
 def gguf_model_type(arch: str, expert_count: int) -> str | None:

@@ -59,10 +59,42 @@ def safetensors_shapes(files: list[Path], family: Family = FAMILIES["llama"]) ->
         try:
             with safe_open(str(path), framework="pt") as handle:
                 for name in handle.keys():
-                    shapes[family.canonical_name(name)] = tuple(handle.get_slice(name).get_shape())
+                    canonical, shape = family.canonical_name(name), tuple(handle.get_slice(name).get_shape())
+                    if family.gpt_oss and _is_stacked_experts(canonical):
+                        meta = torch.empty(shape, device="meta")
+                        shapes.update((n, tuple(t.shape)) for n, t in split_stacked_experts(canonical, meta))
+                    else:
+                        shapes[canonical] = shape
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(f"{path}: corrupt or unreadable safetensors file: {exc}") from exc
     return shapes
+
+
+_STACKED = (".mlp.experts.gate_up_proj", ".mlp.experts.gate_up_proj_bias", ".mlp.experts.down_proj",
+            ".mlp.experts.down_proj_bias")
+
+
+def _is_stacked_experts(name: str) -> bool:
+    return name.endswith(_STACKED)
+
+
+def split_stacked_experts(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """gpt-oss's experts, stored as one tensor per layer and projection with the inputs first
+    ([experts, in, out]) and gate and up interleaved (gate: even outputs, up: odd), as the
+    per-expert canonical tensors the decoder loads (`...experts.N.gate_proj.weight` [out, in])."""
+    prefix, _, kind = name.rpartition(".")
+    for e in range(tensor.shape[0]):
+        base = f"{prefix}.{e}"
+        if kind == "gate_up_proj":
+            yield f"{base}.gate_proj.weight", tensor[e, :, 0::2].t().contiguous()
+            yield f"{base}.up_proj.weight", tensor[e, :, 1::2].t().contiguous()
+        elif kind == "gate_up_proj_bias":
+            yield f"{base}.gate_proj.bias", tensor[e, 0::2].contiguous()
+            yield f"{base}.up_proj.bias", tensor[e, 1::2].contiguous()
+        elif kind == "down_proj":
+            yield f"{base}.down_proj.weight", tensor[e].t().contiguous()
+        else:
+            yield f"{base}.down_proj.bias", tensor[e]
 
 
 def iter_safetensors(files: list[Path], dtype: torch.dtype, family: Family = FAMILIES["llama"]
@@ -74,6 +106,10 @@ def iter_safetensors(files: list[Path], dtype: torch.dtype, family: Family = FAM
                 for name in handle.keys():
                     canonical = family.canonical_name(name)
                     wanted = torch.float32 if is_router_weight(canonical) else dtype
+                    if family.gpt_oss and _is_stacked_experts(canonical):
+                        for part, tensor in split_stacked_experts(canonical, handle.get_tensor(name)):
+                            yield part, tensor.to(wanted)
+                        continue
                     yield canonical, handle.get_tensor(name).to(wanted)
         except SafetensorError as exc:
             raise ModelLoadError(f"{path}: corrupt or unreadable safetensors file: {exc}") from exc

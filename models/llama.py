@@ -1,5 +1,5 @@
 """The decoder every family runs on (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, the mixtures of
-experts Qwen3-MoE, Mixtral and OLMoE, Gemma 3, Phi-3/4, SmolLM3, Granite), over a paged KV cache. A
+experts Qwen3-MoE, Mixtral, OLMoE and gpt-oss, Gemma 3, Phi-3/4, SmolLM3, Granite), over a paged KV cache. A
 family is options of it (models/families.py, `ModelArchConfig`), never a copy.
 
 The math mirrors transformers' reference modelling (fp32 RMSNorm, cos/sin cast to the activation
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cadenza.attention_backends.base import AttentionBackend, AttentionMetadata
-from cadenza.models.config import ModelArchConfig
+from cadenza.models.config import SWIGLU_CLAMPED, ModelArchConfig
 from cadenza.models.dual_linear import DualPrecisionLinear, linear_add_
 from cadenza.models.errors import ModelLoadError
 from cadenza.models.moe import SparseMoE
@@ -80,6 +80,13 @@ class Attention(nn.Module):
         elif cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
+        # gpt-oss: each query head's sink logit, given to the backend in float32 (`_attend`).
+        self.sinks = nn.Parameter(torch.zeros(cfg.num_heads)) if cfg.attention_sinks else None
+
+    def _attend(self, backend: AttentionBackend, q, k, v, kv_cache, meta) -> torch.Tensor:
+        if self.sinks is None:
+            return backend.forward(q, k, v, kv_cache, meta)
+        return backend.forward(q, k, v, kv_cache, meta, sinks=self.sinks.float())
 
     def forward(self, x, residual, rotary: StepRotary, kv_cache, meta, backend: AttentionBackend,
                 out_norm: nn.Module | None = None) -> torch.Tensor:
@@ -93,7 +100,7 @@ class Attention(nn.Module):
                 q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
             q = self._rotate(rotary, q.reshape(-1, cfg.num_heads, cfg.head_dim))
             k = self._rotate(rotary, k.reshape(-1, cfg.num_kv_heads, cfg.head_dim))
-            out = backend.forward(q, k, v.reshape(-1, cfg.num_kv_heads, cfg.head_dim), kv_cache, meta)
+            out = self._attend(backend, q, k, v.reshape(-1, cfg.num_kv_heads, cfg.head_dim), kv_cache, meta)
             return _add_scaled_(self.o_proj, residual, out.reshape(-1, cfg.q_size), cfg.residual_multiplier, out_norm)
         if cfg.clip_qkv is not None:
             qkv = qkv.clamp(-cfg.clip_qkv, cfg.clip_qkv)
@@ -108,7 +115,7 @@ class Attention(nn.Module):
             qk = self._rotate(rotary, qk)
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
         v = qkv[:, cfg.q_size + cfg.kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
-        out = backend.forward(q, k, v, kv_cache, meta)
+        out = self._attend(backend, q, k, v, kv_cache, meta)
         return _add_scaled_(self.o_proj, residual, out.reshape(-1, cfg.q_size), cfg.residual_multiplier, out_norm)
 
     def _rotate(self, rotary: StepRotary, x: torch.Tensor) -> torch.Tensor:
@@ -117,14 +124,15 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelArchConfig, intermediate_size: int | None = None) -> None:
-        """A gated MLP (SiLU, or Gemma's tanh GELU) of `intermediate_size` (the config's by
-        default; a mixture's experts are MLPs of their own width)."""
+        """A gated MLP (SiLU, Gemma's tanh GELU, or gpt-oss's clamped SwiGLU) of `intermediate_size`
+        (the config's by default; a mixture's experts are MLPs of their own width)."""
         super().__init__()
         self.intermediate = intermediate_size or cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(self.intermediate, cfg.hidden_size, bias=cfg.mlp_bias)
         self.residual_multiplier = cfg.residual_multiplier
         self.act = cfg.hidden_act
+        self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
         self.kernels = None
 
     def use_cpu_kernels(self, kernels) -> None:
@@ -146,6 +154,10 @@ class MLP(nn.Module):
         if gate_up is not None:  # a prefill through bfloat16 GEMMs: the hidden state stays bfloat16
             return self.kernels.silu_mul_bf16(gate_up)
         gate_up = self.gate_up_proj(x)
+        if self.act == SWIGLU_CLAMPED:  # gpt-oss
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+            return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
         if self.act != "silu":  # Gemma's tanh-approximated GELU
             gate, up = gate_up.split(self.intermediate, dim=-1)
             return F.gelu(gate, approximate="tanh") * up
@@ -193,7 +205,7 @@ class DecoderLayer(nn.Module):
         # What the kernel's layer does not do: NoPE layers, partial rotary, a residual multiplier.
         cfg = self.cfg
         plain = (not attn.rotates or cfg.rotary_dim is not None or cfg.residual_multiplier != 1.0 or cfg.sandwich_norms
-                 or cfg.norm_offset or cfg.hidden_act != "silu" or cfg.layer_windows is not None)
+                 or cfg.norm_offset or cfg.hidden_act != "silu" or cfg.layer_windows is not None or cfg.attention_sinks)
         if kernels is None or cfg.qk_norm not in (None, False, "head") or cfg.clip_qkv is not None or plain:
             self.fused, self.fused_max_rows = None, 0
             return

@@ -9,7 +9,9 @@ MoE-specific in either. The router stays float32 at any model dtype: it is small
 and llama.cpp keeps it float32 too, so rounding it would move tokens to other experts.
 
 A token's weight scales the expert's hidden activations before the down projection (linear, so the
-same sum to rounding), which lets a single token's product add straight into the residual stream.
+same sum to rounding), which lets a single token's product add straight into the residual stream;
+where the down projection has a bias (gpt-oss), the weight scales its output, bias included, as
+transformers does. gpt-oss's router has a bias and softmaxes only its top k logits.
 """
 
 from __future__ import annotations
@@ -22,29 +24,32 @@ from cadenza.models.config import ModelArchConfig
 from cadenza.models.dual_linear import linear_add_
 from cadenza.models.quantized_linear import QuantizedLinear
 
-ROUTER_SUFFIX = ".mlp.gate.weight"
+ROUTER_SUFFIXES = (".mlp.gate.weight", ".mlp.gate.bias")
 
 
 def is_router_weight(name: str) -> bool:
     """Whether checkpoint tensor `name` (canonical) is a router's: loaders hand it over in float32
     and never quantize it."""
-    return name.endswith(ROUTER_SUFFIX)
+    return name.endswith(ROUTER_SUFFIXES)
 
 
 class Router(nn.Linear):
-    """The expert router's logits; its weight stays float32 whatever dtype the model is cast to."""
+    """The expert router's logits; its weight (and bias: gpt-oss) stays float32 whatever dtype the
+    model is cast to."""
 
-    def __init__(self, hidden_size: int, num_experts: int) -> None:
-        super().__init__(hidden_size, num_experts, bias=False)
+    def __init__(self, hidden_size: int, num_experts: int, bias: bool = False) -> None:
+        super().__init__(hidden_size, num_experts, bias=bias)
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
         if self.weight.dtype != torch.float32:
             self.weight = nn.Parameter(self.weight.float(), requires_grad=False)
+        if self.bias is not None and self.bias.dtype != torch.float32:
+            self.bias = nn.Parameter(self.bias.float(), requires_grad=False)
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight)
+        return F.linear(x.float(), self.weight, self.bias)
 
 
 class SparseMoE(nn.Module):
@@ -53,7 +58,8 @@ class SparseMoE(nn.Module):
         super().__init__()
         moe = cfg.moe
         self.num_experts, self.top_k, self.normalize = moe.num_experts, moe.top_k, moe.normalize_top_k
-        self.gate = Router(cfg.hidden_size, moe.num_experts)
+        self.softmax_after_top_k = moe.softmax_after_top_k
+        self.gate = Router(cfg.hidden_size, moe.num_experts, bias=moe.router_bias)
         self.experts = nn.ModuleList(mlp_factory(moe.intermediate_size) for _ in range(moe.num_experts))
         # The kernels' `MoEKernel` (kernels/cpu/moe.h) for steps of few tokens, or None.
         self.fused = None
@@ -76,7 +82,11 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, expert ids [T, k]) for tokens `x` [T, hidden]."""
-        probs = torch.softmax(self.gate(x), dim=-1)
+        logits = self.gate(x)
+        if self.softmax_after_top_k:  # gpt-oss: the same ranking, a softmax over the k picked only
+            top, experts = torch.topk(logits, self.top_k, dim=-1)
+            return torch.softmax(top, dim=-1), experts
+        probs = torch.softmax(logits, dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:
             weights /= weights.sum(dim=-1, keepdim=True)
@@ -90,7 +100,10 @@ class SparseMoE(nn.Module):
         if x.shape[0] == 1:
             for weight, expert in zip(weights[0].tolist(), experts[0].tolist()):
                 mlp = self.experts[expert]
-                linear_add_(mlp.down_proj, residual, mlp.hidden(x).mul_(weight))
+                if mlp.down_proj.bias is not None:  # the weight scales the bias too (gpt-oss)
+                    residual.add_(mlp.down_proj(mlp.hidden(x)).to(residual.dtype), alpha=weight)
+                else:
+                    linear_add_(mlp.down_proj, residual, mlp.hidden(x).mul_(weight))
             return residual
         flat = experts.flatten()
         # The (token, slot) pairs grouped by expert, each group in token order.
@@ -104,7 +117,11 @@ class SparseMoE(nn.Module):
             rows = tokens[start : start + count]
             mlp = self.experts[expert]
             hidden = mlp.hidden(x.index_select(0, rows))
-            hidden.mul_(scales[start : start + count, None].to(hidden.dtype))
-            residual.index_add_(0, rows, mlp.down_proj(hidden).to(residual.dtype))
+            scale = scales[start : start + count, None]
+            if mlp.down_proj.bias is not None:  # the weight scales the bias too (gpt-oss)
+                out = mlp.down_proj(hidden).float().mul_(scale)
+            else:
+                out = mlp.down_proj(hidden.mul_(scale.to(hidden.dtype)))
+            residual.index_add_(0, rows, out.to(residual.dtype))
             start += count
         return residual

@@ -20,7 +20,30 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":
         return _llama3_scaled(inv_freq, rope)
+    if rope.rope_type == "yarn":
+        return _yarn_scaled(rope, head_dim)
     return inv_freq
+
+
+def _yarn_scaled(rope: RopeConfig, dim: int) -> torch.Tensor:
+    # YaRN: the fastest-turning pairs keep their frequency (extrapolated), the slowest are divided
+    # by `factor` (interpolated), those between blended along a linear ramp over the pair index.
+    # The ramp's ends are the pairs that turn beta_fast and beta_slow times over the original context.
+    pos_freqs = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
+    extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (rope.factor * pos_freqs)
+
+    def pair_turning(rotations: float) -> float:
+        return dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = pair_turning(rope.beta_fast), pair_turning(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of no width would divide by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp
+    return interpolated * (1 - keep) + extrapolated * keep
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:

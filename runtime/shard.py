@@ -66,6 +66,9 @@ def build_model_shard(config: CadenzaConfig, plugins: Plugins, ctx=None) -> Mode
                         cpu_kernels=config.model.cpu_kernels, quantization=config.model.quantization,
                         transform=transform, load_format=config.model.load_format, seed=config.model.seed)  # fmt: skip
     arch = cache_arch = loaded.arch
+    if arch.attention_sinks and not backend_cls.supports_attention_sinks:
+        raise ConfigError(f"attention_backend: {backend_cls.name!r} has no attention sinks, which "
+                          f"{arch.model_type} needs; torch_sdpa and eager have them")
     if ctx is not None:
         from cadenza.parallel.tensor_parallel import local_arch, max_local_kv_heads, rank_partition
 

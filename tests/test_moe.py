@@ -1,4 +1,4 @@
-"""Mixtures of experts (Qwen3-MoE, Mixtral, OLMoE): routing as transformers routes, only the picked
+"""Mixtures of experts (Qwen3-MoE, Mixtral, OLMoE, gpt-oss): routing as transformers routes, only the picked
 experts read, quantized experts on the packed kernels and the experts kernel.
 
 Logits and greedy tokens against transformers, through the paged cache and mixed batches, are in
@@ -19,7 +19,7 @@ from cadenza.models.quantized_linear import PACKED_FLAG, QuantizedLinear
 from tests.model_forward import prefill_logits
 from tests.tiny_models import build_tiny_model
 
-MOE_ARCHS = ("qwen3_moe", "mixtral", "olmoe")
+MOE_ARCHS = ("qwen3_moe", "mixtral", "olmoe", "gpt_oss")
 PROMPT = [5, 17, 101, 33, 250, 7, 64, 12, 199, 3, 80, 41, 9, 300, 2, 77]
 
 
@@ -69,7 +69,7 @@ def test_ties_in_the_router_break_as_transformers_breaks_them(tmp_path, arch):
 
     weights = load_file(directory / "model.safetensors")
     for name in weights:
-        if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+        if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight", "mlp.router.weight", "mlp.router.bias")):
             weights[name] = torch.zeros_like(weights[name])
     save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
     want = reference_logits(directory, PROMPT)

@@ -72,6 +72,14 @@ ARCHITECTURES = {
     # Granite 3's multipliers, of Granite-3.3-2B's sizes.
     "granite": ("GraniteConfig", dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0625,
                                       logits_scaling=8.0)),
+    # gpt-oss: sinks, sliding (8 tokens) and full layers in turn, YaRN, a biased router softmaxing its
+    # top 2 of 8 biased experts, whose SwiGLU clamps at 2 (7 in gpt-oss-20b: a tiny model's
+    # activations would never reach it). Its zero-initialised biases are made random (`_randomize`).
+    "gpt_oss": ("GptOssConfig", dict(
+        head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=8, swiglu_limit=2.0,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64},
+    )),
 }
 
 
@@ -95,6 +103,17 @@ def build_tokenizer():
     )
 
 
+def _randomize_zero_biases(model) -> None:
+    """Biases transformers initialises to zero (gpt-oss's router and experts) made random, so a
+    test sees whether they are applied."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") and not param.any():
+                param.normal_(0.0, 0.2)
+
+
 def build_tiny_model(
     directory: Path, arch: str, seed: int = 0, max_shard_size: str | None = None, **config_overrides
 ) -> Path:
@@ -106,6 +125,7 @@ def build_tiny_model(
     config = getattr(transformers, config_cls_name)(**{**_COMMON, **extra, **config_overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize_zero_biases(model)
     directory.mkdir(parents=True, exist_ok=True)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, safe_serialization=True, **kwargs)

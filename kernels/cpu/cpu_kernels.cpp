@@ -309,25 +309,35 @@ Tensor silu_mul_bf16(const Tensor& gate_up) {
   return out;
 }
 
+// Attention sinks (gpt-oss): float32 [H], or None.
+const float* sinks_of(const std::optional<Tensor>& sinks, const Tensor& q) {
+  if (!sinks.has_value()) return nullptr;
+  TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->dim() == 1 && sinks->size(0) == q.size(1) &&
+                  sinks->is_contiguous(),
+              "sinks must be float32 [heads], contiguous");
+  return sinks->data_ptr<float>();
+}
+
 // q [B, H, D]; kv_cache [2, num_blocks, block_size, KVH, D]; block_tables [B, max_blocks]; seq_lens
-// [B] (keys in the cache, the new token's included). Returns [B, H, D].
+// [B] (keys in the cache, the new token's included); sinks [H] or None. Returns [B, H, D].
 Tensor paged_decode_attention(const Tensor& q, const Tensor& kv_cache, const Tensor& block_tables, const Tensor& seq_lens,
-                              double scale, int64_t window) {
+                              double scale, int64_t window, const std::optional<Tensor>& sinks) {
   const cadenza::KvCache cache = float_cache(kv_cache);
   check_decode_args(q, block_tables, seq_lens, cache);
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   cadenza::paged_decode_attention(heads(q), cache, tables_of(block_tables, seq_lens), scale, window,
-                                  out.data_ptr<float>());
+                                  out.data_ptr<float>(), sinks_of(sinks, q));
   return out;
 }
 
 Tensor paged_decode_attention_int8(const Tensor& q, const Tensor& kv_data, const Tensor& kv_scales,
-                                   const Tensor& block_tables, const Tensor& seq_lens, double scale, int64_t window) {
+                                   const Tensor& block_tables, const Tensor& seq_lens, double scale, int64_t window,
+                                   const std::optional<Tensor>& sinks) {
   const cadenza::KvCache cache = int8_cache(kv_data, kv_scales);
   check_decode_args(q, block_tables, seq_lens, cache);
   auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   cadenza::paged_decode_attention(heads(q), cache, tables_of(block_tables, seq_lens), scale, window,
-                                  out.data_ptr<float>());
+                                  out.data_ptr<float>(), sinks_of(sinks, q));
   return out;
 }
 
@@ -611,10 +621,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul_bf16", &silu_mul_bf16, "silu_mul of a bfloat16 gate_up, into bfloat16 (rounded as torch rounds)",
         release());
   m.def("paged_decode_attention", &paged_decode_attention,
-        "one-token-per-sequence attention over a paged KV cache", release());
+        "one-token-per-sequence attention over a paged KV cache (with attention sinks where given)",
+        py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("window"), py::arg("sinks") = py::none(), release());
   m.def("write_kv_", &write_kv_, "store keys and values at their cache slots", release());
   m.def("paged_decode_attention_int8", &paged_decode_attention_int8,
-        "one-token-per-sequence attention over a paged int8 KV cache with float16 scales", release());
+        "one-token-per-sequence attention over a paged int8 KV cache with float16 scales",
+        py::arg("q"), py::arg("kv_data"), py::arg("kv_scales"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("scale"), py::arg("window"), py::arg("sinks") = py::none(), release());
   m.def("write_kv_int8_", &write_kv_int8_, "quantize keys and values into their int8 cache slots", release());
   py::class_<MoEKernel>(m, "MoEKernel")
       .def(py::init<std::vector<Tensor>, std::vector<int64_t>, std::vector<Tensor>, std::vector<int64_t>, int64_t>())

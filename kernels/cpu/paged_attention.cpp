@@ -174,7 +174,7 @@ inline void check_tables(const BlockTables& t, int64_t NB, int64_t BS) {
 template <typename KV>
 inline void decode_attention(Heads q, const KV* keys, const KV* values, const uint16_t* key_scales,
                              const uint16_t* value_scales, int64_t BS, int64_t KVH, const BlockTables& block_tables,
-                             double scale, int64_t window, float* out) {
+                             double scale, int64_t window, float* out, const float* sinks) {
   constexpr bool kQuantized = std::is_same<KV, int8_t>::value;
   const int64_t B = q.tokens, H = q.heads, D = q.head_dim;
   const int64_t G = H / KVH, bts = block_tables.stride, qs = q.stride, max_blocks = block_tables.max_blocks;
@@ -341,7 +341,12 @@ inline void decode_attention(Heads q, const KV* keys, const KV* values, const ui
         if (runs == 1) {  // the whole sequence: normalize straight into the output
           for (int64_t g = 0; g < G; ++g) {
             float* o = op + (b * H + kvh * G + g) * D;
-            const float inv = 1.0f / sums[g];
+            float inv = 1.0f / sums[g];
+            if (sinks != nullptr) {  // e^sink joins the denominator, both relative to the larger of it and the max
+              const float sink = sinks[kvh * G + g], top = std::max(maxes[g], sink);
+              const float w = exp1(maxes[g] - top);
+              inv = w / (sums[g] * w + exp1(sink - top));
+            }
             for (int64_t d = 0; d < D; ++d) o[d] = acc[g * D + d] * inv;
           }
         } else {
@@ -364,11 +369,12 @@ inline void decode_attention(Heads q, const KV* keys, const KV* values, const ui
         if (runs == 1) continue;  // normalized in place above
         const float* first = partial.data() + (first_item[pair] * G + g) * (D + 2);
         const int64_t step = G * (D + 2);
-        float mx = -INFINITY;
+        const float sink = sinks != nullptr ? sinks[kvh * G + g] : -INFINITY;
+        float mx = sink;
         for (int64_t r = 0; r < runs; ++r) mx = std::max(mx, first[r * step]);
         float* o = op + (b * H + kvh * G + g) * D;
         std::fill(o, o + D, 0.0f);
-        float total = 0.0f;
+        float total = sinks != nullptr ? exp1(sink - mx) : 0.0f;
         for (int64_t r = 0; r < runs; ++r) {
           const float* p = first + r * step;
           if (p[0] == -INFINITY) continue;
@@ -457,20 +463,20 @@ inline void write_int8_kv(const KvCache& cache, Heads k, Heads v, const int64_t*
 }  // namespace
 
 void paged_decode_attention(Heads q, const KvCache& cache, const BlockTables& tables, double scale, int64_t window,
-                            float* out) {
+                            float* out, const float* sinks) {
   const int64_t NB = cache.blocks, BS = cache.block_size, KVH = cache.kv_heads, D = cache.head_dim;
   check_tables(tables, NB, BS);
   const int64_t half = NB * BS * KVH * D;  // keys, then values
   if (cache.type == KvType::kInt8) {
     const int8_t* keys = static_cast<const int8_t*>(cache.data);
     decode_attention<int8_t>(q, keys, keys + half, cache.scales, cache.scales + NB * BS * KVH, BS, KVH, tables, scale,
-                             window, out);
+                             window, out, sinks);
     return;
   }
   with_float_rows(cache, [&](auto* keys) {
     using KV = std::remove_pointer_t<decltype(keys)>;
     const KV* k = keys;
-    decode_attention<KV>(q, k, k + half, nullptr, nullptr, BS, KVH, tables, scale, window, out);
+    decode_attention<KV>(q, k, k + half, nullptr, nullptr, BS, KVH, tables, scale, window, out, sinks);
     return 0;
   });
 }

@@ -36,8 +36,10 @@ struct BlockTables {
 // out [rows, heads, head_dim] = one-token-per-sequence attention of q (one row per table row,
 // heads a multiple of the cache's kv heads) over the keys at positions
 // [max(0, len - window), len) of its table (window <= 0: all). Checks lens and block ids.
+// `sinks` [heads] (gpt-oss; nullptr: none): a logit per query head in each softmax's denominator
+// with no value behind it.
 void paged_decode_attention(Heads q, const KvCache& cache, const BlockTables& tables, double scale, int64_t window,
-                            float* out);
+                            float* out, const float* sinks = nullptr);
 
 // Store keys and values k, v [tokens, kv_heads, head_dim] at their cache slots (checked in range):
 // copied (float32), rounded to nearest even (16-bit types, as PyTorch's `.to()`), or quantized
