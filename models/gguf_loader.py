@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
 from dataclasses import replace
@@ -14,7 +15,7 @@ import numpy as np
 import structlog
 import torch
 
-from cadenza.models.config import ModelArchConfig, MoEConfig, RopeConfig
+from cadenza.models.config import SWIGLU_CLAMPED, ModelArchConfig, MoEConfig, RopeConfig
 from cadenza.models.errors import ModelLoadError, UnsupportedModelError
 from cadenza.models.families import FAMILIES, GGUF_ARCHITECTURES, gguf_model_type
 from cadenza.models.gguf_file import GGUFFile, GGUFTensor
@@ -52,7 +53,12 @@ _ARCH_LAYER_NAMES = {
     # Gemma 3's norms around each block: `ffn_norm` is the one before the MLP.
     "gemma3": {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
                "post_ffw_norm": "post_feedforward_layernorm"},
+    # gpt-oss: the norm before the MLP is named for the attention it follows; the sinks (a vector
+    # the converter names `.weight`) are the decoder's `self_attn.sinks`.
+    "gpt-oss": {"post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks"},
 }
+# Parameters of ours without a `.weight` suffix, whatever the file calls them.
+_BARE_PARAMETERS = ("self_attn.sinks",)
 # Tensors that carry no weight of ours: LongRoPE's factors, read into the config instead.
 _CONFIG_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 # A mixture's experts, one 3-D tensor [experts, rows, cols] a projection: each expert's slice is
@@ -144,7 +150,31 @@ def read_gguf_config(reader: GGUFFile, source: str) -> ModelArchConfig:
     )
     if family.gemma:
         config = replace(config, **_gemma_options(reader, arch, config))
+    if family.gpt_oss:
+        config = replace(config, **_gpt_oss_options(reader, arch, config))
     return config
+
+
+def _gpt_oss_options(reader: GGUFFile, arch: str, config: ModelArchConfig) -> dict:
+    """gpt-oss as llama.cpp's graph runs it: sliding-window layers every other one from the first
+    (unless the file gives a pattern), sinks, a biased router softmaxing its top k, biased experts
+    with the clamped SwiGLU at the constants llama.cpp's graph fixes (alpha 1.702, limit 7)."""
+    window = int(read_field(reader, f"{arch}.attention.sliding_window", 0) or 0)
+    pattern = read_field(reader, f"{arch}.attention.sliding_window_pattern", 2)
+    if isinstance(pattern, list):
+        local = [bool(p) for p in pattern]
+    else:
+        local = [i % int(pattern) < int(pattern) - 1 for i in range(config.num_layers)]
+    return dict(
+        layer_windows=tuple(window if window and is_local else None for is_local in local[: config.num_layers]),
+        sliding_window=None,
+        attention_sinks=True,
+        hidden_act=SWIGLU_CLAMPED,
+        swiglu_alpha=1.702,
+        swiglu_limit=7.0,
+        mlp_bias=True,
+        moe=replace(config.moe, router_bias=True, softmax_after_top_k=True, normalize_top_k=False),
+    )
 
 
 def _gemma_options(reader: GGUFFile, arch: str, config: ModelArchConfig) -> dict:
@@ -194,6 +224,19 @@ def _rope(reader: GGUFFile, arch: str, source: str) -> RopeConfig:
         return RopeConfig(theta=theta)
     if scaling == "linear":
         return RopeConfig(theta=theta, rope_type="linear", factor=float(read_field(reader, f"{arch}.rope.scaling.factor")))
+    if scaling == "yarn":
+        # As llama.cpp computes YaRN: the ramp's ends rounded to whole dimensions (truncated), cos
+        # and sin scaled by 1 + 0.1 ln(factor) times the file's attention factor.
+        factor = float(read_field(reader, f"{arch}.rope.scaling.factor"))
+        return RopeConfig(
+            theta=theta, rope_type="yarn", factor=factor,
+            original_max_position_embeddings=int(read_field(reader, f"{arch}.rope.scaling.original_context_length")),
+            beta_fast=float(read_field(reader, f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+            beta_slow=float(read_field(reader, f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
+            truncate=True,
+            attention_factor=(1.0 + 0.1 * math.log(factor) if factor > 1 else 1.0)
+            * float(read_field(reader, f"{arch}.rope.scaling.attn_factor", 1.0)),
+        )
     raise UnsupportedModelError(
         f"{source}: GGUF rope scaling {scaling!r} (or a rope_freqs tensor) is not supported; "
         "load the Hugging Face checkpoint for Llama-3.1-style scaling"
@@ -301,11 +344,15 @@ def iter_gguf_weights(
 
 def _expert_weights(tensor, names: list[str], dtype: torch.dtype, source: str, native: frozenset[str]
                     ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
-    """Each expert's slice of a 3-D expert tensor: raw blocks (a view of the file) or de-quantized,
-    one expert at a time (a whole layer's experts de-quantized at once would be gigabytes)."""
+    """Each expert's slice of a 3-D expert tensor (or of a 2-D tensor of their biases): raw blocks
+    (a view of the file) or de-quantized, one expert at a time (a whole layer's experts
+    de-quantized at once would be gigabytes)."""
     in_features = int(tensor.shape[0])
     for expert, hf_name in enumerate(names):
         data = tensor.data[expert]
+        if len(tensor.shape) == 2:  # biases [experts, out]
+            yield hf_name, torch.from_numpy(_dequantize_array(data, tensor.tensor_type, tensor.name, source)).to(dtype)
+            continue
         if hf_name in native:
             with warnings.catch_warnings():  # a view of the read-only map: nothing writes to it
                 warnings.simplefilter("ignore", UserWarning)
@@ -319,10 +366,13 @@ def _expert_names(name: str, tensor) -> list[str] | None:
     """The per-expert checkpoint names a 3-D expert tensor holds, in expert order; None for any
     other tensor."""
     match = _LAYER_TENSOR.fullmatch(name)
-    if match is None or match.group(2) not in _EXPERT_NAMES or len(tensor.shape) != 3:
+    if match is None or match.group(2) not in _EXPERT_NAMES:
         return None
     layer, part, kind = match.groups()
-    return [f"model.layers.{layer}.mlp.experts.{e}.{_EXPERT_NAMES[part]}.{kind}" for e in range(int(tensor.shape[2]))]
+    if len(tensor.shape) != (3 if kind == "weight" else 2):
+        return None
+    experts = int(tensor.shape[-1])
+    return [f"model.layers.{layer}.mlp.experts.{e}.{_EXPERT_NAMES[part]}.{kind}" for e in range(experts)]
 
 
 def _raw_blocks(tensor, hf_name: str, cfg: ModelArchConfig, permute: bool) -> QuantizedTensor:
@@ -346,6 +396,8 @@ def _hf_name(name: str, arch: str = "llama") -> str | None:
     if match is None or match.group(2) not in names:
         return None
     layer, part, kind = match.groups()
+    if names[part] in _BARE_PARAMETERS:
+        return f"model.layers.{layer}.{names[part]}"
     return f"model.layers.{layer}.{names[part]}.{kind}"
 
 

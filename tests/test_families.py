@@ -40,6 +40,11 @@ CONVERTIBLE = {
     # llama.cpp's graph makes every sixth layer global (the converter writes no pattern), and its
     # converter trims the embedding to the tokenizer's size: the checkpoint has no padding rows.
     "gemma3": dict(num_hidden_layers=6, sliding_window_pattern=6, vocab_size=len(build_tokenizer())),
+    # llama.cpp's graph fixes the SwiGLU's clamp at 7 and rounds YaRN's ramp to whole dimensions
+    # (transformers' `truncate`), and its converter trims the embedding to the tokenizer's size.
+    "gpt_oss": dict(swiglu_limit=7.0, vocab_size=len(build_tokenizer()), rope_parameters={
+        "rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "truncate": True, "original_max_position_embeddings": 64}),
 }
 MAX_MODEL_LEN = {"phi3": 64}
 
