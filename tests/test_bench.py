@@ -330,23 +330,34 @@ def test_each_part_of_the_bench_imports_only_the_parts_below_it():
     assert problems == []
 
 
-def test_a_shape_written_as_gguf_loads_and_generates(tmp_path):
+@pytest.mark.parametrize("shape", ["smollm2-135m", "gpt-oss-20b"])
+def test_a_shape_written_as_gguf_loads_and_generates(tmp_path, shape):
     """bench/peers/gguf_shapes.py: a shape's F16 GGUF with the default model's tokenizer, as the
-    real-size benches write it (here a shipped shape cut down to 2 tiny layers)."""
+    real-size benches write it (here a shipped shape cut down to 2 tiny layers; gpt-oss's with its
+    biases, sinks, sliding layers and YaRN)."""
     from pathlib import Path
 
     from cadenza import LLM, SamplingParams
     from cadenza.bench.peers.gguf_shapes import write_shape_gguf
 
-    config = json.loads((Path(__file__).resolve().parent.parent / "config/shapes/smollm2-135m.json").read_text())
+    config = json.loads((Path(__file__).resolve().parent.parent / f"config/shapes/{shape}.json").read_text())
     config.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=16)  # fmt: skip
+    if shape == "gpt-oss-20b":
+        config.update(num_local_experts=4, num_experts_per_tok=2, sliding_window=8, layer_types=config["layer_types"][:2])
     (tmp_path / "config.json").write_text(json.dumps(config))
     path = write_shape_gguf(str(tmp_path / "config.json"), tmp_path / "tiny.gguf")
     assert not (tmp_path / "tiny.gguf.partial").exists()
     names = {t.name: t.tensor_type for t in gguf.GGUFReader(str(path)).tensors}
-    assert names["blk.1.ffn_down.weight"] == gguf.GGMLQuantizationType.F16 and "output.weight" not in names  # tied
+    if shape == "gpt-oss-20b":
+        assert names["blk.1.ffn_down_exps.weight"] == gguf.GGMLQuantizationType.F16
+        assert names["blk.0.attn_sinks.weight"] == names["blk.0.ffn_gate_exps.bias"] == gguf.GGMLQuantizationType.F32
+    else:
+        assert names["blk.1.ffn_down.weight"] == gguf.GGMLQuantizationType.F16 and "output.weight" not in names  # tied
     with LLM(str(path), dtype="float32", **{"logging.level": "warning"}) as llm:
-        assert llm.runtime.loaded.arch.num_layers == 2 and llm.runtime.loaded.arch.vocab_size == 49152
+        arch = llm.runtime.loaded.arch
+        assert arch.num_layers == 2 and arch.vocab_size == 49152
+        if shape == "gpt-oss-20b":
+            assert arch.layer_windows == (8, None) and arch.attention_sinks and arch.rope.rope_type == "yarn"
         out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].token_ids) == 4

@@ -30,7 +30,7 @@ def gguf_dir() -> Path:
 
 
 # The families whose tensors this writes (their GGUF names: models/families.py).
-_WRITES = ("llama", "qwen3", "qwen3_moe")
+_WRITES = ("llama", "qwen3", "qwen3_moe", "gpt_oss")
 
 
 def _gguf_arch(model_type: str) -> str:
@@ -71,25 +71,41 @@ def _tokenizer_fields():
             yield field.name, field.contents(), field.types[0], sub
 
 
+# Written as float32 with random values: routers (llama-quantize leaves them float32), biases and
+# sinks (it quantizes only `.weight` matrices).
+_FLOAT32 = ("ffn_gate_inp.weight", ".bias", "attn_sinks.weight")
+
+
 def _tensors(arch, vocab: int) -> list[tuple[str, tuple[int, ...], bool]]:
     """(llama.cpp name, shape rows-first, is a norm) of every tensor of `arch`."""
     h, q, kv, inter = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, arch.intermediate_size
     out = [("token_embd.weight", (vocab, h), False), ("output_norm.weight", (h,), True)]
     if not arch.tie_word_embeddings:
         out.append(("output.weight", (vocab, h), False))
+    gpt_oss = arch.model_type == "gpt_oss"
     for i in range(arch.num_layers):
         b = f"blk.{i}."
         out += [(b + "attn_norm.weight", (h,), True), (b + "attn_q.weight", (q, h), False),
                 (b + "attn_k.weight", (kv, h), False), (b + "attn_v.weight", (kv, h), False),
-                (b + "attn_output.weight", (h, q), False), (b + "ffn_norm.weight", (h,), True)]  # fmt: skip
+                (b + "attn_output.weight", (h, q), False),
+                (b + ("post_attention_norm.weight" if gpt_oss else "ffn_norm.weight"), (h,), True)]  # fmt: skip
+        if arch.qkv_bias:
+            out += [(b + "attn_q.bias", (q,), False), (b + "attn_k.bias", (kv,), False), (b + "attn_v.bias", (kv,), False)]
+        if arch.o_bias:
+            out.append((b + "attn_output.bias", (h,), False))
+        if arch.attention_sinks:
+            out.append((b + "attn_sinks.weight", (arch.num_heads,), False))
         if arch.qk_norm:
             out += [(b + "attn_q_norm.weight", (arch.head_dim,), True), (b + "attn_k_norm.weight", (arch.head_dim,), True)]
         if arch.moe is not None and i in arch.moe.layers:
             n, width = arch.moe.num_experts, arch.moe.intermediate_size
-            # The router stays float32 (written as a "norm": llama-quantize leaves it so too, but
-            # random rather than ones).
             out += [(b + "ffn_gate_inp.weight", (n, h), False), (b + "ffn_gate_exps.weight", (n, width, h), False),
                     (b + "ffn_up_exps.weight", (n, width, h), False), (b + "ffn_down_exps.weight", (n, h, width), False)]
+            if arch.moe.router_bias:
+                out.append((b + "ffn_gate_inp.bias", (n,), False))
+            if arch.mlp_bias:
+                out += [(b + "ffn_gate_exps.bias", (n, width), False), (b + "ffn_up_exps.bias", (n, width), False),
+                        (b + "ffn_down_exps.bias", (n, h), False)]
         else:
             out += [(b + "ffn_gate.weight", (inter, h), False), (b + "ffn_up.weight", (inter, h), False),
                     (b + "ffn_down.weight", (h, inter), False)]
@@ -126,11 +142,17 @@ def write_shape_gguf(shape: str, path: Path, seed: int = 0, layers: int | None =
         writer.add_expert_used_count(arch.moe.top_k)
         writer.add_expert_feed_forward_length(arch.moe.intermediate_size)
         writer.add_expert_weights_norm(arch.moe.normalize_top_k)
+    if arch.layer_windows is not None:
+        writer.add_sliding_window(next(w for w in arch.layer_windows if w is not None))
+    if arch.rope.rope_type == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(arch.rope.factor)
+        writer.add_rope_scaling_orig_ctx_len(arch.rope.original_max_position_embeddings)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     for key, value, vtype, sub in fields:
         writer.add_key_value(key, value, vtype, sub)
     for name, dims, norm in tensors:
-        dtype = np.float32 if norm or name.endswith("ffn_gate_inp.weight") else np.float16
+        dtype = np.float32 if norm or name.endswith(_FLOAT32) else np.float16
         writer.add_tensor_info(name, dims, np.dtype(dtype), int(np.prod(dims)) * np.dtype(dtype).itemsize)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -139,7 +161,7 @@ def write_shape_gguf(shape: str, path: Path, seed: int = 0, layers: int | None =
     for name, dims, norm in tensors:
         if norm:
             writer.write_tensor_data(np.ones(dims, dtype=np.float32))
-        elif name.endswith("ffn_gate_inp.weight"):
+        elif name.endswith(_FLOAT32):
             writer.write_tensor_data(rng.standard_normal(dims, dtype=np.float32) * _INIT_STD)
         else:  # a slice at a time: a layer's experts are billions of values
             data = np.empty(dims, dtype=np.float16)
