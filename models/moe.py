@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cadenza.models.config import ModelArchConfig
+from cadenza.models.config import SWIGLU_CLAMPED, ModelArchConfig
 from cadenza.models.dual_linear import linear_add_
 from cadenza.models.quantized_linear import QuantizedLinear
 
@@ -68,16 +68,28 @@ class SparseMoE(nn.Module):
     def fuse(self, kernels) -> None:
         """Run steps under the experts' GEMM threshold through the kernels' `MoEKernel`: one call
         for all of a step's experts. Needs every expert's projections quantized (`QuantizedLinear`,
-        one block type each, no bias); otherwise (or with `kernels` None) experts run one by one.
-        Called once the blocks are where they stay (packed, in huge pages)."""
+        one block type each; biases, gpt-oss's, as float32); otherwise (or with `kernels` None)
+        experts run one by one. Called once the blocks are where they stay (packed, in huge pages)."""
         self.fused, self.fused_max_rows = None, 0
         linears = [m for e in self.experts for m in (e.gate_up_proj, e.down_proj)]
         if kernels is None or not all(isinstance(m, QuantizedLinear) and m.kernels is not None and len(m.parts) == 1
-                                      and m.bias is None for m in linears):
+                                      for m in linears):
             return
         ups, downs = linears[0::2], linears[1::2]
-        self.fused = kernels.MoEKernel([m.blocks0 for m in ups], [m.parts[0][1] for m in ups],
-                                       [m.blocks0 for m in downs], [m.parts[0][1] for m in downs], self.gate.in_features)
+        biased = ups[0].bias is not None
+        if any((m.bias is not None) != biased for m in linears):
+            return
+        mlp = self.experts[0]
+        clamped = mlp.act == SWIGLU_CLAMPED
+        if mlp.act not in ("silu", SWIGLU_CLAMPED):
+            return
+        self.fused = kernels.MoEKernel(
+            [m.blocks0 for m in ups], [m.parts[0][1] for m in ups], [m.blocks0 for m in downs],
+            [m.parts[0][1] for m in downs], self.gate.in_features,
+            gate_up_bias=[m.bias_f32 for m in ups] if biased else None,
+            down_bias=[m.bias_f32 for m in downs] if biased else None,
+            swiglu_alpha=mlp.alpha if clamped else 0.0, swiglu_limit=mlp.limit if clamped else 0.0,
+        )
         self.fused_max_rows = min(m.min_rows for m in linears) - 1
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

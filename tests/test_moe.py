@@ -143,11 +143,12 @@ def test_a_dense_mlp_layer_beside_experts_stays_an_mlp(tiny_model_dir):
     assert mixtures(loaded)[0].experts[0].intermediate == 64
 
 
-def test_the_experts_kernel_gives_what_the_experts_one_by_one_give(kernels, tiny_model_dir):
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
+def test_the_experts_kernel_gives_what_the_experts_one_by_one_give(kernels, tiny_model_dir, arch):
     """Decode-sized steps run all of a step's experts in one kernel call (kernels/cpu/moe.h); the
     same products one expert at a time from Python must agree, for one token and for several
-    (some experts then shared by tokens)."""
-    loaded = load_model(tiny_model_dir("mixtral"), dtype=torch.bfloat16, quantization="int8", cpu_kernels="auto")
+    (some experts then shared by tokens); gpt-oss's with its biases and clamped SwiGLU."""
+    loaded = load_model(tiny_model_dir(arch), dtype=torch.bfloat16, quantization="int8", cpu_kernels="auto")
     moe = mixtures(loaded)[0]
     assert moe.fused is not None and moe.fused_max_rows >= 8
     generator = torch.Generator().manual_seed(5)

@@ -374,17 +374,30 @@ struct Projection {
 };
 
 // A mixture's experts (moe.h), held by reference and checked once: each expert's gate_up [2I, H]
-// and down [H, I] raw GGUF blocks of its own type (packed or not), no biases.
+// and down [H, I] raw GGUF blocks of its own type (packed or not), with float32 biases [2I] and
+// [H] where given (gpt-oss), and the clamped SwiGLU where swiglu_limit > 0.
 class MoEKernel {
  public:
   MoEKernel(std::vector<Tensor> gate_up, std::vector<int64_t> gate_up_types, std::vector<Tensor> down,
-            std::vector<int64_t> down_types, int64_t hidden)
-      : gate_up_(std::move(gate_up)), down_(std::move(down)), hidden_(hidden) {
+            std::vector<int64_t> down_types, int64_t hidden, std::optional<std::vector<Tensor>> gate_up_bias,
+            std::optional<std::vector<Tensor>> down_bias, double swiglu_alpha, double swiglu_limit)
+      : gate_up_(std::move(gate_up)), down_(std::move(down)), hidden_(hidden),
+        gate_up_bias_(gate_up_bias.value_or(std::vector<Tensor>{})), down_bias_(down_bias.value_or(std::vector<Tensor>{})),
+        act_{static_cast<float>(swiglu_alpha), static_cast<float>(swiglu_limit)} {
     TORCH_CHECK(!gate_up_.empty() && gate_up_.size() == down_.size() && gate_up_types.size() == gate_up_.size() &&
                     down_types.size() == down_.size(),
                 "one gate_up, one down and their types for each expert");
+    TORCH_CHECK(gate_up_bias_.empty() || gate_up_bias_.size() == gate_up_.size(), "one gate_up bias for each expert");
+    TORCH_CHECK(down_bias_.empty() || down_bias_.size() == down_.size(), "one down bias for each expert");
     for (size_t e = 0; e < gate_up_.size(); ++e) {
-      const Projection up{gate_up_[e], std::nullopt, gate_up_types[e]}, dn{down_[e], std::nullopt, down_types[e]};
+      const OptionalTensor up_bias = gate_up_bias_.empty() ? OptionalTensor{} : OptionalTensor{gate_up_bias_[e]};
+      const Projection up{gate_up_[e], up_bias, gate_up_types[e]}, dn{down_[e], std::nullopt, down_types[e]};
+      if (!down_bias_.empty()) {
+        const Tensor& b = down_bias_[e];
+        TORCH_CHECK(b.scalar_type() == at::kFloat && b.is_contiguous() && b.dim() == 1 && b.size(0) == hidden,
+                    "expert ", e, ": the down bias must be float32 [", hidden, "]");
+        down_bias_ptrs_.push_back(b.data_ptr<float>());
+      }
       TORCH_CHECK(gate_up_types[e] >= 0 && down_types[e] >= 0, "experts must be raw GGUF blocks");
       up.check(hidden);
       dn.check(up.out_features() / 2);
@@ -407,8 +420,9 @@ class MoEKernel {
     TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.is_contiguous() && weights.sizes() == ids.sizes(),
                 "weights must be a contiguous float32 tensor shaped as ids");
     cadenza::moe_experts_add(in_rows(x), ids.data_ptr<int64_t>(), weights.data_ptr<float>(), ids.size(1),
-                             weights_up_.data(), weights_down_.data(), static_cast<int64_t>(weights_up_.size()),
-                             out_rows(residual));
+                             weights_up_.data(), weights_down_.data(),
+                             down_bias_ptrs_.empty() ? nullptr : down_bias_ptrs_.data(),
+                             static_cast<int64_t>(weights_up_.size()), act_, out_rows(residual));
     return residual;
   }
 
@@ -416,6 +430,9 @@ class MoEKernel {
   std::vector<Tensor> gate_up_, down_;
   std::vector<cadenza::Weight> weights_up_, weights_down_;
   int64_t hidden_;
+  std::vector<Tensor> gate_up_bias_, down_bias_;  // held: the weights and pointers below point into them
+  std::vector<const float*> down_bias_ptrs_;
+  cadenza::ExpertActivation act_;
 };
 
 // A decoder layer's tensors, held by reference (nothing is copied) and checked once; the kernel
@@ -631,7 +648,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("window"), py::arg("sinks") = py::none(), release());
   m.def("write_kv_int8_", &write_kv_int8_, "quantize keys and values into their int8 cache slots", release());
   py::class_<MoEKernel>(m, "MoEKernel")
-      .def(py::init<std::vector<Tensor>, std::vector<int64_t>, std::vector<Tensor>, std::vector<int64_t>, int64_t>())
+      .def(py::init<std::vector<Tensor>, std::vector<int64_t>, std::vector<Tensor>, std::vector<int64_t>, int64_t,
+                    std::optional<std::vector<Tensor>>, std::optional<std::vector<Tensor>>, double, double>(),
+           py::arg("gate_up"), py::arg("gate_up_types"), py::arg("down"), py::arg("down_types"), py::arg("hidden"),
+           py::arg("gate_up_bias") = py::none(), py::arg("down_bias") = py::none(), py::arg("swiglu_alpha") = 0.0,
+           py::arg("swiglu_limit") = 0.0)
       .def("add_", &MoEKernel::add_, "residual += the experts' outputs for the router's picks, in place", release());
   py::class_<DecoderLayerKernel>(m, "DecoderLayerKernel")
       .def(py::init<Tensor, Tensor, OptionalTensor, Tensor, OptionalTensor, Tensor, OptionalTensor, OptionalTensor,

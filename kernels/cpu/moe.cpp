@@ -11,7 +11,8 @@
 namespace cadenza {
 
 void moe_experts_add(In x, const int64_t* ids, const float* weights, int64_t top_k, const Weight* gate_up,
-                     const Weight* down, int64_t num_experts, Out residual) {
+                     const Weight* down, const float* const* down_bias, int64_t num_experts, ExpertActivation act,
+                     Out residual) {
   const int64_t T = x.rows, H = x.cols;
   // The (token, weight) pairs of each expert, experts in order of first use.
   std::vector<std::vector<std::pair<int64_t, float>>> routed(num_experts);
@@ -37,10 +38,19 @@ void moe_experts_add(In x, const int64_t* ids, const float* weights, int64_t top
     gu.resize(n * I2);
     hidden.resize(n * I);
     quant_matmul(In{xs.data(), n, H, H}, gate_up[e], Out{gu.data(), n, I2, I2}, false);
-    silu_mul(In{gu.data(), n, I2, I2}, Out{hidden.data(), n, I, I});
+    if (act.swiglu_limit > 0.0f)
+      swiglu_clamped(In{gu.data(), n, I2, I2}, Out{hidden.data(), n, I, I}, act.swiglu_alpha, act.swiglu_limit);
+    else
+      silu_mul(In{gu.data(), n, I2, I2}, Out{hidden.data(), n, I, I});
+    // The weight scales the hidden state (down is linear) and the down bias after it: w (D h + b).
+    const float* bias = down_bias != nullptr ? down_bias[e] : nullptr;
     for (int64_t r = 0; r < n; ++r) {
       float* row = hidden.data() + r * I;
       for (int64_t i = 0; i < I; ++i) row[i] *= pairs[r].second;
+      if (bias != nullptr) {
+        float* dst = residual.row(pairs[r].first);
+        for (int64_t h = 0; h < H; ++h) dst[h] += pairs[r].second * bias[h];
+      }
     }
     if (n == 1) {  // straight into the token's residual row
       quant_matmul(In{hidden.data(), 1, I, I}, down[e], Out{residual.row(pairs[0].first), 1, H, H}, true);

@@ -9,11 +9,19 @@
 
 namespace cadenza {
 
+// The experts' activation of gate_up: SiLU(gate) * up, or (swiglu_limit > 0) gpt-oss's clamped
+// SwiGLU (small_ops.h swiglu_clamped).
+struct ExpertActivation {
+  float swiglu_alpha = 0.0f, swiglu_limit = 0.0f;
+};
+
 // residual [T, H] += sum over j < top_k of weights[t, j] * expert_{ids[t, j]}(x[t]), where expert e
-// is down[e] (silu(gate) * up of gate_up[e] x): gate_up[e] [2I, H] and down[e] [H, I] raw GGUF
-// blocks (quant.h, packed or not). ids and weights are [T, top_k], row-major. Experts run in
-// order of their first token; each product is parallel over its rows.
+// is down[e] act(gate_up[e] x) + down_bias[e]: gate_up[e] [2I, H] (its bias, if any, in the
+// Weight) and down[e] [H, I] raw GGUF blocks (quant.h, packed or not), down_bias[e] [H] or
+// nullptr (down_bias itself nullptr: none has one). ids and weights are [T, top_k], row-major.
+// Experts run in order of their first token; each product is parallel over its rows.
 void moe_experts_add(In x, const int64_t* ids, const float* weights, int64_t top_k, const Weight* gate_up,
-                     const Weight* down, int64_t num_experts, Out residual);
+                     const Weight* down, const float* const* down_bias, int64_t num_experts, ExpertActivation act,
+                     Out residual);
 
 }  // namespace cadenza

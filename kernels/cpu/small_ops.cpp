@@ -82,6 +82,30 @@ void silu_mul(In gate_up, Out out) {
   });
 }
 
+void swiglu_clamped(In gate_up, Out out, float alpha, float limit) {
+  const int64_t I = gate_up.cols / 2;
+  const __m256 lim = _mm256_set1_ps(limit), neg_lim = _mm256_set1_ps(-limit), one = _mm256_set1_ps(1.0f);
+  const __m256 neg_alpha = _mm256_set1_ps(-alpha);
+  parallel_for(0, gate_up.rows, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* g = gate_up.row(m);
+      const float* u = g + I;
+      float* o = out.row(m);
+      int64_t i = 0;
+      for (; i + 8 <= I; i += 8) {
+        const __m256 gate = _mm256_min_ps(_mm256_loadu_ps(g + i), lim);
+        const __m256 up = _mm256_max_ps(_mm256_min_ps(_mm256_loadu_ps(u + i), lim), neg_lim);
+        const __m256 glu = _mm256_div_ps(gate, _mm256_add_ps(one, exp8(_mm256_mul_ps(neg_alpha, gate))));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_add_ps(up, one), glu));
+      }
+      for (; i < I; ++i) {
+        const float gate = std::min(g[i], limit), up = std::max(std::min(u[i], limit), -limit);
+        o[i] = (up + 1.0f) * (gate / (1.0f + exp1(-alpha * gate)));
+      }
+    }
+  });
+}
+
 void silu_mul_bf16(const uint16_t* gate_up, int64_t rows, int64_t I, int64_t in_stride, uint16_t* out, int64_t out_stride) {
   parallel_for(0, rows, 1, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {

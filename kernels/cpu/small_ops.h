@@ -25,6 +25,10 @@ void rotary(float* x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t t
 // out [rows, I] = SiLU(gate) * up of gate_up [rows, 2I].
 void silu_mul(In gate_up, Out out);
 
+// out [rows, I] = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit), of
+// gate_up [rows, 2I]: gpt-oss's experts' activation.
+void swiglu_clamped(In gate_up, Out out, float alpha, float limit);
+
 // The same of bfloat16 gate_up [rows, 2I] (row stride in_stride) into bfloat16 out [rows, I] (row stride
 // out_stride): computed in float32 as silu_mul does and rounded to nearest even, so the bits are those
 // of widening gate_up, silu_mul, then PyTorch's conversion of its result. What a prefill's MLP runs
