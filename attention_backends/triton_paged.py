@@ -54,6 +54,7 @@ class TritonPagedBackend(AttentionBackend):
     options_model = TritonOptions
     supports_int8_kv_cache = True
     supports_cuda_graphs = True
+    supports_attention_sinks = True
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
@@ -95,7 +96,7 @@ class TritonPagedBackend(AttentionBackend):
         wanted = -(-2 * self._sms // max(1, num_seqs * self.num_kv_heads))
         return max(1, min(wanted, self.options.max_decode_splits, max_blocks))
 
-    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata):
+    def forward(self, q, k, v, kv_cache, meta: AttentionMetadata, sinks=None):
         if isinstance(kv_cache, Int8KVCache):
             self._write.write_kv_cache_int8(k, v, kv_cache.data, kv_cache.scales, meta.slot_mapping)
             keys, values = kv_cache.data[0], kv_cache.data[1]
@@ -107,9 +108,10 @@ class TritonPagedBackend(AttentionBackend):
         if meta.is_decode_only:
             splits = self.decode_splits(q.shape[0], meta.block_tables.shape[1])
             return self._attend.paged_decode_attention(
-                q, keys, values, meta.block_tables, meta.seq_lens, self.scale, window, num_splits=splits, **scales
+                q, keys, values, meta.block_tables, meta.seq_lens, self.scale, window, num_splits=splits, sinks=sinks,
+                **scales,
             )
         return self._attend.paged_prefill_attention(
             q, keys, values, meta.block_tables, meta.query_start_loc, meta.seq_lens, meta.max_query_len,
-            self.scale, window, **scales,
+            self.scale, window, sinks=sinks, **scales,
         )  # fmt: skip

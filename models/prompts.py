@@ -33,7 +33,9 @@ class ChatPrompt:
         return tokenizer.apply_chat_template(self.messages, add_generation_prompt=True, **kwargs)
 
 
-Prompt = Union[str, Sequence[int], Sequence[dict[str, Any]], ChatPrompt]
+Prompt = Union[str, Sequence[int], Sequence[dict[str, Any]], ChatPrompt, Mapping[str, Any]]
+# vLLM's TextPrompt {"prompt": ...} and TokensPrompt {"prompt_token_ids": [...]}.
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
 class PromptError(ValueError):
@@ -41,16 +43,35 @@ class PromptError(ValueError):
 
 
 def is_single_prompt(prompts: Any) -> bool:
-    """A bare string, a list of token ids or a list of chat messages is one prompt, not a batch."""
-    if isinstance(prompts, (str, ChatPrompt)):
+    """A bare string, a list of token ids, a list of chat messages or one vLLM-style prompt dict
+    ({"prompt": ...} or {"prompt_token_ids": [...]}) is one prompt, not a batch."""
+    if isinstance(prompts, (str, ChatPrompt, Mapping)):
         return True
     if isinstance(prompts, Sequence) and prompts and all(isinstance(p, int) for p in prompts):
         return True
-    return isinstance(prompts, Sequence) and bool(prompts) and all(isinstance(p, dict) for p in prompts)
+    return (isinstance(prompts, Sequence) and bool(prompts) and all(isinstance(p, dict) for p in prompts)
+            and not any(_is_prompt_dict(p) for p in prompts))
+
+
+def _is_prompt_dict(value: Any) -> bool:
+    return isinstance(value, Mapping) and any(key in value for key in _PROMPT_KEYS)
 
 
 def tokenize_prompt(prompt: Prompt, tokenizer: Tokenizer, vocab_size: int) -> tuple[str | None, list[int]]:
     """(prompt text or None, token ids); chat messages go through the model's chat template."""
+    if isinstance(prompt, Mapping):
+        if not _is_prompt_dict(prompt) or set(prompt) - {*_PROMPT_KEYS, "multi_modal_data", "mm_processor_kwargs"}:
+            raise PromptError(f"a prompt dict has 'prompt' (text) or 'prompt_token_ids'; got keys {sorted(prompt)}")
+        if "multi_modal_data" in prompt:
+            raise PromptError("multi_modal_data: this model takes text only")
+        if "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, Sequence) or isinstance(ids, str):
+                raise PromptError("prompt_token_ids must be a list of token ids")
+            return tokenize_prompt(list(ids), tokenizer, vocab_size)
+        if not isinstance(prompt["prompt"], str):
+            raise PromptError("'prompt' must be a string")
+        return tokenize_prompt(prompt["prompt"], tokenizer, vocab_size)
     if isinstance(prompt, str):
         check_encodable(prompt, "the prompt")
         ids = tokenizer.encode(prompt)

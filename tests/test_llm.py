@@ -31,6 +31,18 @@ def test_prompt_kinds(llm):
         assert out.timings is not None and out.timings.e2e_seconds > 0 and out.index == 0
 
 
+def test_vllm_style_prompt_dicts(llm):
+    """vLLM's TextPrompt and TokensPrompt dicts, alone or in a list, are prompts like any other."""
+    (alone,) = llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, greedy(4))
+    text, ids = llm.generate([{"prompt": "hello world"}, {"prompt_token_ids": [5, 6, 7, 8]}], greedy(4))
+    assert alone.prompt_token_ids == ids.prompt_token_ids == [5, 6, 7, 8] and alone.token_ids == ids.token_ids
+    assert text.prompt == "hello world" and text.prompt_token_ids == llm.tokenizer.encode("hello world")
+    with pytest.raises(PromptError, match="'prompt' \\(text\\) or 'prompt_token_ids'"):
+        llm.generate({"text": "hi"}, greedy(1))
+    with pytest.raises(PromptError, match="text only"):
+        llm.generate({"prompt": "hi", "multi_modal_data": {"image": None}}, greedy(1))
+
+
 def test_single_prompt_and_per_prompt_params(llm):
     (single,) = llm.generate([5, 6, 7], greedy(3))
     assert len(single.token_ids) == 3

@@ -353,6 +353,49 @@ def test_paged_prefill_attention_matches_reference(cache_dtype, q_dtype, block_s
     assert_close(got, expected, coarsest(q_dtype, cache_dtype))
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_attention_sinks_join_every_softmax_once(num_splits):
+    """gpt-oss's sinks: a logit per head in each row's softmax denominator. The kernels (decode with
+    the sink counted by one split only, and prefill) agree with the reference, and the reference
+    with the plain softmax over the scores plus a sink column (the eager backend's formulation)."""
+    generator = torch.Generator().manual_seed(9)
+    group, head_dim, scale = 2, 64, 0.125
+    paged = PagedCache.make([0, 1, 23, 90], 16, head_dim, torch.float32, generator)
+    num_heads = NUM_KV_HEADS * group
+    sinks = torch.randn(num_heads, generator=generator) * 2
+    lens = torch.tensor(paged.seq_lens)
+    q = torch.randn(len(paged.seq_lens), num_heads, head_dim, generator=generator)
+    key_cache, value_cache, _, _ = paged.kernel_inputs()
+    got = paged_attention.paged_decode_attention(q.to(DEVICE), key_cache, value_cache, paged.tables.to(DEVICE),
+                                                 lens.to(DEVICE), scale, num_splits=num_splits, sinks=sinks.to(DEVICE))
+    key_cache, value_cache, _, _ = paged.oracle_inputs()
+    expected = reference.paged_decode_attention(q.double(), key_cache, value_cache, paged.tables, lens, scale,
+                                                sinks=sinks.double())
+    assert_close(got, expected, torch.float32)
+    assert not got[0].any()  # seq_len 0: zeros, sink or not
+    # The reference against the softmax with a sink column, row 3 (90 keys) by hand.
+    keys = key_cache[paged.tables[3]].reshape(-1, NUM_KV_HEADS, head_dim)[:90].repeat_interleave(group, 1)
+    values = value_cache[paged.tables[3]].reshape(-1, NUM_KV_HEADS, head_dim)[:90].repeat_interleave(group, 1)
+    scores = torch.einsum("hd,khd->hk", q[3].double(), keys) * scale
+    probs = torch.cat([scores, sinks.double()[:, None]], dim=1).softmax(-1)[:, :-1]
+    torch.testing.assert_close(expected[3], torch.einsum("hk,khd->hd", probs, values))
+    # Prefill: a fresh prompt and an extend, every row with its head's sink.
+    steps = [(0, 37), (45, 13)]
+    paged = PagedCache.make([c + n for c, n in steps], 16, head_dim, torch.float32, generator)
+    query_lens = [n for _, n in steps]
+    q = torch.randn(sum(query_lens), num_heads, head_dim, generator=generator)
+    starts = torch.tensor([0, query_lens[0], sum(query_lens)])
+    lens = torch.tensor(paged.seq_lens)
+    key_cache, value_cache, _, _ = paged.kernel_inputs()
+    got = paged_attention.paged_prefill_attention(q.to(DEVICE), key_cache, value_cache, paged.tables.to(DEVICE),
+                                                  starts.to(DEVICE), lens.to(DEVICE), max(query_lens), scale, 7,
+                                                  sinks=sinks.to(DEVICE))
+    key_cache, value_cache, _, _ = paged.oracle_inputs()
+    expected = reference.paged_prefill_attention(q.double(), key_cache, value_cache, paged.tables, starts, lens,
+                                                 max(query_lens), scale, 7, sinks=sinks.double())
+    assert_close(got, expected, torch.float32)
+
+
 # --- the references themselves --------------------------------------------------------------------
 
 

@@ -89,15 +89,18 @@ def _attend_tile(q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_sca
 @triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, lse_ptr,
-    qk_scale, sliding_window, head_dim,
+    sinks_ptr, qk_scale, sliding_window, head_dim,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_bt, stride_btc,
     stride_block, stride_offset, stride_head, scale_stride_block, scale_stride_offset, scale_stride_head,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, IS_INT8: tl.constexpr, DOT_DTYPE: tl.constexpr, WRITE_LSE: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     """Grid (batch, kv head, split): the GQA group's query heads, packed as the rows of the dot so one
     key tile serves them all, over this split's share of the keys. Writes the split's normalized
-    output and, when splitting, its log2-sum-exp (-inf for an empty split)."""
+    output and, when splitting, its log2-sum-exp (-inf for an empty split). With sinks (a logit per
+    head, in log2 units once scaled by log2(e)), split 0 starts its softmax from the sink: a term
+    e^sink in the denominator with no value behind it, counted once however the keys split."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -126,6 +129,11 @@ def _decode_kernel(
     end = tl.minimum(start + tokens_per_split, seq_len)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_G], 0.0, tl.float32)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=head_mask, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        first = head_mask & (split == 0)
+        m_i = tl.where(first, sink, m_i)
+        l_i = tl.where(first, 1.0, l_i)
     acc = tl.full([BLOCK_G, BLOCK_D], 0.0, tl.float32)
     for tile_start in range(start, end, BLOCK_N):
         tokens = tile_start + tl.arange(0, BLOCK_N)
@@ -172,14 +180,15 @@ def _combine_splits_kernel(
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, k_scales_ptr, v_scales_ptr, block_tables_ptr, query_start_loc_ptr,
-    seq_lens_ptr, out_ptr,
+    seq_lens_ptr, out_ptr, sinks_ptr,
     qk_scale, sliding_window, head_dim,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_btc,
     stride_block, stride_offset, stride_head, scale_stride_block, scale_stride_offset, scale_stride_head,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, IS_INT8: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, IS_INT8: tl.constexpr, DOT_DTYPE: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
-    """Grid (sequence, head, query tile): BLOCK_M query rows of one head, causal over the cache."""
+    """Grid (sequence, head, query tile): BLOCK_M query rows of one head, causal over the cache;
+    with sinks, each row's softmax starts from its head's sink (see `_decode_kernel`)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     first_row = tl.program_id(2) * BLOCK_M
@@ -207,6 +216,9 @@ def _prefill_kernel(
     lowest_visible = tl.where(sliding_window > 0, positions - sliding_window, -1)  # [BLOCK_M], exclusive
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    if HAS_SINKS:
+        m_i = tl.full([BLOCK_M], 0.0, tl.float32) + tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
     for tile_start in range(start, end, BLOCK_N):
         tokens = tile_start + tl.arange(0, BLOCK_N)
@@ -240,6 +252,7 @@ def paged_decode_attention(
     v_scales: torch.Tensor | None = None,
     num_splits: int = 1,
     out: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query row per sequence over its paged keys and values (flash-decoding).
 
@@ -256,6 +269,8 @@ def paged_decode_attention(
             tiles, of the keys the row sees (sized in the kernel from its seq_len, so a short row
             in a wide table still spreads over the splits). Above 1, a second kernel combines them.
         out: where to write the result (any strides, unit in the last dim).
+        sinks: float32 [num_heads] or None (gpt-oss): each head's logit in every softmax's
+            denominator, with no value behind it.
 
     Returns [B, num_heads, head_dim] in q's dtype; a row with seq_lens 0 gets zeros. The grid and
     every launch argument depend on shapes and `num_splits` only (CUDA-graph safe)."""
@@ -279,13 +294,13 @@ def paged_decode_attention(
     k_scales_arg, v_scales_arg, scale_strides = _scale_args(key_cache, k_scales, v_scales)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, key_cache, value_cache, k_scales_arg, v_scales_arg, block_tables, seq_lens, partial, lse,
-        scale * math.log2(math.e), sliding_window, head_dim,
+        q if sinks is None else sinks, scale * math.log2(math.e), sliding_window, head_dim,
         q.stride(0), q.stride(1), partial.stride(0), partial.stride(1), partial_split_stride,
         lse.stride(0), lse.stride(1), block_tables.stride(0), block_tables.stride(1),
         *key_cache.stride()[:3], *scale_strides,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=tiles.block_n,
         BLOCK_D=tiles.block_d, BLOCK_SIZE=block_size, IS_INT8=k_scales is not None,
-        DOT_DTYPE=tiles.dot_dtype, WRITE_LSE=num_splits > 1, num_warps=tiles.num_warps,
+        DOT_DTYPE=tiles.dot_dtype, WRITE_LSE=num_splits > 1, HAS_SINKS=sinks is not None, num_warps=tiles.num_warps,
     )
     if num_splits > 1:
         _combine_splits_kernel[(batch, num_heads)](
@@ -310,6 +325,7 @@ def paged_prefill_attention(
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention for any mix of prefills, extends over a cached prefix, and decodes.
 
@@ -335,12 +351,12 @@ def paged_prefill_attention(
     k_scales_arg, v_scales_arg, scale_strides = _scale_args(key_cache, k_scales, v_scales)
     _prefill_kernel[(num_seqs, num_heads, triton.cdiv(max_query_len, tiles.block_m))](
         q, key_cache, value_cache, k_scales_arg, v_scales_arg, block_tables, query_start_loc, seq_lens, out,
-        scale * math.log2(math.e), sliding_window, head_dim,
+        q if sinks is None else sinks, scale * math.log2(math.e), sliding_window, head_dim,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), block_tables.stride(1),
         *key_cache.stride()[:3], *scale_strides,
         GROUP=num_heads // num_kv_heads, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         BLOCK_D=tiles.block_d, BLOCK_SIZE=block_size, IS_INT8=k_scales is not None,
-        DOT_DTYPE=tiles.dot_dtype, num_warps=tiles.num_warps,
+        DOT_DTYPE=tiles.dot_dtype, HAS_SINKS=sinks is not None, num_warps=tiles.num_warps,
     )
     return out
 

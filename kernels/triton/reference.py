@@ -66,6 +66,7 @@ def paged_decode_attention(
     v_scales: torch.Tensor | None = None,
     num_splits: int = 1,
     out: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query row per sequence at position seq_lens[b] - 1; see the Triton kernel's contract.
     `num_splits` only shapes the kernel's work and is ignored here."""
@@ -73,7 +74,7 @@ def paged_decode_attention(
     query_positions = (seq_lens - 1).unsqueeze(1)  # [B, 1]
     result = _paged_attention(
         q.unsqueeze(1), key_cache, value_cache, block_tables, seq_lens, query_positions,
-        scale, sliding_window, k_scales, v_scales,
+        scale, sliding_window, k_scales, v_scales, sinks,
     ).squeeze(1)
     return _into(out, result)
 
@@ -91,6 +92,7 @@ def paged_prefill_attention(
     k_scales: torch.Tensor | None = None,
     v_scales: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of flattened query rows (sequence i owns rows query_start_loc[i]:[i+1], its
     newest tokens) over the whole cache; see the Triton kernel's contract."""
@@ -106,7 +108,7 @@ def paged_prefill_attention(
     query_positions = torch.where(offsets < query_lens.unsqueeze(1), query_positions, -1)  # -1 sees nothing
     padded = _paged_attention(
         q[rows], key_cache, value_cache, block_tables, seq_lens, query_positions,
-        scale, sliding_window, k_scales, v_scales,
+        scale, sliding_window, k_scales, v_scales, sinks,
     )
     tokens = torch.arange(num_tokens, device=q.device, dtype=ends.dtype)
     seq_of_token = torch.searchsorted(ends, tokens, right=True).clamp(max=seq_lens.shape[0] - 1)
@@ -115,9 +117,10 @@ def paged_prefill_attention(
 
 
 def _paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_positions, scale,
-                     sliding_window, k_scales, v_scales):
+                     sliding_window, k_scales, v_scales, sinks=None):
     """q [B, M, num_heads, head_dim], query_positions [B, M] (negative: the row sees no key) ->
-    [B, M, num_heads, head_dim] in q's dtype, computed in float32 (float64 for float64 inputs)."""
+    [B, M, num_heads, head_dim] in q's dtype, computed in float32 (float64 for float64 inputs).
+    `sinks` [num_heads] (gpt-oss): a logit per head in every row's softmax denominator."""
     batch, rows, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -140,8 +143,14 @@ def _paged_attention(q, key_cache, value_cache, block_tables, seq_lens, query_po
     scores = scores.masked_fill(~allowed, float("-inf"))
     # A row that sees no key (seq_len 0, a padding row) gets zeros, not the NaN softmax would give.
     row_max = scores.amax(-1, keepdim=True)
-    weights = torch.exp(scores - torch.where(torch.isfinite(row_max), row_max, 0.0))
+    if sinks is not None:
+        sink = sinks.to(compute).view(1, num_kv_heads, group, 1, 1)
+        row_max = torch.maximum(row_max, sink)
+    row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
+    weights = torch.exp(scores - row_max)
     total = weights.sum(-1, keepdim=True)
+    if sinks is not None:
+        total = total + torch.exp(sink - row_max)
     weights = weights / torch.where(total > 0, total, 1.0)
     result = torch.einsum("bkgmn,bnkd->bmkgd", weights, values)
     return result.reshape(batch, rows, num_heads, head_dim).to(q.dtype)
