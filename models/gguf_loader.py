@@ -25,11 +25,12 @@ from cadenza.models.quantized_linear import NATIVE_TYPES, QuantizedTensor
 
 log = structlog.get_logger(__name__)
 
-# The quantizations we de-quantize (through gguf.quants, the reference implementation).
+# The quantizations we de-quantize (through gguf.quants, the reference implementation; MXFP4,
+# which the gguf package may lack, through models/mxfp4.py).
 SUPPORTED_QUANT_TYPES = frozenset(
     getattr(gguf.GGMLQuantizationType, name)
     for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-                 "IQ4_NL", "IQ4_XS")
+                 "IQ4_NL", "IQ4_XS", "MXFP4")
 )
 
 _LAYER_NAMES = {
@@ -412,6 +413,10 @@ def _dequantize_array(data: np.ndarray, qtype, name: str, source: str) -> np.nda
     if qtype not in SUPPORTED_QUANT_TYPES:
         supported = ", ".join(sorted(t.name for t in SUPPORTED_QUANT_TYPES))
         raise UnsupportedModelError(f"{source}: tensor {name!r} uses quantization {qtype.name}; supported: {supported}")
+    if qtype == gguf.GGMLQuantizationType.MXFP4:
+        from cadenza.models.mxfp4 import dequantize_mxfp4
+
+        return dequantize_mxfp4(torch.from_numpy(np.array(data, dtype=np.uint8))).numpy()
     # A copy: F32/F16 tensors come back as views of the read-only memory map.
     return np.array(gguf.quants.dequantize(data, qtype), dtype=np.float32)
 

@@ -13,6 +13,7 @@ from cadenza.models.config import ModelArchConfig
 from cadenza.models.errors import ModelLoadError
 from cadenza.models.families import FAMILIES, Family
 from cadenza.models.moe import is_router_weight
+from cadenza.models.quantized_linear import QuantizedTensor
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -60,6 +61,8 @@ def safetensors_shapes(files: list[Path], family: Family = FAMILIES["llama"]) ->
             with safe_open(str(path), framework="pt") as handle:
                 for name in handle.keys():
                     canonical, shape = family.canonical_name(name), tuple(handle.get_slice(name).get_shape())
+                    if family.gpt_oss and canonical.endswith(_MXFP4_SUFFIXES):
+                        continue  # MXFP4 experts: raw blocks or de-quantized (`iter_safetensors`), never re-quantized
                     if family.gpt_oss and _is_stacked_experts(canonical):
                         meta = torch.empty(shape, device="meta")
                         shapes.update((n, tuple(t.shape)) for n, t in split_stacked_experts(canonical, meta))
@@ -68,6 +71,58 @@ def safetensors_shapes(files: list[Path], family: Family = FAMILIES["llama"]) ->
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(f"{path}: corrupt or unreadable safetensors file: {exc}") from exc
     return shapes
+
+
+_MXFP4_SUFFIXES = ("_blocks", "_scales")
+
+
+def mxfp4_expert_names(files: list[Path], family: Family) -> frozenset[str]:
+    """The per-expert canonical weight names a gpt-oss checkpoint stores as MXFP4 (`*_blocks` and
+    `*_scales`, read from the headers), which `iter_safetensors(mxfp4_native=True)` hands over as
+    raw GGUF blocks."""
+    if not family.gpt_oss:
+        return frozenset()
+    names: set[str] = set()
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                for name in handle.keys():
+                    canonical = family.canonical_name(name)
+                    if canonical.endswith("_blocks"):
+                        stem = canonical.removesuffix("_blocks")
+                        experts = handle.get_slice(name).get_shape()[0]
+                        names.update(n for e in range(experts) for n, _ in _mxfp4_parts(stem, e))
+        except (SafetensorError, OSError) as exc:
+            raise ModelLoadError(f"{path}: corrupt or unreadable safetensors file: {exc}") from exc
+    return frozenset(names)
+
+
+def _mxfp4_parts(stem: str, expert: int) -> list[tuple[str, slice]]:
+    """(canonical name, its rows of the stored tensor) of expert `expert` of an MXFP4 stack: gate
+    and up interleaved in `gate_up_proj` as in the float layout (even rows gate, odd up)."""
+    prefix, _, kind = stem.rpartition(".")
+    base = f"{prefix}.{expert}"
+    if kind == "gate_up_proj":
+        return [(f"{base}.gate_proj.weight", slice(0, None, 2)), (f"{base}.up_proj.weight", slice(1, None, 2))]
+    return [(f"{base}.down_proj.weight", slice(None))]
+
+
+def _split_mxfp4_experts(stem: str, blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, native: bool,
+                         source: str) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """An MXFP4 expert stack (blocks [experts, out, n, 16], scales [experts, out, n]: [out, in]
+    already, unlike the float layout) as each expert's weights: GGUF MXFP4 blocks, exactly as
+    llama.cpp's converter writes them, or (not `native`) de-quantized to `dtype`, one expert at a time."""
+    from cadenza.models.mxfp4 import QTYPE, dequantize_mxfp4, mxfp4_from_hf
+
+    if blocks.shape[:-1] != scales.shape or blocks.dim() != 4:
+        raise ModelLoadError(f"{source}: {stem}: MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} "
+                             "do not match")
+    in_features = blocks.shape[2] * 32
+    for e in range(blocks.shape[0]):
+        raw = mxfp4_from_hf(blocks[e], scales[e])  # [out, n * 17]
+        for name, rows in _mxfp4_parts(stem, e):
+            part = raw[rows].contiguous()
+            yield name, QuantizedTensor(part, QTYPE, in_features) if native else dequantize_mxfp4(part).to(dtype)
 
 
 _STACKED = (".mlp.experts.gate_up_proj", ".mlp.experts.gate_up_proj_bias", ".mlp.experts.down_proj",
@@ -97,14 +152,26 @@ def split_stacked_experts(name: str, tensor: torch.Tensor) -> Iterator[tuple[str
             yield f"{base}.down_proj.bias", tensor[e]
 
 
-def iter_safetensors(files: list[Path], dtype: torch.dtype, family: Family = FAMILIES["llama"]
-                     ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor under its canonical name (`family`'s renames), in `dtype` (a router's in float32)."""
+def iter_safetensors(files: list[Path], dtype: torch.dtype, family: Family = FAMILIES["llama"],
+                     mxfp4_native: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """Every tensor under its canonical name (`family`'s renames), in `dtype` (a router's in float32);
+    gpt-oss's MXFP4 experts as raw GGUF blocks (`mxfp4_native`) or de-quantized."""
+    pending: dict[str, torch.Tensor] = {}  # an MXFP4 stack's blocks or scales, until the other arrives
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as handle:
                 for name in handle.keys():
                     canonical = family.canonical_name(name)
+                    if family.gpt_oss and canonical.endswith(_MXFP4_SUFFIXES):
+                        stem, kind = canonical[:-7], canonical[-6:]
+                        partner = pending.pop(stem + ("_scales" if kind == "blocks" else "_blocks"), None)
+                        if partner is None:
+                            pending[canonical] = handle.get_tensor(name)
+                            continue
+                        tensor = handle.get_tensor(name)
+                        blocks, scales = (tensor, partner) if kind == "blocks" else (partner, tensor)
+                        yield from _split_mxfp4_experts(stem, blocks, scales, dtype, mxfp4_native, str(path))
+                        continue
                     wanted = torch.float32 if is_router_weight(canonical) else dtype
                     if family.gpt_oss and _is_stacked_experts(canonical):
                         for part, tensor in split_stacked_experts(canonical, handle.get_tensor(name)):
@@ -115,3 +182,5 @@ def iter_safetensors(files: list[Path], dtype: torch.dtype, family: Family = FAM
             raise ModelLoadError(f"{path}: corrupt or unreadable safetensors file: {exc}") from exc
         except OSError as exc:
             raise ModelLoadError(f"{path}: cannot read: {exc}") from exc
+    if pending:
+        raise ModelLoadError(f"MXFP4 tensors without their other half (blocks or scales): {', '.join(sorted(pending))}")

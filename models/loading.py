@@ -89,7 +89,9 @@ def load_model(
             arch, weights, tokenizer, native, arena_bytes = _read_gguf(resolved, dtype, source, why_not)
         elif resolved.is_dir():
             kernels = _int8_kernels(quantization, device, dtype, cpu_kernels)
-            arch, weights, tokenizer, native = _read_hf(resolved, dtype, int8=quantization == "int8")
+            arch, weights, tokenizer, native = _read_hf(
+                resolved, dtype, int8=quantization == "int8",
+                why_not_native=lambda: _why_not_native(quantization, device, dtype, cpu_kernels)[0])
         else:
             raise ModelLoadError(f"{source}: expected a Hugging Face model directory or a .gguf file")
     limit = arch.max_position_embeddings if max_model_len is None else max_model_len
@@ -169,21 +171,36 @@ def load_tokenizer(path: str | Path | None, max_model_len: int | None = None, lo
     return arch, tokenizer, arch.max_position_embeddings if max_model_len is None else max_model_len
 
 
-def _read_hf(directory: Path, dtype: torch.dtype, int8: bool):
-    from cadenza.models.hf_loader import iter_safetensors, read_hf_config, safetensors_files, safetensors_shapes
+def _read_hf(directory: Path, dtype: torch.dtype, int8: bool, why_not_native: Callable[[], str | None] | None = None):
+    """(arch, weights, tokenizer, names given as raw blocks). A gpt-oss checkpoint's MXFP4 experts
+    stay MXFP4 blocks where `why_not_native()` (as for a GGUF's blocks) says nothing against it,
+    else they are de-quantized to `dtype`."""
+    from cadenza.models.hf_loader import (
+        iter_safetensors,
+        mxfp4_expert_names,
+        read_hf_config,
+        safetensors_files,
+        safetensors_shapes,
+    )
     from cadenza.models.int8_weights import iter_int8_weights, plan_int8_weights
 
     arch = read_hf_config(directory)
     family = FAMILIES[arch.model_type]
     files = safetensors_files(directory)
     tokenizer = load_hf_tokenizer(directory, arch.eos_token_ids)
-    weights = iter_safetensors(files, dtype, family)
+    mxfp4 = mxfp4_expert_names(files, family)
+    why = (why_not_native() if why_not_native is not None else "only the tokenizer is needed") if mxfp4 else None
+    if why is not None:
+        log.info("MXFP4 experts de-quantized", tensors=len(mxfp4), dtype=str(dtype).removeprefix("torch."), reason=why)
+    mxfp4_native = bool(mxfp4) and why is None
+    kept = mxfp4 if mxfp4_native else frozenset()
+    weights = iter_safetensors(files, dtype, family, mxfp4_native)
     if not int8:
-        return arch, weights, tokenizer, frozenset()
+        return arch, weights, tokenizer, kept
     native = plan_int8_weights(safetensors_shapes(files, family))
     # Quantized from float32 (exact for any checkpoint dtype), not from a bf16 rounding of it.
-    float32 = iter_safetensors(files, torch.float32, family)
-    return arch, iter_int8_weights(float32 if native else weights, native), tokenizer, native
+    float32 = iter_safetensors(files, torch.float32, family, mxfp4_native)
+    return arch, iter_int8_weights(float32 if native else weights, native), tokenizer, native | kept
 
 
 def _read_dummy(path, dtype: torch.dtype, device: torch.device, seed: int, int8: bool):

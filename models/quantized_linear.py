@@ -27,9 +27,10 @@ A fused projection (q/k/v, gate/up) is its parts' rows one after another; parts 
 concatenated into one tensor (rows are independent), parts of different types each write their
 columns of the output.
 
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS weights whose rows are a
-multiple of the build's group are re-laid on `use_cpu_kernels` a group of rows at a time
-(kernels/cpu/quant_packed.h; same bytes, the old tensor freed): 16 rows for AVX-512 VNNI (batch-1
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS and MXFP4 (gpt-oss's
+experts, models/mxfp4.py) weights whose rows are a multiple of the build's group are re-laid on
+`use_cpu_kernels` a group of rows at a time (kernels/cpu/quant_packed.h; same bytes, the old tensor
+freed): 16 rows for AVX-512 VNNI (batch-1
 products about 2x faster, a step of 4 rows 1.5x one row instead of 2.5x), 8 for AVX2 and AVX-VNNI
 (1.6-3x the file layout's products, `kernels.pack_rows()`, `kernels.quant_packs(type)`). A packed
 part's type id is its GGML id plus `PACKED_FLAG`; a tied LM head packs once, with its embedding.
@@ -48,7 +49,7 @@ from torch import nn
 # GGML type ids (gguf.GGMLQuantizationType) with a kernel: name, values and bytes per block.
 NATIVE_TYPES = {8: ("Q8_0", 32, 34), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22), 7: ("Q5_1", 32, 24),
                 20: ("IQ4_NL", 32, 18), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110), 12: ("Q4_K", 256, 144),
-                13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 23: ("IQ4_XS", 256, 136)}
+                13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 23: ("IQ4_XS", 256, 136), 39: ("MXFP4", 32, 17)}
 
 
 # Type ids of packed weights (kernels/cpu/quant_packed.h): the GGML id plus this flag, in the layout of

@@ -152,6 +152,15 @@ def test_llamacpp_on_the_same_file_gives_the_same_next_token_probabilities(conve
     """llama.cpp's own server on each converted F32 file: its most likely next tokens after the
     prompt, and their log-probabilities, are cadenza's to 5e-3 (llama.cpp keeps its KV cache in
     float16). Skipped where llama.cpp is not built (`python -m cadenza.bench.peers.llamacpp_build`)."""
+    _, f32, _ = converted(arch)
+    context = MAX_MODEL_LEN.get(arch, 256)  # Phi-3 within its original context: the short LongRoPE factors
+    ours = torch.log_softmax(prefill_logits(load_model(f32, dtype=torch.float32, max_model_len=context), PROMPT)[-1], -1)
+    assert_llamacpp_agrees(f32, PROMPT, ours, context)
+
+
+def assert_llamacpp_agrees(path, prompt: list[int], ours: torch.Tensor, context: int, tolerance: float = 5e-3) -> None:
+    """llama-server on `path` gives `ours` (log-probabilities after `prompt`)'s greedy next token,
+    and its top log-probabilities within `tolerance`; skips where llama.cpp is not built."""
     import os
     import signal
     import subprocess
@@ -164,11 +173,8 @@ def test_llamacpp_on_the_same_file_gives_the_same_next_token_probabilities(conve
     binary = find_binary("llama-server")
     if binary is None:
         pytest.skip(why_binaries_missing() or "llama-server is not built")
-    _, f32, _ = converted(arch)
-    context = MAX_MODEL_LEN.get(arch, 256)  # Phi-3 within its original context: the short LongRoPE factors
-    ours = torch.log_softmax(prefill_logits(load_model(f32, dtype=torch.float32, max_model_len=context), PROMPT)[-1], -1)
     with socket_port() as port:
-        process = subprocess.Popen([str(binary), "-m", str(f32), "--host", "127.0.0.1", "--port", str(port), "-t", "2",
+        process = subprocess.Popen([str(binary), "-m", str(path), "--host", "127.0.0.1", "--port", str(port), "-t", "2",
                                     "-c", str(context), "--no-webui"], stdout=subprocess.DEVNULL,
                                    stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
     try:
@@ -181,7 +187,7 @@ def test_llamacpp_on_the_same_file_gives_the_same_next_token_probabilities(conve
                 return process.poll() is not None
 
         assert wait_for(healthy, timeout=60) and process.poll() is None, "llama-server did not start"
-        body = {"prompt": PROMPT, "n_predict": 1, "n_probs": 5, "temperature": 0, "return_tokens": True}
+        body = {"prompt": prompt, "n_predict": 1, "n_probs": 5, "temperature": 0, "return_tokens": True}
         answer = httpx.post(base + "/completion", json=body, timeout=60).json()
     finally:
         os.killpg(process.pid, signal.SIGKILL)
@@ -190,7 +196,7 @@ def test_llamacpp_on_the_same_file_gives_the_same_next_token_probabilities(conve
     # llama-server withholds the probabilities of a token that ends inside a UTF-8 character.
     for first in answer.get("completion_probabilities") or []:
         for entry in first["top_logprobs"]:
-            assert abs(ours[entry["id"]].item() - entry["logprob"]) < 5e-3, (entry, ours[entry["id"]].item())
+            assert abs(ours[entry["id"]].item() - entry["logprob"]) < tolerance, (entry, ours[entry["id"]].item())
 
 
 @contextlib.contextmanager

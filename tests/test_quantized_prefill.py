@@ -37,7 +37,7 @@ def _quantized(rows: int, cols: int, rng) -> QuantizedLinear:
 def _mlp(kernels) -> MLP:
     rng = np.random.default_rng(0)
     mlp = MLP(SimpleNamespace(hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, mlp_bias=False, residual_multiplier=1.0,
-                              hidden_act="silu"))  # what MLP reads
+                              hidden_act="silu", swiglu_alpha=1.702, swiglu_limit=7.0))  # what MLP reads
     mlp.gate_up_proj, mlp.down_proj = _quantized(2 * INTERMEDIATE, HIDDEN, rng), _quantized(HIDDEN, INTERMEDIATE, rng)
     for linear in (mlp.gate_up_proj, mlp.down_proj):
         linear.use_cpu_kernels(kernels)

@@ -88,9 +88,9 @@ struct SubBlock2 : SubBlock16<0> {
   }
 };
 
-// 16 bytes of 4-bit indices -> the 32 signed values they stand for (low nibbles first).
-inline __m256i iq4_values32(const uint8_t* p) {
-  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
+// 16 bytes of 4-bit indices -> the 32 signed values of `values` they stand for (low nibbles first).
+inline __m256i iq4_values32(const uint8_t* p, const int8_t* values = kIQ4Values) {
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(values)));
   return _mm256_shuffle_epi8(table, nibbles32(p));
 }
 
@@ -116,6 +116,30 @@ struct BlockIQ4_NL {  // d (f16), 16 bytes of indices into kIQ4Values: x = d * k
     for (int i = 0; i < 16; ++i) {
       y[i] = d * static_cast<float>(kIQ4Values[b[2 + i] & 0x0F]);
       y[i + 16] = d * static_cast<float>(kIQ4Values[b[2 + i] >> 4]);
+    }
+  }
+};
+
+// MXFP4: e (E8M0), 16 bytes of indices into kMXFP4Values (E2M1 values doubled): x = 2^(e - 128) *
+// kMXFP4Values[q]. The decoded values are products of a power of two and an integer of at most 12,
+// exact in float32 (and bfloat16) down to e = 0's denormals; e >= 254 overflows to inf where |q| >=
+// 4 (254) or 2 (255), as in ggml.
+struct BlockMXFP4 {
+  static constexpr int64_t kElems = 32, kBytes = 17, kSubs = 1;
+  static constexpr int64_t kType = kMXFP4;
+  static constexpr bool kHasMin = false;
+  using Sub = SubBlock;
+  static void decode(const uint8_t* b, Sub* s) {
+    s[0].q = iq4_values32(b + 1, kMXFP4Values);
+    s[0].scale = e8m0_half(b[0]);
+    s[0].minv = 0.0f;
+  }
+  static __m256i dot(const Sub& s, __m256i x) { return dot_i8_i8(s.q, x); }
+  static void dequant(const uint8_t* b, float* y) {
+    const float d = e8m0_half(b[0]);
+    for (int i = 0; i < 16; ++i) {
+      y[i] = d * static_cast<float>(kMXFP4Values[b[1 + i] & 0x0F]);
+      y[i + 16] = d * static_cast<float>(kMXFP4Values[b[1 + i] >> 4]);
     }
   }
 };
@@ -433,9 +457,10 @@ inline auto with_block_type(int64_t qtype, F&& f) {
     case kQ6_K: return f(BlockQ6_K{});
     case kIQ4_NL: return f(BlockIQ4_NL{});
     case kIQ4_XS: return f(BlockIQ4_XS{});
+    case kMXFP4: return f(BlockMXFP4{});
     default: break;
   }
-  fail("no kernel for GGML quantization type ", qtype, " (supported: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS)");
+  fail("no kernel for GGML quantization type ", qtype, " (supported: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4)");
 }
 
 // R weight rows at a time share each activation load; M activation rows share each decoded block.
@@ -625,7 +650,7 @@ void quant_pack(const uint8_t* src, int64_t rows, int64_t row_bytes, int64_t qty
 bool packs(int64_t qtype) {
   switch (qtype) {
     case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: case kIQ4_NL:
-    case kQ2_K: case kQ3_K: case kQ4_K: case kQ5_K: case kQ6_K: case kIQ4_XS: return true;
+    case kQ2_K: case kQ3_K: case kQ4_K: case kQ5_K: case kQ6_K: case kIQ4_XS: case kMXFP4: return true;
     default: return false;
   }
 }

@@ -1,6 +1,6 @@
 // Linears over GGUF's block-quantized weights as the file stores them: y = x @ W^T (+ bias),
 // W a uint8 tensor [out_features, bytes_per_row] of GGML blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K,
-// Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS),
+// Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4),
 // x float32 [rows, in_features].
 //
 // Activations are quantized per 32 values to int8 with a float scale (llama.cpp's q8_0 for its

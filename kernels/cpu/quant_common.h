@@ -15,7 +15,7 @@ namespace cadenza {
 // GGML's type ids (enum ggml_type), as gguf.GGMLQuantizationType numbers them.
 enum QuantTypeId : int64_t {
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
-  kIQ4_NL = 20, kIQ4_XS = 23
+  kIQ4_NL = 20, kIQ4_XS = 23, kMXFP4 = 39
 };
 
 // The 16 values a 4-bit index of IQ4_NL and IQ4_XS stands for (ggml's kvalues_iq4nl): a non-linear
@@ -24,6 +24,30 @@ alignas(16) constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -
 // The same plus 128, as unsigned bytes: what vpdpbusd multiplies (the 128 comes off with the
 // activation's sum, as for Q8_0's stored q + 128).
 alignas(16) constexpr uint8_t kIQ4ValuesBiased[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+
+// MXFP4's (ggml's kvalues_mxfp4): the E2M1 values of the OCP microscaling format, doubled so that
+// they are integers (index 8 is E2M1's -0); the block's E8M0 scale is halved to match (e8m0_half).
+alignas(16) constexpr int8_t kMXFP4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+alignas(16) constexpr uint8_t kMXFP4ValuesBiased[16] = {128, 129, 130, 131, 132, 134, 136, 140,
+                                                        128, 127, 126, 125, 124, 122, 120, 116};
+
+// A 4-bit index's table as the products take it: the values, and the values plus 128.
+struct NibbleTable {
+  const int8_t* values;
+  const uint8_t* biased;
+};
+constexpr NibbleTable kIQ4Table{kIQ4Values, kIQ4ValuesBiased};
+constexpr NibbleTable kMXFP4Table{kMXFP4Values, kMXFP4ValuesBiased};
+
+// An E8M0 scale byte e as MXFP4 applies it to the doubled values: 2^(e - 128), exactly (ggml's
+// GGML_E8M0_TO_FP32_HALF). e >= 2 is a normal float with exponent field e - 1; 2^-127 (e = 1) and
+// 2^-128 (e = 0) are denormals. e = 255 is 2^127, not the OCP format's NaN.
+inline float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? uint32_t{0x00200000} << e : static_cast<uint32_t>(e - 1) << 23;
+  float d;
+  std::memcpy(&d, &bits, 4);
+  return d;
+}
 
 inline float half_at(const uint8_t* p) {
   uint16_t h;

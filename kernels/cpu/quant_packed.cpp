@@ -11,10 +11,28 @@
 namespace cadenza {
 namespace {
 
-// 4-bit indices (bytes < 16) -> the values they stand for plus 128 (kIQ4ValuesBiased).
-inline __m512i iq4_lookup(__m512i idx) {
-  const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4ValuesBiased)));
+// 4-bit indices (bytes < 16) -> the values they stand for plus 128 (kIQ4ValuesBiased, or another
+// table's biased values).
+inline __m512i iq4_lookup(__m512i idx, const uint8_t* biased = kIQ4ValuesBiased) {
+  const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(biased)));
   return _mm512_shuffle_epi8(table, idx);
+}
+
+// The table a 32-value layout's nibbles index (P::kTable).
+template <class P>
+constexpr NibbleTable table_of() {
+  return P::kE8M0 ? kMXFP4Table : kIQ4Table;
+}
+
+// 16 rows' E8M0 scale bytes (MXFP4) -> 2^(e - 128) as e8m0_half gives it: exponent field e - 1,
+// but for e < 2 the denormals 0x00200000 << e, blended in where e < 2 (never in real weights, kept
+// exact all the same, as ggml's).
+inline __m512 e8m0_half16(const uint8_t* p) {
+  const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+  const __m512i denormal = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+  const __mmask16 tiny = _mm512_cmplt_epu32_mask(e, _mm512_set1_epi32(2));
+  return _mm512_castsi512_ps(_mm512_mask_blend_epi32(tiny, normal, denormal));
 }
 
 // The 8 vectors of one group-block's values, each 16 rows x 4 consecutive values.
@@ -27,8 +45,8 @@ inline void packed_values(const uint8_t* chunks, __m512i* q) {
       q[2 * c] = _mm512_and_si512(v, low);
       q[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
       if constexpr (P::kTable) {
-        q[2 * c] = iq4_lookup(q[2 * c]);
-        q[2 * c + 1] = iq4_lookup(q[2 * c + 1]);
+        q[2 * c] = iq4_lookup(q[2 * c], table_of<P>().biased);
+        q[2 * c + 1] = iq4_lookup(q[2 * c + 1], table_of<P>().biased);
       }
     }
   } else {
@@ -95,7 +113,7 @@ inline void packed_dot_group(const uint8_t* wg, int64_t nblocks, const Quantized
   for (int64_t b = 0; b < nblocks; ++b) {
     const uint8_t* gb = wg + b * kPackRows * P::kBytes;
     prefetch_ahead(gb, kPackRows * P::kBytes);
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb)));
+    const __m512 d = P::kE8M0 ? e8m0_half16(gb) : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb)));
     __m512 mins = _mm512_setzero_ps();
     if constexpr (P::kHasMin) mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 32)));
     __m512i q[8];

@@ -1,4 +1,4 @@
-// GGUF's 32-value block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) and its 256-value ones (Q2_K,
+// GGUF's 32-value block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4) and its 256-value ones (Q2_K,
 // Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS) re-laid kPackRows output rows at a time (16 for AVX-512's 512-bit
 // vectors, 8 for AVX2's 256-bit ones): one instruction then computes a 4-value integer dot product
 // for that many rows at once, and the float scaling of a block (its scale times the activation's)
@@ -11,6 +11,8 @@
 // Packed, a group of R = kPackRows rows stores each block as
 //
 //   R float16 scales d | R float16 mins m (Q4_1, Q5_1) | R x 4 bytes of fifth bits (Q5_x) | value chunks of 4R bytes
+//
+// (MXFP4: R E8M0 scale bytes, then the chunks: a group-block of 17R bytes, as the file's blocks)
 //
 // where chunk c holds bytes [4c, 4c + 4) of each of the R rows' values, row r at offset 4r:
 // 4 chunks of nibbles (Q4_x; a low nibble is value 4c + j, a high one value 16 + 4c + j) or 8 of
@@ -53,33 +55,38 @@ static_assert(kPackRows == 8 || kPackRows == 16, "packed groups are 8 rows (ymm)
 
 // The packed layouts. kValues: where the values start in the file's block; kOffset: subtracted
 // from every stored value (x = d * (stored - offset) + m).
-// kTable: the nibbles index kIQ4Values (IQ4_NL); the products look each up as that value plus 128
-// (kOffset), as Q8_0's stored q + 128.
+// kTable: the nibbles index a table of values (IQ4_NL: kIQ4Values; MXFP4: kMXFP4Values); the
+// products look each up as that value plus 128 (kOffset), as Q8_0's stored q + 128.
+// kE8M0: the scale is one byte, an E8M0 exponent (MXFP4: d = 2^(e - 128), e8m0_half), not a float16.
 struct PackQ4_0 {
   static constexpr int64_t kBytes = 18, kValues = 2, kOffset = 8, kChunks = 4;
-  static constexpr bool kHasMin = false, kNibbles = true, kTable = false, kFive = false;
+  static constexpr bool kHasMin = false, kNibbles = true, kTable = false, kFive = false, kE8M0 = false;
 };
 struct PackQ4_1 {
   static constexpr int64_t kBytes = 20, kValues = 4, kOffset = 0, kChunks = 4;
-  static constexpr bool kHasMin = true, kNibbles = true, kTable = false, kFive = false;
+  static constexpr bool kHasMin = true, kNibbles = true, kTable = false, kFive = false, kE8M0 = false;
 };
 struct PackQ8_0 {
   static constexpr int64_t kBytes = 34, kValues = 2, kOffset = 128, kChunks = 8;
-  static constexpr bool kHasMin = false, kNibbles = false, kTable = false, kFive = false;
+  static constexpr bool kHasMin = false, kNibbles = false, kTable = false, kFive = false, kE8M0 = false;
 };
 struct PackIQ4_NL {
   static constexpr int64_t kBytes = 18, kValues = 2, kOffset = 128, kChunks = 4;
-  static constexpr bool kHasMin = false, kNibbles = true, kTable = true, kFive = false;
+  static constexpr bool kHasMin = false, kNibbles = true, kTable = true, kFive = false, kE8M0 = false;
+};
+struct PackMXFP4 {
+  static constexpr int64_t kBytes = 17, kValues = 1, kOffset = 128, kChunks = 4;
+  static constexpr bool kHasMin = false, kNibbles = true, kTable = true, kFive = false, kE8M0 = true;
 };
 // kFive: Q4_x's nibbles plus a fifth bit each, the file's 4 bytes before the nibbles (bit i: value
 // i), kept as they are: row r's 4 bytes at 4r after the scales (packed_bits_at), a lane each.
 struct PackQ5_0 {
   static constexpr int64_t kBytes = 22, kValues = 6, kOffset = 16, kChunks = 4;
-  static constexpr bool kHasMin = false, kNibbles = true, kTable = false, kFive = true;
+  static constexpr bool kHasMin = false, kNibbles = true, kTable = false, kFive = true, kE8M0 = false;
 };
 struct PackQ5_1 {
   static constexpr int64_t kBytes = 24, kValues = 8, kOffset = 0, kChunks = 4;
-  static constexpr bool kHasMin = true, kNibbles = true, kTable = false, kFive = true;
+  static constexpr bool kHasMin = true, kNibbles = true, kTable = false, kFive = true, kE8M0 = false;
 };
 
 // Q4_K: 256-value super-blocks of 8 sub-blocks with 6-bit scales and mins. A group-block is
@@ -141,10 +148,16 @@ struct PackIQ4_XS {
   static constexpr int64_t kBytes = 136;
 };
 
+// Bytes of one row's scale in a 32-value block: a float16, or MXFP4's E8M0 byte.
+template <class P>
+constexpr int64_t scale_bytes() {
+  return P::kE8M0 ? 1 : 2;
+}
+
 // A 32-value group-block's fifth bits (Q5_x) start here, after its scales; its values after both.
 template <class P>
 constexpr int64_t packed_bits_at() {
-  return kPackRows * 2 * (P::kHasMin ? 2 : 1);
+  return kPackRows * scale_bytes<P>() * (P::kHasMin ? 2 : 1);
 }
 template <class P>
 constexpr int64_t packed_header_bytes() {
@@ -167,9 +180,10 @@ inline auto with_packed_type(int64_t qtype, F&& f) {
     case kQ6_K: return f(PackQ6_K{});
     case kIQ4_NL: return f(PackIQ4_NL{});
     case kIQ4_XS: return f(PackIQ4_XS{});
+    case kMXFP4: return f(PackMXFP4{});
     default: break;
   }
-  fail("GGML type ", qtype, " has no packed layout (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS do)");
+  fail("GGML type ", qtype, " has no packed layout (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS and MXFP4 do)");
 }
 
 inline bool is_packed(int64_t qtype) { return (qtype & kPackedFlag) != 0; }
@@ -215,7 +229,7 @@ inline void for_each_field(F&& f) {
     for (int64_t h = 0; h < 2; ++h)  // qh
       for (int64_t k = 0; k < 8; ++k) f(128 + 32 * h + 4 * k, 146 * kPackRows + 32 * kPackRows * h + 4 * kPackRows * k, 4);
   } else {
-    f(0, 0, 2);                                        // d
+    f(0, 0, scale_bytes<P>());                         // d (MXFP4: e)
     if constexpr (P::kHasMin) f(2, 2 * kPackRows, 2);  // m
     if constexpr (P::kFive) f(P::kValues - 4, packed_bits_at<P>(), 4);  // the fifth bits
     for (int64_t c = 0; c < P::kChunks; ++c) f(P::kValues + 4 * c, packed_header_bytes<P>() + 4 * kPackRows * c, 4);

@@ -90,15 +90,16 @@ constexpr int64_t sum_offset() {
   return (P::kNibbles && !P::kTable) || kVnni ? P::kOffset : 0;
 }
 
-// The 8 rows' integer sums of 32 IQ4 values (4 chunks of 4-bit indices at `chunks`, each 8 rows x 4
-// bytes: low nibbles values 4c.., high ones 16 + 4c..) with the activation values at x[m]. VNNI
-// multiplies the looked-up values plus 128 (the caller takes 128 * sum(x) off: sum_offset); AVX2
-// the signed values, their signs moved onto x (a pair at most 2 x 127 x 127 < 2^15).
+// The 8 rows' integer sums of 32 values looked up in `values` (IQ4's, or MXFP4's; 4 chunks of 4-bit
+// indices at `chunks`, each 8 rows x 4 bytes: low nibbles values 4c.., high ones 16 + 4c..) with the
+// activation values at x[m]. VNNI multiplies the looked-up values plus 128 (the caller takes 128 *
+// sum(x) off: sum_offset); AVX2 the signed values, their signs moved onto x (a pair at most 2 x 127
+// x 127 < 2^15).
 template <int M>
-inline void iq4_sums(const uint8_t* chunks, const int8_t* const* x, __m256i* isum) {
+inline void iq4_sums(const uint8_t* chunks, const int8_t* const* x, __m256i* isum, NibbleTable values = kIQ4Table) {
   const __m256i low = _mm256_set1_epi8(0x0F);
 #ifdef CADENZA_YMM_VNNI
-  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4ValuesBiased)));
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(values.biased)));
   __m256i s0[M], s1[M];
   for (int m = 0; m < M; ++m) s0[m] = s1[m] = _mm256_setzero_si256();
   for (int c = 0; c < 4; ++c) {
@@ -112,7 +113,7 @@ inline void iq4_sums(const uint8_t* chunks, const int8_t* const* x, __m256i* isu
   }
   for (int m = 0; m < M; ++m) isum[m] = _mm256_add_epi32(s0[m], s1[m]);
 #else
-  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIQ4Values)));
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(values.values)));
   const __m256i ones = _mm256_set1_epi16(1);
   for (int m = 0; m < M; ++m) isum[m] = _mm256_setzero_si256();
   for (int c = 0; c < 4; ++c) {
@@ -150,7 +151,7 @@ template <class P, int M>
 inline void block_sums(const uint8_t* gb, const int8_t* const* x, __m256i* isum) {
   const uint8_t* chunks = gb + packed_header_bytes<P>();
   if constexpr (P::kTable) {
-    iq4_sums<M>(chunks, x, isum);
+    iq4_sums<M>(chunks, x, isum, P::kE8M0 ? kMXFP4Table : kIQ4Table);
   } else if constexpr (P::kNibbles) {
     const __m256i low = _mm256_set1_epi8(0x0F);
     const __m256i qh = P::kFive ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + packed_bits_at<P>())) : low;
@@ -219,6 +220,16 @@ inline __m256 load_halves8(const uint8_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
+// 8 rows' E8M0 scale bytes (MXFP4) -> 2^(e - 128) as e8m0_half gives it: exponent field e - 1, but
+// for e < 2 the denormals 0x00200000 << e, blended in where e < 2 (as quant_packed.cpp does).
+inline __m256 e8m0_half8(const uint8_t* p) {
+  const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+  const __m256i denormal = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+  const __m256i tiny = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+  return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, denormal, tiny));
+}
+
 // Output rows [n, n + 8) of M activation rows from m0: one packed group `wg` of a 32-value type.
 // The scaled sums and the mins' terms go to separate accumulators (shorter dependency chains).
 template <class P, int M>
@@ -233,7 +244,7 @@ inline void packed_dot_group(const uint8_t* wg, int64_t nblocks, const Quantized
     for (int m = 0; m < M; ++m) x[m] = a.q.data() + (m0 + m) * a.K + 32 * b;
     __m256i isum[M];
     block_sums<P, M>(gb, x, isum);
-    const __m256 d = load_halves8(gb);
+    const __m256 d = P::kE8M0 ? e8m0_half8(gb) : load_halves8(gb);
     const __m256 mins = P::kHasMin ? load_halves8(gb + 2 * kPackRows) : _mm256_setzero_ps();
     for (int m = 0; m < M; ++m) {
       const int64_t blk = (m0 + m) * a.blocks + b;
