@@ -36,7 +36,11 @@ TYPES: dict[str, tuple[int, tuple[tuple[int, float, float], ...]]] = {
     "Q6_K": (14, ((208, 0.0002, 0.001),)),
     "IQ4_NL": (20, ((0, -0.05, 0.05),)),
     "IQ4_XS": (23, ((0, 0.0005, 0.002),)),
+    "MXFP4": (39, ()),  # its one scale is an E8M0 byte: `_EXPONENTS`
 }
+# Types whose scale is a power-of-two exponent byte (offset, lowest, highest): random bytes would
+# include denormal and infinite scales; these give values of a trained model's size (2^-10..2^-4).
+_EXPONENTS = {39: (0, 118, 124)}
 
 
 def random_weight(qtype: int, scales, rows: int, cols: int, rng: np.random.Generator) -> torch.Tensor:
@@ -47,6 +51,9 @@ def random_weight(qtype: int, scales, rows: int, cols: int, rng: np.random.Gener
     for offset, low, high in scales:
         values = rng.uniform(low, high, size=blocks.shape[:2]).astype(np.float16)
         blocks[:, :, offset : offset + 2] = values.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    if qtype in _EXPONENTS:
+        offset, low, high = _EXPONENTS[qtype]
+        blocks[:, :, offset] = rng.integers(low, high + 1, size=blocks.shape[:2], dtype=np.uint8)
     return torch.from_numpy(blocks.reshape(rows, -1))
 
 
