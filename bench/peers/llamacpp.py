@@ -31,12 +31,16 @@ def why_llamacpp_cannot_run(source: Path) -> str | None:
 
 
 def file_precision(source: Path) -> str:
-    """The type most of the file's matrices are stored in (e.g. "Q4_1")."""
+    """The type most of the file's matrix bytes are stored in (e.g. "Q4_1"; a gpt-oss MXFP4_MOE
+    file is "MXFP4", though most of its matrices by count are Q8_0 attention)."""
     import collections
 
     import gguf
 
-    kinds = collections.Counter(t.tensor_type.name for t in gguf.GGUFReader(str(source)).tensors if len(t.shape) > 1)
+    kinds: collections.Counter[str] = collections.Counter()
+    for tensor in gguf.GGUFReader(str(source)).tensors:
+        if len(tensor.shape) > 1:
+            kinds[tensor.tensor_type.name] += int(tensor.n_bytes)
     return kinds.most_common(1)[0][0]
 
 
