@@ -154,16 +154,18 @@ class MLP(nn.Module):
         if gate_up is not None:  # a prefill through bfloat16 GEMMs: the hidden state stays bfloat16
             return self.kernels.silu_mul_bf16(gate_up)
         gate_up = self.gate_up_proj(x)
+        if self.act == "silu" and self.kernels is not None and gate_up.dtype == torch.float32:
+            return self.kernels.silu_mul(gate_up)
+        return self.activate(gate_up)
+
+    def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The activation of a fused gate_up [rows, 2I] product, gate first: [rows, I]."""
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         if self.act == SWIGLU_CLAMPED:  # gpt-oss
-            gate, up = gate_up.split(self.intermediate, dim=-1)
             gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
             return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
         if self.act != "silu":  # Gemma's tanh-approximated GELU
-            gate, up = gate_up.split(self.intermediate, dim=-1)
             return F.gelu(gate, approximate="tanh") * up
-        if self.kernels is not None and gate_up.dtype == torch.float32:
-            return self.kernels.silu_mul(gate_up)
-        gate, up = gate_up.split(self.intermediate, dim=-1)
         return F.silu(gate) * up
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, out_norm: nn.Module | None = None) -> torch.Tensor:

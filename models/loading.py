@@ -117,6 +117,12 @@ def load_model(
     model.eval()
     if transform is not None:
         transform(model)
+    if device.type == "cuda" and arch.moe is not None:  # each mixture as two grouped GEMMs a step
+        from cadenza.models.moe import SparseMoE
+
+        for module in model.modules():
+            if isinstance(module, SparseMoE):
+                module.use_grouped_gemm()
     dual = 0
     wants_dual = cpu_fp32_matmul == "on" or (cpu_fp32_matmul == "auto" and not cpu_has_native_bf16())
     # Quantized linears take float32 activations: the rest of the model then computes in float32 too.

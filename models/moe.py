@@ -64,6 +64,8 @@ class SparseMoE(nn.Module):
         # The kernels' `MoEKernel` (kernels/cpu/moe.h) for steps of few tokens, or None.
         self.fused = None
         self.fused_max_rows = 0
+        # The GPU's grouped GEMMs (kernels/triton/moe.py) and the experts' stacked weights, or None.
+        self.grouped = None
 
     def fuse(self, kernels) -> None:
         """Run steps under the experts' GEMM threshold through the kernels' `MoEKernel`: one call
@@ -92,6 +94,41 @@ class SparseMoE(nn.Module):
         )
         self.fused_max_rows = min(m.min_rows for m in linears) - 1
 
+    def use_grouped_gemm(self, kernels=None) -> None:
+        """Run every step as two grouped GEMMs over all of its (token, expert) pairs (one launch a
+        projection, sync-free: CUDA-graph safe): `kernels` is kernels/triton/moe.py (by default
+        imported here; the tests give it compiled for Triton's interpreter). The experts' float
+        weights are stacked [experts, out, in] and each expert's linears become views of the
+        stacks, so nothing is held twice."""
+        if kernels is None:
+            from cadenza.kernels.triton import moe as kernels
+        ups = [e.gate_up_proj for e in self.experts]
+        downs = [e.down_proj for e in self.experts]
+        if not all(type(m) is nn.Linear for m in (*ups, *downs)):
+            raise ValueError("grouped expert GEMMs need float expert weights (not quantized blocks)")
+
+        def stack(linears: list[nn.Linear], attr: str) -> torch.Tensor | None:
+            if getattr(linears[0], attr) is None:
+                return None
+            stacked = torch.stack([getattr(m, attr).detach() for m in linears])
+            for i, m in enumerate(linears):
+                setattr(m, attr, nn.Parameter(stacked[i], requires_grad=False))
+            return stacked
+
+        self.grouped = (kernels, stack(ups, "weight"), stack(ups, "bias"), stack(downs, "weight"), stack(downs, "bias"))
+
+    def _grouped_forward(self, x: torch.Tensor, residual: torch.Tensor, weights: torch.Tensor,
+                         experts: torch.Tensor) -> torch.Tensor:
+        kernels, up_w, up_b, down_w, down_b = self.grouped
+        tokens, pairs = x.shape[0], x.shape[0] * self.top_k
+        # Small tiles for decode-sized steps (few pairs an expert), larger ones for prefill.
+        alignment = kernels.align_by_expert(experts, self.num_experts, 16 if pairs < 1024 else 64)
+        gate_up = kernels.grouped_expert_matmul(x.contiguous(), up_w, alignment, pairs, self.top_k, bias=up_b)
+        hidden = self.experts[0].activate(gate_up).contiguous()
+        out = kernels.grouped_expert_matmul(hidden, down_w, alignment, pairs, 1, bias=down_b,
+                                            pair_weights=weights.reshape(-1).float().contiguous())
+        return residual.add_(out.view(tokens, self.top_k, -1).sum(dim=1).to(residual.dtype))
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] float32, expert ids [T, k]) for tokens `x` [T, hidden]."""
         logits = self.gate(x)
@@ -107,6 +144,8 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """`residual` + the mixture's output for `x`, the sum written into `residual`."""
         weights, experts = self.route(x)
+        if self.grouped is not None:
+            return self._grouped_forward(x, residual, weights, experts)
         if self.fused is not None and x.shape[0] <= self.fused_max_rows and x.dtype == torch.float32 and x.is_contiguous():
             return self.fused.add_(residual, x, experts, weights)
         if x.shape[0] == 1:
