@@ -198,29 +198,31 @@ class DecoderLayer(nn.Module):
     def fuse(self, kernels, rotary: RotaryEmbedding) -> None:
         """Run steps under the kernels' row threshold through `DecoderLayerKernel`: two calls a
         layer around the attention backend. Needs bf16 projections (`DualPrecisionLinear`) or
-        quantized ones of one block type each (`QuantizedLinear`), a dense MLP, rotary, q/k norms
-        per head or none, and no clipping or residual multiplier; otherwise
-        (or with `kernels` None) the modules run one by one."""
+        quantized ones of one block type each (`QuantizedLinear`), a dense MLP of SiLU or GELU (or
+        a mixture, run apart), q/k norms per head or none, and no clipping; the family options
+        inside a layer (NoPE, partial rotary, a residual multiplier, Gemma's norms around each
+        block) are the kernel's own. `rotary`: this layer's (Gemma's local layers have their own).
+        Otherwise (or with `kernels` None) the modules run one by one."""
         attn, mlp = self.self_attn, self.mlp
         if isinstance(mlp, SparseMoE):
             mlp.fuse(kernels)
-        # What the kernel's layer does not do: NoPE layers, partial rotary, a residual multiplier.
         cfg = self.cfg
-        plain = (not attn.rotates or cfg.rotary_dim is not None or cfg.residual_multiplier != 1.0 or cfg.sandwich_norms
-                 or cfg.norm_offset or cfg.hidden_act != "silu" or cfg.layer_windows is not None or cfg.attention_sinks)
-        if kernels is None or cfg.qk_norm not in (None, False, "head") or cfg.clip_qkv is not None or plain:
-            self.fused, self.fused_max_rows = None, 0
-            return
         # A mixture's layer fuses its attention half; its experts run apart (models/moe.py).
         dense = isinstance(mlp, MLP)
+        activation = {"silu": 0, "gelu_pytorch_tanh": 1}.get(cfg.hidden_act) if dense else 0
+        if kernels is None or cfg.qk_norm not in (None, False, "head") or cfg.clip_qkv is not None or activation is None:
+            self.fused, self.fused_max_rows = None, 0
+            return
         linears = (attn.qkv_proj, attn.o_proj, *((mlp.gate_up_proj, mlp.down_proj) if dense else ()))
         if not all(_fusable(m) for m in linears):
             self.fused, self.fused_max_rows = None, 0
             return
         weights = [_fused_weight(m) for m in linears] + [(None, -1)] * (0 if dense else 2)
+        sandwich = cfg.sandwich_norms
+        mlp_norm = self.pre_feedforward_layernorm if sandwich else self.post_attention_layernorm
         self.fused = kernels.DecoderLayerKernel(
             self.input_layernorm.weight_f32, weights[0][0], attn.qkv_proj.bias_f32,
-            weights[1][0], attn.o_proj.bias_f32, self.post_attention_layernorm.weight_f32,
+            weights[1][0], attn.o_proj.bias_f32, mlp_norm.weight_f32,
             weights[2][0], mlp.gate_up_proj.bias_f32 if dense else None,
             weights[3][0], mlp.down_proj.bias_f32 if dense else None,
             rotary.cos_table, rotary.sin_table,
@@ -228,6 +230,11 @@ class DecoderLayer(nn.Module):
             *(qtype for _, qtype in weights),
             q_norm=attn.q_norm.weight_f32 if cfg.qk_norm else None,
             k_norm=attn.k_norm.weight_f32 if cfg.qk_norm else None,
+            rotary_dims=cfg.rotated_dims if attn.rotates else 0,
+            residual_scale=cfg.residual_multiplier,
+            attn_out_norm=self.post_attention_layernorm.weight_f32 if sandwich else None,
+            mlp_out_norm=self.post_feedforward_layernorm.weight_f32 if sandwich else None,
+            activation=activation,
         )  # fmt: skip
         moe_rows = mlp.fused_max_rows if isinstance(mlp, SparseMoE) else 1 << 30
         self.fused_max_rows = min(min(m.min_rows for m in linears) - 1, moe_rows)
@@ -241,7 +248,7 @@ class DecoderLayer(nn.Module):
         """The next hidden states; `h` itself is updated in place (the residual stream)."""
         if self.uses_fused(h, rotary):
             q, k, v = self.fused.attention_input(h, rotary.positions)
-            self.fused.finish_(h, backend.forward(q, k, v, kv_cache, meta))
+            self.fused.finish_(h, self.self_attn._attend(backend, q, k, v, kv_cache, meta))
             return h if self.fused.has_mlp else self.mlp(self.post_attention_layernorm(h), h)
         if self.cfg.sandwich_norms:
             h = self.self_attn(self.input_layernorm(h), h, rotary, kv_cache, meta, backend, self.post_attention_layernorm)
@@ -300,10 +307,13 @@ class LlamaForCausalLM(nn.Module):
         if kernels is not None:  # the blocks as the kernels read them, before the layer kernels hold them
             move_into_huge_pages(self)
         for layer in self.layers:
-            layer.fuse(kernels, self.rotary)
+            local = layer.windowed and self.local_rotary is not None
+            layer.fuse(kernels, self.local_rotary if local else self.rotary)
         fused = [layer.fused for layer in self.layers]
-        # Every layer whole on the fused kernel: a decode step can run them all in one call.
-        self.fused_stack = fused if fused and all(f is not None and f.has_mlp for f in fused) else None
+        # Every layer whole on the fused kernel: a decode step can run them all in one call (its
+        # attention has one window and no sinks: layers that differ in theirs, or gpt-oss, cannot).
+        stackable = self.cfg.layer_windows is None and not self.cfg.attention_sinks
+        self.fused_stack = fused if stackable and fused and all(f is not None and f.has_mlp for f in fused) else None
 
     @torch.inference_mode()
     def forward(

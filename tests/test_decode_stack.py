@@ -103,16 +103,20 @@ def test_a_chunk_of_rows_equals_the_decode_steps_it_stands_for(runtime):
     assert torch.equal(chunk_neighbour, decoded_neighbour)
 
 
-def test_qwen3_s_q_and_k_norms_run_inside_the_fused_layer(kernels, tiny_model_dir):
-    """Qwen3 normalises each query and key head before rotary; the fused layer kernel does it too
-    (kernels/cpu/decode_layer.h), so a decode step's logits equal the modules' one by one."""
+# Each family's options inside a layer: Qwen3's q/k norms, Gemma 3's norms around each block, GELU
+# and local layers with their own rotary and window, Phi-4-mini's partial rotary, SmolLM3's NoPE
+# layers, Granite's residual multiplier, gpt-oss's sinks (its attention half; experts apart).
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "phi3", "smollm3", "granite", "gpt_oss"])
+def test_each_familys_layer_options_run_inside_the_fused_layer(kernels, tiny_model_dir, arch):
+    """The fused layer kernel (kernels/cpu/decode_layer.h) computes each family's layer: a step's
+    logits equal the modules' one by one."""
     from model_forward import prefill_logits
 
     from cadenza.models.loading import load_model
 
-    loaded = load_model(tiny_model_dir("qwen3"), dtype=torch.bfloat16, quantization="int8", cpu_kernels="auto")
+    loaded = load_model(tiny_model_dir(arch), dtype=torch.bfloat16, quantization="int8", cpu_kernels="auto")
     assert all(layer.fused is not None for layer in loaded.model.layers)
-    tokens = [7, 99, 123]
+    tokens = [7, 99, 123, 5, 17, 101, 33, 250, 7, 64, 12]  # longer than Gemma's tiny window of 8
     fused = prefill_logits(loaded, tokens)
     kept = [(layer.fused, layer.fused_max_rows) for layer in loaded.model.layers]
     for layer in loaded.model.layers:

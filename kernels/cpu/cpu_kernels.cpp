@@ -447,15 +447,22 @@ class DecoderLayerKernel {
                      OptionalTensor down_weight, OptionalTensor down_bias, Tensor cos_table, Tensor sin_table,
                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, int64_t qkv_type,
                      int64_t o_type, int64_t gate_up_type, int64_t down_type, OptionalTensor q_norm,
-                     OptionalTensor k_norm)
+                     OptionalTensor k_norm, int64_t rotary_dims, double residual_scale, OptionalTensor attn_out_norm,
+                     OptionalTensor mlp_out_norm, int64_t activation)
       : input_norm_(std::move(input_norm)), post_norm_(std::move(post_norm)), q_norm_(std::move(q_norm)),
-        k_norm_(std::move(k_norm)), cos_table_(std::move(cos_table)),
+        k_norm_(std::move(k_norm)), attn_out_norm_(std::move(attn_out_norm)), mlp_out_norm_(std::move(mlp_out_norm)),
+        cos_table_(std::move(cos_table)),
         sin_table_(std::move(sin_table)), qkv_{std::move(qkv_weight), std::move(qkv_bias), qkv_type},
         o_{std::move(o_weight), std::move(o_bias), o_type},
         gate_up_{gate_up_weight.has_value() ? *gate_up_weight : at::empty({0, 0}), std::move(gate_up_bias), gate_up_type},
         down_{down_weight.has_value() ? *down_weight : at::empty({0, 0}), std::move(down_bias), down_type},
         has_mlp_(gate_up_weight.has_value()), num_heads_(num_heads),
-        num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps) {
+        num_kv_heads_(num_kv_heads), head_dim_(head_dim), eps_(eps),
+        rotary_dims_(rotary_dims < 0 ? head_dim : rotary_dims), residual_scale_(static_cast<float>(residual_scale)),
+        activation_(activation) {
+    TORCH_CHECK(rotary_dims_ >= 0 && rotary_dims_ <= head_dim && rotary_dims_ % 2 == 0,
+                "rotary_dims must be even and at most head_dim (0: no rotary)");
+    TORCH_CHECK(activation == 0 || activation == 1, "activation must be 0 (SiLU) or 1 (GELU tanh)");
     const int64_t hidden = input_norm_.numel(), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
     TORCH_CHECK(qkv_.w.dim() == 2 && qkv_.out_features() == q_size + 2 * kv_size && qkv_.in_features() == hidden,
                 "qkv weight must be [q_size + 2 * kv_size, hidden]");
@@ -470,6 +477,11 @@ class DecoderLayerKernel {
                   "down_proj weight must be [hidden, intermediate]");
     }
     TORCH_CHECK(post_norm_.numel() == hidden, "the two norms must have one weight per hidden feature");
+    for (const OptionalTensor* norm : {&attn_out_norm_, &mlp_out_norm_}) {
+      if (norm->has_value())
+        TORCH_CHECK((*norm)->scalar_type() == at::kFloat && (*norm)->is_contiguous() && (*norm)->numel() == hidden,
+                    "output norms must be contiguous float32 [hidden] tensors");
+    }
     TORCH_CHECK(q_norm_.has_value() == k_norm_.has_value(), "q and k norms come together or not at all");
     if (q_norm_.has_value()) {
       for (const Tensor* norm : {&*q_norm_, &*k_norm_}) {
@@ -503,7 +515,12 @@ class DecoderLayerKernel {
             num_heads_,
             num_kv_heads_,
             head_dim_,
-            eps_};
+            eps_,
+            rotary_dims_,
+            residual_scale_,
+            attn_out_norm_.has_value() ? floats(*attn_out_norm_) : nullptr,
+            mlp_out_norm_.has_value() ? floats(*mlp_out_norm_) : nullptr,
+            static_cast<cadenza::Activation>(activation_)};
   }
 
   // (q [T, H, D], k [T, KVH, D], v [T, KVH, D]): views of one fresh fused projection of h [T, hidden].
@@ -530,7 +547,7 @@ class DecoderLayerKernel {
   void check_attention_input(const Tensor& h, const Tensor& positions) const {
     check_hidden(h);
     check_f32_rows(input_norm_, "weight");
-    check_rotary_tables(cos_table_, sin_table_, head_dim_);
+    if (rotary_dims_ > 0) check_rotary_tables(cos_table_, sin_table_, rotary_dims_);
     check_positions(positions, h.size(0));
   }
 
@@ -555,12 +572,15 @@ class DecoderLayerKernel {
   }
 
   Tensor input_norm_, post_norm_;
-  OptionalTensor q_norm_, k_norm_;
+  OptionalTensor q_norm_, k_norm_, attn_out_norm_, mlp_out_norm_;
   Tensor cos_table_, sin_table_;
   Projection qkv_, o_, gate_up_, down_;
   bool has_mlp_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_;
+  int64_t rotary_dims_;
+  float residual_scale_;
+  int64_t activation_;
 };
 
 // A step of few rows through every layer in one call (decode_layer.h). kv_scales: empty for
@@ -657,13 +677,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecoderLayerKernel>(m, "DecoderLayerKernel")
       .def(py::init<Tensor, Tensor, OptionalTensor, Tensor, OptionalTensor, Tensor, OptionalTensor, OptionalTensor,
                     OptionalTensor, OptionalTensor, Tensor, Tensor, int64_t, int64_t, int64_t, double, int64_t, int64_t,
-                    int64_t, int64_t, OptionalTensor, OptionalTensor>(),
+                    int64_t, int64_t, OptionalTensor, OptionalTensor, int64_t, double, OptionalTensor, OptionalTensor,
+                    int64_t>(),
            py::arg("input_norm"), py::arg("qkv_weight"), py::arg("qkv_bias"), py::arg("o_weight"), py::arg("o_bias"),
            py::arg("post_norm"), py::arg("gate_up_weight"), py::arg("gate_up_bias"), py::arg("down_weight"),
            py::arg("down_bias"), py::arg("cos_table"), py::arg("sin_table"), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("qkv_type"), py::arg("o_type"),
            py::arg("gate_up_type"), py::arg("down_type"), py::arg("q_norm") = py::none(),
-           py::arg("k_norm") = py::none())
+           py::arg("k_norm") = py::none(), py::arg("rotary_dims") = -1, py::arg("residual_scale") = 1.0,
+           py::arg("attn_out_norm") = py::none(), py::arg("mlp_out_norm") = py::none(), py::arg("activation") = 0)
       .def("attention_input", &DecoderLayerKernel::attention_input,
            "(q, k, v) of h: input norm, fused projection, rotary", release())
       .def("finish_", &DecoderLayerKernel::finish_, "h += attention output and MLP (if it has one), in place", release())

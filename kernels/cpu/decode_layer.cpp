@@ -59,22 +59,37 @@ void layer_attention_input(const DecoderLayer& layer, const float* h, int64_t T,
       rms_norm(In{q + H * D, KVH, D, D}, layer.k_norm, layer.eps, Out{q + H * D, KVH, D, D});
     }
   }
-  // q and k side by side: one pass
-  rotary(qkv, T, layer.num_heads + layer.num_kv_heads, layer.head_dim, width, positions, layer.rotary);
+  // q and k side by side: one pass (none in a NoPE layer; each head's leading dims under partial rotary)
+  if (layer.rotary_dims > 0)
+    rotary(qkv, T, layer.num_heads + layer.num_kv_heads, layer.rotary_dims, width, positions, layer.rotary,
+           layer.head_dim);
 }
 
 void layer_finish(const DecoderLayer& layer, float* h, int64_t T, In attn) {
-  thread_local Scratch normed, gate_up, hidden;
+  thread_local Scratch normed, gate_up, hidden, block_out;
   const int64_t H = layer.hidden, I2 = layer.gate_up.rows;
-  project(layer.o, attn, out_rows(h, T, H), true);
+  // h += scale * out_norm(w x): straight into h where there is neither a norm nor a scale.
+  const auto add_block = [&](const Weight& w, In x, const float* out_norm) {
+    if (out_norm == nullptr && layer.residual_scale == 1.0f) {
+      project(w, x, out_rows(h, T, H), true);
+      return;
+    }
+    float* y = block_out.get(T * H);
+    project(w, x, out_rows(y, T, H), false);
+    if (out_norm != nullptr) rms_norm(in_rows(y, T, H), out_norm, layer.eps, out_rows(y, T, H));
+    const float s = layer.residual_scale;
+    for (int64_t i = 0; i < T * H; ++i) h[i] += s * y[i];
+  };
+  add_block(layer.o, attn, layer.attn_out_norm);
   if (layer.gate_up.data == nullptr) return;  // the attention half only (a mixture of experts' layer)
   float* x = normed.get(T * H);
   rms_norm(in_rows(h, T, H), layer.post_norm, layer.eps, out_rows(x, T, H));
   float* gu = gate_up.get(T * I2);
   project(layer.gate_up, in_rows(x, T, H), out_rows(gu, T, I2), false);
   float* act = hidden.get(T * I2 / 2);
-  silu_mul(in_rows(gu, T, I2), out_rows(act, T, I2 / 2));
-  project(layer.down, in_rows(act, T, I2 / 2), out_rows(h, T, H), true);
+  if (layer.activation == Activation::kGeluTanh) gelu_tanh_mul(in_rows(gu, T, I2), out_rows(act, T, I2 / 2));
+  else silu_mul(in_rows(gu, T, I2), out_rows(act, T, I2 / 2));
+  add_block(layer.down, in_rows(act, T, I2 / 2), layer.mlp_out_norm);
 }
 
 void decode_stack(const DecoderLayer* const* layers, const KvCache* caches, int64_t num_layers, float* h, int64_t T,

@@ -17,9 +17,19 @@
 
 namespace cadenza {
 
+// The MLP's activation of gate: SiLU (Llama and most), or GELU tanh-approximated (Gemma).
+enum class Activation : int64_t { kSiLU = 0, kGeluTanh = 1 };
+
 // A layer's weights: float32 norms [hidden], projections (bf16 or raw GGUF blocks, see `Weight`)
 // qkv [(H + 2 KVH) D, hidden], o [hidden, H D], gate_up [2 I, hidden], down [hidden, I]; and
-// Qwen3's RMSNorms of each query and key head [D] before rotary (nullptr: none).
+// Qwen3's RMSNorms of each query and key head [D] before rotary (nullptr: none). The family
+// options of the one decoder (models/families.py) that live inside a layer:
+// - rotary_dims: the leading dimensions of each head rotary turns (head_dim: all; fewer: Phi-4-mini's
+//   partial rotary; 0: a NoPE layer of SmolLM3);
+// - residual_scale: each block's output is scaled before its residual add (Granite);
+// - attn_out_norm, mlp_out_norm: norms of the attention's and the MLP's outputs before their
+//   residual adds (Gemma's "sandwich"; nullptr: none), post_norm then being the MLP's input norm;
+// - activation.
 struct DecoderLayer {
   const float* input_norm;
   const float* post_norm;
@@ -29,6 +39,11 @@ struct DecoderLayer {
   RotaryTables rotary;
   int64_t hidden, num_heads, num_kv_heads, head_dim;
   double eps;
+  int64_t rotary_dims;
+  float residual_scale;
+  const float* attn_out_norm;
+  const float* mlp_out_norm;
+  Activation activation;
 
   int64_t qkv_features() const { return (num_heads + 2 * num_kv_heads) * head_dim; }
 };
@@ -38,8 +53,9 @@ struct DecoderLayer {
 // positions [T] applied to them.
 void layer_attention_input(const DecoderLayer& layer, const float* h, int64_t T, const int64_t* positions, float* qkv);
 
-// h += o_proj(attn); h += down(SiLU(gate) * up) of post_norm(h): the residual stream, in place.
-// A layer without gate_up (its data nullptr: a mixture of experts, run apart) stops after o_proj.
+// h += o_proj(attn); h += down(SiLU(gate) * up) of post_norm(h): the residual stream, in place
+// (each block's output normed and scaled where the layer says). A layer without gate_up (its data
+// nullptr: a mixture of experts, run apart) stops after o_proj.
 void layer_finish(const DecoderLayer& layer, float* h, int64_t T, In attn);
 
 // A step of few rows through every layer in one call: per layer, `layer_attention_input`, the new

@@ -25,15 +25,16 @@ void rms_norm(In x, const float* weight, double eps, Out out) {
 }
 
 void rotary(float* x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t token_stride, const int64_t* positions,
-            const RotaryTables& tables) {
+            const RotaryTables& tables, int64_t head_stride) {
   const int64_t T = tokens, H = heads, D = head_dim, half = D / 2, ts = token_stride;
+  const int64_t hs = head_stride > 0 ? head_stride : D;
   const int64_t* pos = positions;
   for (int64_t t = 0; t < T; ++t)
     CADENZA_CHECK(pos[t] >= 0 && pos[t] < tables.positions, "position ", pos[t], " out of range");
   parallel_for(0, T * H, 64, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / H, h = i % H;
-      float* v = x + t * ts + h * D;
+      float* v = x + t * ts + h * hs;
       const float* c = tables.cos + pos[t] * D;
       const float* s = tables.sin + pos[t] * D;
       int64_t j = 0;
@@ -78,6 +79,34 @@ void silu_mul(In gate_up, Out out) {
       int64_t i = 0;
       for (; i + 8 <= I; i += 8) _mm256_storeu_ps(o + i, silu_mul8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
       for (; i < I; ++i) o[i] = silu_mul1(g[i], u[i]);
+    }
+  });
+}
+
+void gelu_tanh_mul(In gate_up, Out out) {
+  const int64_t I = gate_up.cols / 2;
+  // tanh(z) = 1 - 2 / (e^(2z) + 1), so 0.5 (1 + tanh(z)) = 1 - 1 / (e^(2z) + 1); z clamped where
+  // e^(2z) would overflow (tanh is +-1 there to float precision).
+  const __m256 k0 = _mm256_set1_ps(0.7978845608028654f), k1 = _mm256_set1_ps(0.044715f), one = _mm256_set1_ps(1.0f);
+  const __m256 two = _mm256_set1_ps(2.0f), lim = _mm256_set1_ps(40.0f), neg_lim = _mm256_set1_ps(-40.0f);
+  parallel_for(0, gate_up.rows, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* g = gate_up.row(m);
+      const float* u = g + I;
+      float* o = out.row(m);
+      int64_t i = 0;
+      for (; i + 8 <= I; i += 8) {
+        const __m256 x = _mm256_loadu_ps(g + i);
+        __m256 z = _mm256_mul_ps(k0, _mm256_add_ps(x, _mm256_mul_ps(k1, _mm256_mul_ps(x, _mm256_mul_ps(x, x)))));
+        z = _mm256_max_ps(_mm256_min_ps(z, lim), neg_lim);
+        const __m256 half_one_plus_tanh = _mm256_sub_ps(one, _mm256_div_ps(one, _mm256_add_ps(exp8(_mm256_mul_ps(two, z)), one)));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(x, half_one_plus_tanh), _mm256_loadu_ps(u + i)));
+      }
+      for (; i < I; ++i) {
+        const float x = g[i];
+        const float z = std::max(std::min(0.7978845608028654f * (x + 0.044715f * x * x * x), 40.0f), -40.0f);
+        o[i] = x * (1.0f - 1.0f / (exp1(2.0f * z) + 1.0f)) * u[i];
+      }
     }
   });
 }

@@ -19,11 +19,17 @@ void rms_norm(In x, const float* weight, double eps, Out out);
 
 // In-place rotary embedding in the half-split (NeoX) layout on x [tokens, heads, head_dim] (heads
 // packed, tokens token_stride apart), cos/sin looked up at positions [tokens] (checked in range).
+// With head_stride > head_dim (partial rotary: Phi-4-mini), heads sit head_stride apart and only
+// their first head_dim values turn, the tables being [positions, head_dim].
 void rotary(float* x, int64_t tokens, int64_t heads, int64_t head_dim, int64_t token_stride, const int64_t* positions,
-            const RotaryTables& tables);
+            const RotaryTables& tables, int64_t head_stride = 0);
 
 // out [rows, I] = SiLU(gate) * up of gate_up [rows, 2I].
 void silu_mul(In gate_up, Out out);
+
+// out [rows, I] = GELU(gate) * up of gate_up [rows, 2I], GELU tanh-approximated (Gemma's
+// gelu_pytorch_tanh): 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))).
+void gelu_tanh_mul(In gate_up, Out out);
 
 // out [rows, I] = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit), of
 // gate_up [rows, 2I]: gpt-oss's experts' activation.
