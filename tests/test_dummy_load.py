@@ -15,7 +15,8 @@ from tests.tiny_models import _COMMON, ARCHITECTURES
 
 # Parameter counts the model cards give (tied embeddings counted once).
 SHIPPED = {"smollm2-135m": 134.5e6, "qwen3-0.6b": 596e6, "llama-3.2-1b": 1.236e9, "llama-3.2-3b": 3.213e9, "llama-3.1-8b": 8.03e9,
-           "qwen3-30b-a3b": 30.5e9}
+           "qwen3-30b-a3b": 30.5e9, "gpt-oss-20b": 20.9e9, "gemma-3-1b": 1.0e9, "granite-3.3-2b": 2.53e9,
+           "smollm3-3b": 3.08e9, "phi-4-mini": 3.84e9}
 
 
 def write_config(directory, arch: str):
