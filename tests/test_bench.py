@@ -280,7 +280,7 @@ def test_spread_runs_each_process_fresh(tmp_path, capsys):
     (["--quant", "Q4_K_M"], "--quant and --shape-layers describe a --shape's GGUF; give --shape too"),
     (["--shape-layers", "4"], "--quant and --shape-layers describe a --shape's GGUF; give --shape too"),
     (["--shape", "llama-3.2-1b", "--model", "x.gguf"], "give --model or --shape, not both"),
-    (["--shape", "llama-9b"], "--shape 'llama-9b' is not a shipped shape; shipped shapes: llama-3.1-8b, llama-3.2-1b"),
+    (["--shape", "llama-9b"], "--shape 'llama-9b' is not a shipped shape; shipped shapes: gemma-3-1b, gpt-oss-20b"),
     (["--shape", "llama-3.2-1b", "--load-format", "dummy"], "with --load-format dummy give the shape as --model"),
 ])
 def test_shape_flags_are_checked_before_anything_is_written(argv, error, capsys):
