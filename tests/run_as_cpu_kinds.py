@@ -25,7 +25,7 @@ CPU_SENSITIVE = [
     "test_cpu_isa.py", "test_cpu_kernels.py", "test_quantized.py", "test_quantized_quality.py",
     "test_int8_weights.py", "test_kv_int8.py", "test_decode_stack.py", "test_gguf_model.py",
     "test_model_parity.py", "test_attention_backends.py", "test_tensor_parallel.py", "test_speculative.py",
-    "test_moe.py", "test_mxfp4.py",
+    "test_moe.py", "test_mxfp4.py", "test_gpt_oss.py",
 ]  # fmt: skip
 # What a kind runs when it differs from a kind already run only in the instructions of the packed
 # products (avx2-vnni after avx2: the same 8-row layout, vpdpbusd for vpmaddubsw): the tests of those
