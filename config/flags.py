@@ -63,6 +63,7 @@ ALIASES: tuple[ConfigAlias, ...] = (
     ConfigAlias("model.thread_policy"),
     ConfigAlias("model.thread_binding"),
     ConfigAlias("model.quantization"),
+    ConfigAlias("model.moe_experts_on"),
     ConfigAlias("model.cuda_graphs"),
     ConfigAlias("model.seed", flag=None),
     ConfigAlias("model.cpu_kernels", flag=None),

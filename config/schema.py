@@ -130,7 +130,7 @@ class ModelConfig(_Section):
     )
     quantization: Literal["auto", "none", "int8"] = Field(
         "auto", description="How quantized weights run. auto keeps a GGUF's blocks of every type "
-        "cadenza has CPU kernels for (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, IQ4_NL, IQ4_XS) as "
+        "cadenza has CPU kernels for (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, IQ4_NL, IQ4_XS, MXFP4) as "
         "stored and multiplies them natively (activations rounded to int8 per 32 values, as llama.cpp "
         "does; steps of 64 rows or more de-quantize one weight at a time into a scratch GEMM), where "
         "the CPU kernels run and model.dtype is 16-bit: about 4x the batch-1 decode speed and a third "
@@ -138,6 +138,13 @@ class ModelConfig(_Section):
         "de-quantizes every weight to model.dtype on load, as do float32 dtype, cpu_kernels off or no "
         "kernels under auto. int8 also quantizes a Hugging Face checkpoint's linears and embedding to "
         "int8 per 32 weights (Q8_0 blocks) on load, weight-only, and runs them on the same kernels.",
+    )
+    moe_experts_on: Literal["device", "cpu"] = Field(
+        "device", description="Where a mixture of experts' experts live and run. device: with the rest "
+        "of the model. cpu (llama.cpp's --cpu-moe), on a GPU: in host memory, run on the CPU (a GGUF's "
+        "quantized experts as their blocks on the CPU kernels), while attention, the router and the "
+        "rest run on the GPU; each layer sends its activations to the host and the experts' output "
+        "back. For a model whose experts do not fit the GPU. On the CPU, the same as device.",
     )
 
 

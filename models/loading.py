@@ -27,6 +27,7 @@ log = structlog.get_logger(__name__)
 
 QUANTIZATION_MODES = ("auto", "none", "int8")
 LOAD_FORMATS = ("auto", "dummy")
+MOE_EXPERTS_ON = ("device", "cpu")
 
 
 @dataclass
@@ -53,6 +54,7 @@ def load_model(
     transform: Callable[[LlamaForCausalLM], object] | None = None,
     load_format: str = "auto",
     seed: int = 0,
+    moe_experts_on: str = "device",
 ) -> LoadedModel:
     """`cpu_fp32_matmul`: "auto" keeps a float32 copy of bf16/fp16 linear weights for batched
     matmuls when the CPU has no native bf16 (see `models/dual_linear.py`); "on" always, "off" never.
@@ -67,13 +69,20 @@ def load_model(
     kernels are set up (tensor parallelism cuts the model to a rank's shard there).
     `load_format`: "auto" reads `path`'s weights; "dummy" makes random ones, seeded by `seed`, of
     the shape `path` gives (a config.json, a directory holding one, or a shipped shape's name; see
-    `models/dummy.py`), with a stand-in tokenizer."""
+    `models/dummy.py`), with a stand-in tokenizer.
+    `moe_experts_on`: "device" keeps a mixture's experts with the rest; "cpu", on a GPU, keeps them
+    in host memory and runs them on the CPU (a GGUF's quantized experts as their blocks on the CPU
+    kernels, as `quantization` allows there), the attention and router on the GPU (llama.cpp's
+    `--cpu-moe`): a model whose experts do not fit the GPU still runs its attention there."""
     if quantization not in QUANTIZATION_MODES:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, not {quantization!r}")
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, not {load_format!r}")
+    if moe_experts_on not in MOE_EXPERTS_ON:
+        raise ValueError(f"moe_experts_on must be one of {', '.join(MOE_EXPERTS_ON)}, not {moe_experts_on!r}")
     started = time.perf_counter()
     device = torch.device(device)
+    host_experts = moe_experts_on == "cpu" and device.type != "cpu"
     kernels = None
     arena_bytes = 0  # a GGUF's blocks go straight into a weight arena of this size (0: none)
     if load_format == "dummy":
@@ -86,7 +95,9 @@ def load_model(
         source = str(resolved)
         if resolved.is_file() and resolved.suffix == ".gguf":
             why_not, kernels = _why_not_native(quantization, device, dtype, cpu_kernels)
-            arch, weights, tokenizer, native, arena_bytes = _read_gguf(resolved, dtype, source, why_not)
+            # Experts kept on the host run as the CPU runs them: their blocks where its kernels can.
+            why_not_experts = _why_not_native(quantization, torch.device("cpu"), dtype, cpu_kernels)[0] if host_experts else why_not
+            arch, weights, tokenizer, native, arena_bytes = _read_gguf(resolved, dtype, source, why_not, why_not_experts)
         elif resolved.is_dir():
             kernels = _int8_kernels(quantization, device, dtype, cpu_kernels)
             arch, weights, tokenizer, native = _read_hf(
@@ -99,12 +110,11 @@ def load_model(
         raise ModelLoadError(
             f"{source}: max_model_len={limit} exceeds the model's context length {arch.max_position_embeddings}"
         )
+    host_experts = host_experts and arch.moe is not None
     with torch.device("meta"):
         model = LlamaForCausalLM(arch, max_positions=1)
         model.use_quantized_weights(native)
-    # Not `to_empty`: its empty_like of a meta tensor runs PyTorch's Python references, which
-    # import sympy (34 MiB resident and 0.23 s, measured here).
-    model = model.to(dtype=dtype)._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+    model = _materialize(model.to(dtype=dtype), device, host_experts)
     if arch.tie_word_embeddings and isinstance(model.embed_tokens, torch.nn.Embedding):
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = RotaryEmbedding(arch.rope, arch.rotated_dims, limit).to(device)
@@ -117,16 +127,20 @@ def load_model(
     model.eval()
     if transform is not None:
         transform(model)
-    if device.type == "cuda" and arch.moe is not None:  # each mixture as two grouped GEMMs a step
-        from cadenza.models.moe import SparseMoE
+    if host_experts:
+        from cadenza.kernels.cpu import loader as cpu
 
-        for module in model.modules():
-            if isinstance(module, SparseMoE):
-                module.use_grouped_gemm()
+        host_kernels = cpu.configure(cpu_kernels) if cpu_kernels != "off" else None
+        for module in _mixtures(model):
+            module.keep_experts_on_host(host_kernels)
+    elif device.type == "cuda" and arch.moe is not None:  # each mixture as two grouped GEMMs a step
+        for module in _mixtures(model):
+            module.use_grouped_gemm()
     dual = 0
     wants_dual = cpu_fp32_matmul == "on" or (cpu_fp32_matmul == "auto" and not cpu_has_native_bf16())
-    # Quantized linears take float32 activations: the rest of the model then computes in float32 too.
-    if native or (device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and wants_dual):
+    # Quantized linears take float32 activations: the rest of the model then computes in float32 too
+    # (not the experts kept on the host: the host path hands them float32 itself).
+    if (native and not host_experts) or (device.type == "cpu" and dtype in (torch.bfloat16, torch.float16) and wants_dual):
         dual = use_dual_precision(model)
         model.compute_dtype = torch.float32
     if device.type == "cpu" and (model.compute_dtype or dtype) == torch.float32:
@@ -254,7 +268,27 @@ def _why_not_native(quantization: str, device: torch.device, dtype: torch.dtype,
     return None, kernels
 
 
-def _read_gguf(path: Path, dtype: torch.dtype, source: str, why_not: str | None):
+def _mixtures(model: LlamaForCausalLM) -> list:
+    from cadenza.models.moe import SparseMoE
+
+    return [module for module in model.modules() if isinstance(module, SparseMoE)]
+
+
+def _materialize(model: LlamaForCausalLM, device: torch.device, host_experts: bool) -> LlamaForCausalLM:
+    """The meta-device skeleton's tensors allocated (uninitialised: the checkpoint fills them) on
+    `device`, a mixture's experts on the CPU where `host_experts`."""
+    # Not `to_empty`: its empty_like of a meta tensor runs PyTorch's Python references, which
+    # import sympy (34 MiB resident and 0.23 s, measured here).
+    if not host_experts:
+        return model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
+    on_host = {id(m) for moe in _mixtures(model) for m in moe.experts.modules()}
+    for module in model.modules():
+        target = torch.device("cpu") if id(module) in on_host else device
+        module._apply(lambda t, target=target: torch.empty(t.shape, dtype=t.dtype, device=target), recurse=False)
+    return model
+
+
+def _read_gguf(path: Path, dtype: torch.dtype, source: str, why_not: str | None, why_not_experts: str | None = None):
     from cadenza.models.gguf_loader import (
         iter_gguf_weights,
         native_nbytes,
@@ -278,6 +312,9 @@ def _read_gguf(path: Path, dtype: torch.dtype, source: str, why_not: str | None)
         eos_token=vocab.id_to_token(built.eos_token_id) if built.eos_token_id is not None else None,
     )
     native = plan_native_weights(reader, why_not)
+    if why_not_experts != why_not:  # the experts on the host: planned as the CPU runs them
+        native = frozenset(n for n in native if ".mlp.experts." not in n) | frozenset(
+            n for n in plan_native_weights(reader, why_not_experts) if ".mlp.experts." in n)
     return arch, iter_gguf_weights(reader, arch, dtype, source, native), tokenizer, native, native_nbytes(reader, native)
 
 

@@ -66,6 +66,8 @@ class SparseMoE(nn.Module):
         self.fused_max_rows = 0
         # The GPU's grouped GEMMs (kernels/triton/moe.py) and the experts' stacked weights, or None.
         self.grouped = None
+        # Whether the experts live in host memory while the model runs on a GPU (`keep_experts_on_host`).
+        self.on_host = False
 
     def fuse(self, kernels) -> None:
         """Run steps under the experts' GEMM threshold through the kernels' `MoEKernel`: one call
@@ -141,9 +143,38 @@ class SparseMoE(nn.Module):
             weights /= weights.sum(dim=-1, keepdim=True)
         return weights, experts
 
+    def keep_experts_on_host(self, kernels) -> None:
+        """The experts stay in host memory and run on the CPU (with `kernels`, the CPU kernels,
+        or None: PyTorch's ops) while the rest of the model runs on its device: llama.cpp's
+        `--cpu-moe` (`model.moe_experts_on: cpu`). Each step sends its activations and the router's
+        picks to the host (the router runs on the device) and the mixture's output back."""
+        for expert in self.experts:
+            for module in expert.modules():
+                if module is not expert and hasattr(module, "use_cpu_kernels"):
+                    module.use_cpu_kernels(kernels)
+            expert.use_cpu_kernels(kernels)
+        if kernels is not None:
+            from cadenza.models.quantized_linear import move_into_huge_pages
+
+            move_into_huge_pages(self.experts)
+        self.fuse(kernels)
+        self.on_host = True
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """`residual` + the mixture's output for `x`, the sum written into `residual`."""
         weights, experts = self.route(x)
+        if self.on_host and (x.device.type != "cpu" or x.dtype != self._host_dtype()):
+            host = x.detach().to("cpu", self._host_dtype())
+            out = self._local(host, torch.zeros_like(host), weights.cpu(), experts.cpu())
+            return residual.add_(out.to(residual.device, residual.dtype))
+        return self._local(x, residual, weights, experts)
+
+    def _host_dtype(self) -> torch.dtype:
+        """What the host's experts take: float32 for quantized blocks, else their weights' dtype."""
+        up = self.experts[0].gate_up_proj
+        return torch.float32 if isinstance(up, QuantizedLinear) else up.weight.dtype
+
+    def _local(self, x: torch.Tensor, residual: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         if self.grouped is not None:
             return self._grouped_forward(x, residual, weights, experts)
         if self.fused is not None and x.shape[0] <= self.fused_max_rows and x.dtype == torch.float32 and x.is_contiguous():

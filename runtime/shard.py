@@ -64,7 +64,8 @@ def build_model_shard(config: CadenzaConfig, plugins: Plugins, ctx=None) -> Mode
         transform = functools.partial(shard_model, ctx=ctx)
     loaded = load_model(config.model.path, dtype=dtype, device=device, max_model_len=config.model.max_model_len,
                         cpu_kernels=config.model.cpu_kernels, quantization=config.model.quantization,
-                        transform=transform, load_format=config.model.load_format, seed=config.model.seed)  # fmt: skip
+                        transform=transform, load_format=config.model.load_format, seed=config.model.seed,
+                        moe_experts_on=config.model.moe_experts_on)  # fmt: skip
     arch = cache_arch = loaded.arch
     if arch.attention_sinks and not backend_cls.supports_attention_sinks:
         raise ConfigError(f"attention_backend: {backend_cls.name!r} has no attention sinks, which "

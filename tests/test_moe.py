@@ -191,3 +191,47 @@ def test_a_mixture_layer_fuses_its_attention_half(kernels, tiny_model_dir):
     for layer, (kernel, rows) in zip(layers, kept):
         layer.fused, layer.fused_max_rows = kernel, rows
     torch.testing.assert_close(fused, one_by_one, rtol=1e-5, atol=1e-5)
+
+
+def test_experts_kept_on_the_host_take_the_devices_activations_and_give_back_the_same(kernels, tiny_model_dir):
+    """`model.moe_experts_on: cpu` (llama.cpp's --cpu-moe): the experts stay on the CPU in their own
+    dtype (float32 for quantized blocks) while the rest runs elsewhere in another. A step's
+    activations go to the host and the output comes back: here bfloat16 activations against the
+    same experts given float32 directly."""
+    loaded = load_model(tiny_model_dir("qwen3_moe"), dtype=torch.bfloat16, quantization="int8", cpu_kernels="auto")
+    moe = mixtures(loaded)[0]
+    moe.keep_experts_on_host(kernels)
+    assert moe.on_host and moe.fused is not None
+    generator = torch.Generator().manual_seed(7)
+    for rows in (1, 6):
+        x = torch.randn(rows, loaded.arch.hidden_size, generator=generator).bfloat16()
+        residual = torch.randn(rows, loaded.arch.hidden_size, generator=generator).bfloat16()
+        with torch.no_grad():
+            got = moe(x, residual.clone())
+            want = moe(x.float(), residual.float())  # float32 on the CPU: the experts' own path
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)  # bfloat16's rounding of the sum
+
+
+def test_experts_kept_on_the_host_are_allocated_there_and_the_rest_on_the_device():
+    from cadenza.models.llama import LlamaForCausalLM
+    from cadenza.models.loading import _materialize
+    from cadenza.models.moe import SparseMoE
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(load_model_arch("qwen3_moe"), max_positions=1)
+    model = _materialize(model, torch.device("meta"), host_experts=True)  # meta stands in for a GPU
+    moe = next(m for m in model.modules() if isinstance(m, SparseMoE))
+    assert all(p.device.type == "cpu" for p in moe.experts.parameters())
+    assert moe.gate.weight.device.type == "meta" and model.embed_tokens.weight.device.type == "meta"
+    assert all(p.device.type == "meta" for p in model.layers[0].self_attn.parameters())
+
+
+def load_model_arch(arch: str):
+    import transformers
+
+    from cadenza.models.config import ModelArchConfig
+    from tests.tiny_models import _COMMON, ARCHITECTURES
+
+    cls, extra = ARCHITECTURES[arch]
+    return ModelArchConfig.from_hf(getattr(transformers, cls)(**{**_COMMON, **extra}).to_dict())
