@@ -68,6 +68,9 @@ class SparseMoE(nn.Module):
         self.grouped = None
         # Whether the experts live in host memory while the model runs on a GPU (`keep_experts_on_host`).
         self.on_host = False
+        # Under tensor parallelism (parallel/tensor_parallel.py), each rank holds a share of every
+        # expert's width: `reduce` sums the ranks' partial outputs (None: the whole mixture is here).
+        self.reduce = None
 
     def fuse(self, kernels) -> None:
         """Run steps under the experts' GEMM threshold through the kernels' `MoEKernel`: one call
@@ -162,6 +165,11 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """`residual` + the mixture's output for `x`, the sum written into `residual`."""
+        if self.reduce is not None:  # this rank's share of every expert, summed over the ranks
+            return residual.add_(self.reduce(self._mixture(x, torch.zeros_like(residual))))
+        return self._mixture(x, residual)
+
+    def _mixture(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
         if self.on_host and (x.device.type != "cpu" or x.dtype != self._host_dtype()):
             host = x.detach().to("cpu", self._host_dtype())

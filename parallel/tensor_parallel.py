@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cadenza.models.config import ModelArchConfig
+from cadenza.models.moe import SparseMoE
 from cadenza.models.quantized_linear import (
     NATIVE_TYPES,
     PACKED_FLAG,
@@ -41,7 +42,7 @@ from cadenza.models.quantized_linear import (
 )
 from cadenza.parallel.errors import ShardingError
 from cadenza.parallel.groups import ParallelContext
-from cadenza.parallel.partition import RankPartition, partition
+from cadenza.parallel.partition import RankPartition, even_ranges, partition
 
 log = structlog.get_logger(__name__)
 
@@ -139,14 +140,26 @@ class VocabParallelLMHead(nn.Module):
 
 def local_arch(arch: ModelArchConfig, part: RankPartition) -> ModelArchConfig:
     """The architecture as one rank's attention and MLP see it (vocabulary stays whole: sampling
-    and validation use the full one)."""
-    return replace(arch, num_heads=part.num_heads, num_kv_heads=part.num_kv_heads, intermediate_size=part.intermediate_size)
+    and validation use the full one; a mixture keeps every expert, each of its share's width)."""
+    local = replace(arch, num_heads=part.num_heads, num_kv_heads=part.num_kv_heads, intermediate_size=part.intermediate_size)
+    if arch.moe is not None:
+        e0, e1 = expert_columns(arch.moe.intermediate_size, part.world_size, part.rank)
+        local = replace(local, moe=replace(arch.moe, intermediate_size=e1 - e0))
+    return local
+
+
+def expert_columns(width: int, world_size: int, rank: int, unit: int = 256) -> tuple[int, int]:
+    """Rank `rank`'s run of each expert's intermediate columns: even runs of whole `unit`s where
+    the width allows (so a quantized down projection splits on its blocks, 256 values for the
+    K-quants, and stays quantized), else of columns."""
+    for size in (unit, 32):
+        if width % size == 0 and width // size >= world_size:
+            a, b = even_ranges(width // size, world_size)[rank]
+            return a * size, b * size
+    return even_ranges(width, world_size)[rank]
 
 
 def rank_partition(arch: ModelArchConfig, ctx: ParallelContext) -> RankPartition:
-    if ctx.world_size > 1 and arch.moe is not None:
-        raise ShardingError(f"tensor_parallel_size {ctx.world_size}: {arch.model_type} is a mixture of experts, "
-                            "which runs on one rank (its experts are not sharded yet)")
     if ctx.world_size > 1 and arch.qk_norm == "full":
         raise ShardingError(f"tensor_parallel_size {ctx.world_size}: {arch.model_type} normalises q and k over "
                             "all heads at once, which a rank's share of the heads cannot")
@@ -186,6 +199,11 @@ def shard_model(model: nn.Module, ctx: ParallelContext) -> RankPartition:
         attn.qkv_proj = _rows(attn.qkv_proj, qkv_rows)
         attn.o_proj = RowParallelLinear(_cols(attn.o_proj, (q0 * hd, q1 * hd), keep_bias, f"layers.{index}.o_proj"), ctx)
         attn.cfg = layer.cfg = layer_cfg
+        if attn.sinks is not None:  # gpt-oss: each query head's sink, with the head
+            attn.sinks = _param(attn.sinks[q0:q1])
+        if isinstance(mlp, SparseMoE):
+            _shard_experts(mlp, cfg, ctx, keep_bias, index)
+            continue
         mlp.gate_up_proj = _rows(mlp.gate_up_proj, [(i0, i1), (size + i0, size + i1)])
         mlp.down_proj = RowParallelLinear(_cols(mlp.down_proj, (i0, i1), keep_bias, f"layers.{index}.down_proj"), ctx)
         mlp.intermediate = part.intermediate_size
@@ -201,6 +219,19 @@ def shard_model(model: nn.Module, ctx: ParallelContext) -> RankPartition:
     model.embed_tokens = VocabParallelEmbedding(embedding, part.vocab, ctx)
     model.lm_head = VocabParallelLMHead(head, part.vocab, cfg.vocab_size, ctx)
     return part
+
+
+def _shard_experts(moe: SparseMoE, cfg: ModelArchConfig, ctx: ParallelContext, keep_bias: bool, index: int) -> None:
+    """Every expert cut as a dense MLP is (its gate/up rows and down columns of this rank's run of
+    the experts' width; the down biases on the driver only); the router stays whole, so every rank
+    routes alike, and the mixture's partial output is summed over the ranks once a layer."""
+    width = cfg.moe.intermediate_size
+    e0, e1 = expert_columns(width, ctx.world_size, ctx.rank)
+    for j, expert in enumerate(moe.experts):
+        expert.gate_up_proj = _rows(expert.gate_up_proj, [(e0, e1), (width + e0, width + e1)])
+        expert.down_proj = _cols(expert.down_proj, (e0, e1), keep_bias, f"layers.{index}.experts.{j}.down_proj")
+        expert.intermediate = e1 - e0
+    moe.reduce = lambda partial: all_reduce_sum(partial, ctx)
 
 
 # --- slicing each kind of module ------------------------------------------------------------------

@@ -15,6 +15,7 @@ from tiny_models import build_tiny_model
 
 from cadenza.config import load_config
 from cadenza.engine.async_engine import AsyncEngine
+from cadenza.models.quantized_linear import QuantizedLinear
 from cadenza.parallel.errors import ShardingError
 from cadenza.parallel.partition import even_ranges, partition
 from cadenza.runtime.build import Runtime, build_runtime
@@ -100,6 +101,9 @@ TINY = {
     "smollm_tied": ("smollm_tied", {}),  # 1 KV head for 2 ranks (replicated), tied embeddings
     "qwen3": ("qwen3", {}),  # untied, q/k norms
     "odd_heads": ("llama2_bias", dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3, vocab_size=321)),  # 2 + 1 KV heads; 161 + 160 vocabulary rows
+    # Mixtures: every expert's width split over the ranks, one all-reduce a layer (its second layer dense).
+    "qwen3_moe": ("qwen3_moe", {}),
+    "gpt_oss": ("gpt_oss", {}),  # sinks split with their heads; biased experts, the down bias counted once
 }
 
 
@@ -111,6 +115,26 @@ def test_tp2_logits_and_greedy_tokens_match_tp1_on_tiny_models(name, tmp_path_fa
     assert split_tokens == whole_tokens
     for a, b in zip(whole, split):
         torch.testing.assert_close(b, a, atol=1e-4, rtol=0)
+
+
+def test_tp2_runs_a_mixtures_quantized_experts_split_on_their_blocks(tmp_path):
+    """Qwen3-MoE's experts quantized on load (Q8_0): each rank's share of every expert's width is
+    whole blocks, so they stay quantized on the experts kernel, and TP=2 agrees with TP=1 to the
+    activations' int8 rounding."""
+    model = build_tiny_model(tmp_path / "qwen3_moe", "qwen3_moe")
+    quantized = {"model.dtype": "bfloat16", "model.quantization": "int8"}
+    runtime = make_runtime(model, 2, **quantized)
+    try:
+        from tests.test_moe import mixtures
+
+        experts = [e for moe in mixtures(runtime.loaded) for e in moe.experts]
+        assert all(isinstance(e.down_proj, QuantizedLinear) and e.down_proj.in_features == 32 for e in experts)
+        assert all(moe.fused is not None for moe in mixtures(runtime.loaded))
+    finally:
+        runtime.close()
+    (whole, whole_tokens), (split, _) = run_both(model, steps=3, teacher_forced=True, **quantized)
+    for a, b in zip(whole, split):
+        assert (a - b).abs().max() < 0.1 * a.abs().max()
 
 
 def test_tp2_on_the_default_gguf_runs_the_quantized_blocks_and_agrees_with_tp1():
