@@ -9,6 +9,7 @@ import threading
 
 import anyio
 import pytest
+import torch
 from plugin_contracts import covers
 from pydantic import BaseModel, ConfigDict
 
@@ -121,6 +122,7 @@ class ForceSampler(DefaultSampler):
 class CountingBackend(EagerBackend):
     name = "counting_test"
     options_model = Level
+    supports_attention_sinks = False  # its forward takes no `sinks`
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -137,6 +139,22 @@ class CountingBackend(EagerBackend):
     def forward(self, q, k, v, kv_cache, meta):
         self.layers += 1
         return super().forward(q, k, v, kv_cache, meta)
+
+
+class SinkBackend(CountingBackend):
+    """Takes gpt-oss's sinks, recording each layer's."""
+
+    name = "sinks_test"
+    supports_attention_sinks = True
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.sinks_seen: list = []
+
+    def forward(self, q, k, v, kv_cache, meta, sinks=None):
+        self.layers += 1
+        self.sinks_seen.append(sinks)
+        return EagerBackend.forward(self, q, k, v, kv_cache, meta, sinks=sinks)
 
 
 class UnavailableBackend(EagerBackend):
@@ -188,6 +206,7 @@ class TestPlugin:
         register(UnavailableBackend.name, UnavailableBackend)
         register(FloatCacheOnlyBackend.name, FloatCacheOnlyBackend)
         register(PaddingBackend.name, PaddingBackend)
+        register(SinkBackend.name, SinkBackend)
 
     @hookimpl
     def register_eviction_policies(self, register):
@@ -275,6 +294,27 @@ async def test_an_int8_kv_cache_goes_only_to_a_backend_that_reads_it(model_path)
     with pytest.raises(ConfigError, match="float_cache_only_test' cannot read an int8 KV cache"):
         make_runtime(model_path, attention_backend="float_cache_only_test", **{"cache.dtype": "int8"})
     make_runtime(model_path, attention_backend="float_cache_only_test")  # a float cache is fine
+
+
+@covers("AttentionBackend.supports_attention_sinks")
+async def test_a_model_with_sinks_goes_only_to_a_backend_that_takes_them(tmp_path):
+    """gpt-oss's sinks reach a backend that sets `supports_attention_sinks`, one float32 logit per
+    query head each layer, and it computes what the eager backend does; a backend that does not
+    set it is refused at start-up, naming it."""
+    from cadenza.config import ConfigError
+    from tests.tiny_models import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "gpt_oss", "gpt_oss")
+    runtime = make_runtime(path, attention_backend="sinks_test")
+    async with AsyncEngine.serve(runtime) as engine:
+        tokens, _ = await collect(engine, [5, 6, 7], greedy(6))
+    async with AsyncEngine.serve(make_runtime(path, attention_backend="eager")) as engine:
+        expected, _ = await collect(engine, [5, 6, 7], greedy(6))
+    assert tokens == expected
+    seen = runtime.runner.backend.sinks_seen
+    assert seen and all(s is not None and s.dtype == torch.float32 and s.shape == (4,) for s in seen)
+    with pytest.raises(ConfigError, match="'counting_test' has no attention sinks, which gpt_oss needs"):
+        make_runtime(path, attention_backend="counting_test")
 
 
 @covers("AttentionBackend.supports_cuda_graphs")
