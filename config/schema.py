@@ -335,14 +335,15 @@ class ServerConfig(_Section):
     tool_parser: str = Field(
         "auto", min_length=1, description="The format the model writes tool calls in, parsed into "
         "`tool_calls` and used to force a call (tool_choice required or named): a registered tool parser "
-        "(built-ins: hermes, llama3_json, mistral, qwen3_coder; plugins add more) or auto (chosen by the "
-        "chat template's text, hermes when it says nothing).",
+        "(built-ins: hermes, llama3_json, mistral, qwen3_coder, harmony; plugins add more) or auto (chosen by "
+        "the chat template's text, hermes when it says nothing).",
     )
     reasoning_parser: str = Field(
         "auto", min_length=1, description="How chat answers split the model's reasoning "
         "(`reasoning_content`, streamed as deltas too) from its answer (`content`): a registered reasoning "
-        "parser (built-ins: qwen3, deepseek_r1, think; plugins add more), auto (chosen by the chat "
-        "template's text: one that writes <think> gets qwen3) or none (everything is content).",
+        "parser (built-ins: qwen3, deepseek_r1, think, gpt_oss (also harmony); plugins add more), auto "
+        "(chosen by the chat template's text: one that writes <think> gets qwen3, gpt-oss's <|channel|> "
+        "gpt_oss) or none (everything is content).",
     )
 
 

@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
-from cadenza.parsers.markers import partial_suffix
+from cadenza.parsers.markers import FormatTokens, partial_suffix
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,8 +38,8 @@ class ReasoningStream(ABC):
         is over: nothing is held back."""
 
 
-class ReasoningParser(ABC):
-    """One family's way of writing its reasoning before its answer."""
+class ReasoningParser(FormatTokens, ABC):
+    """One family's way of writing its reasoning before its answer (or, harmony, beside it)."""
 
     name: ClassVar[str]
 
@@ -129,7 +129,7 @@ class DeepSeekR1ReasoningParser(ThinkTagParser):
 
 
 # Markers a chat template's text carries for its family's reasoning format, checked in order.
-TEMPLATE_MARKERS = (("<think>", "qwen3"),)
+TEMPLATE_MARKERS = (("<|channel|>", "gpt_oss"), ("<think>", "qwen3"))
 
 
 def parser_name_for_template(chat_template: str | None) -> str | None:

@@ -8,8 +8,9 @@ model emit calls in that format, for `tool_choice` "required" or a named functio
 Built-in: `hermes` (Qwen 2.5/3, Hermes, many others: `<tool_call>{"name": ..., "arguments": ...}
 </tool_call>`), `llama3_json` (Llama 3.1+: `{"name": ..., "parameters": ...}`, calls separated by
 `;`), `mistral` (`[TOOL_CALLS]`, as a JSON list or `name[ARGS]{...}`) and `qwen3_coder` (XML:
-`<function=f><parameter=p>`). They are plugins (`register_tool_parsers`, parsers/builtins.py);
-`tool_parser_name_for_template` picks one by the chat template's text.
+`<function=f><parameter=p>`); `harmony` (gpt-oss) is in parsers/harmony.py. They are plugins
+(`register_tool_parsers`, parsers/builtins.py); `tool_parser_name_for_template` picks one by the
+chat template's text.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Sequence
 
-from cadenza.parsers.markers import partial_suffix
+from cadenza.parsers.markers import FormatTokens, partial_suffix
 from cadenza.parsers.tool_schemas import closed_arguments
 
 
@@ -47,7 +48,7 @@ class Consumed:
     rest: str
 
 
-class ToolParser(ABC):
+class ToolParser(FormatTokens, ABC):
     """One model family's tool-call format, made for one request: `tools` are the request's
     (OpenAI function tools), for a format whose parsing depends on their schemas."""
 
@@ -423,6 +424,7 @@ BUILTIN_TOOL_PARSERS = (HermesToolParser, Llama3JsonToolParser, MistralToolParse
 
 # Markers a chat template's text carries for its family's format, checked in order.
 _TEMPLATE_MARKERS = (
+    (re.compile(r"<\|channel\|>"), "harmony"),  # gpt-oss (parsers/harmony.py)
     (re.compile(r"<function="), "qwen3_coder"),
     (re.compile(r"<tool_call>"), "hermes"),
     (re.compile(r"\[TOOL_CALLS\]"), "mistral"),

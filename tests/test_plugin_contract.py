@@ -506,6 +506,31 @@ def test_a_tool_parser_plugin_written_from_the_contract_alone():
     assert parser.parse_forced('CALL f {"a": ', ["f"])[0].arguments == '{"a": '
 
 
+@covers("FormatTokens.keeps_special_tokens", "FormatTokens.end_tokens")
+def test_a_format_written_in_special_tokens_gets_them_and_stops_on_its_ends():
+    """A parser whose markers are special tokens asks for them in its text and names the tokens
+    its turns end on; the params of a request it reads (`format_params`, which the chat API
+    applies) keep special tokens and stop on each end the vocabulary has. Others ask nothing."""
+    from cadenza.parsers.markers import format_params
+    from cadenza.parsers.reasoning import ReasoningParser, ThinkTagParser
+
+    class BracketParser(ReasoningParser):
+        name = "bracket_test"
+        keeps_special_tokens = True
+        end_tokens = ("<|done|>", "<|not_in_vocab|>")
+
+        def stream(self, prompt_text):
+            raise NotImplementedError
+
+    vocab = {"<|done|>": 7}
+    params = SamplingParams(stop_token_ids=[3])
+    kept = format_params(params, [ThinkTagParser(), BracketParser()], vocab.get)
+    assert kept.skip_special_tokens is False and kept.stop_token_ids == [3, 7]
+    assert params.skip_special_tokens is True and params.stop_token_ids == [3]  # a copy
+    assert format_params(params, [ThinkTagParser()], vocab.get) is params
+    assert (ThinkTagParser.keeps_special_tokens, ThinkTagParser.end_tokens) == (False, ())
+
+
 # --- meta: every hook and contract member has a test --------------------------------------------
 
 

@@ -154,7 +154,7 @@ def test_builtins_are_ordinary_plugins_and_name_their_module():
         "cadenza.policies.context": (registries.context_policies, ["drop_oldest", "error"]),
         "cadenza.speculative.builtins": (registries.proposers, ["draft", "ngram", "suffix"]),
         "cadenza.kv_connectors.builtins": (registries.kv_connectors, ["nixl", "torch_distributed"]),
-        "cadenza.parsers.builtins": (registries.tool_parsers, ["hermes", "llama3_json", "mistral", "qwen3_coder"]),
+        "cadenza.parsers.builtins": (registries.tool_parsers, ["harmony", "hermes", "llama3_json", "mistral", "qwen3_coder"]),
     }
     assert set(expected) == set(DEFAULT_PLUGINS)
     for module, (registry, names) in expected.items():
@@ -658,12 +658,12 @@ def test_reasoning_parsers_register_beside_the_builtins_and_must_be_parsers():
             register(Bracketed.name, Bracketed)
 
     registries = load(Plugin())
-    assert registries.reasoning_parsers.names() == ["bracketed_test", "deepseek_r1", "qwen3", "think"]
+    assert registries.reasoning_parsers.names() == ["bracketed_test", "deepseek_r1", "gpt_oss", "harmony", "qwen3", "think"]
     assert registries.reasoning_parsers.source_of("qwen3") == "cadenza.parsers.builtins"
     parser = registries.reasoning_parsers.get("bracketed_test")()
     assert parser.split("[think]hm[/think] yes", None) == ("hm", "yes")
-    with pytest.raises(UnknownNameError, match="known reasoning parsers: bracketed_test, deepseek_r1, qwen3, think"):
-        registries.reasoning_parsers.get("harmony")
+    with pytest.raises(UnknownNameError, match="known reasoning parsers: bracketed_test, deepseek_r1, gpt_oss, harmony, qwen3, think"):
+        registries.reasoning_parsers.get("no_such")
 
     class Wrong:
         @hookimpl
@@ -686,13 +686,13 @@ def test_tool_parsers_register_beside_the_builtins_and_must_be_parsers():
             register(Tagged.name, Tagged)
 
     registries = load(Plugin())
-    assert registries.tool_parsers.names() == ["hermes", "llama3_json", "mistral", "qwen3_coder", "tagged_test"]
+    assert registries.tool_parsers.names() == ["harmony", "hermes", "llama3_json", "mistral", "qwen3_coder", "tagged_test"]
     assert registries.tool_parsers.source_of("mistral") == "cadenza.parsers.builtins"
     parser = registries.tool_parsers.get("tagged_test")()
     content, calls = parser.parse('Sure.<call>{"name": "f", "arguments": {}}</call>')
     assert content == "Sure." and [c.name for c in calls] == ["f"]
-    with pytest.raises(UnknownNameError, match="known tool parsers: hermes, llama3_json, mistral, qwen3_coder"):
-        registries.tool_parsers.get("harmony")
+    with pytest.raises(UnknownNameError, match="known tool parsers: harmony, hermes, llama3_json, mistral, qwen3_coder"):
+        registries.tool_parsers.get("no_such")
 
     class Wrong:
         @hookimpl

@@ -29,6 +29,7 @@ from cadenza.engine.streams import GenerationOutput
 from cadenza.models.prompts import ChatPrompt, PromptError
 from cadenza.models.tokenizer import ChatTemplateError
 from cadenza.outputs import TokenLogprob
+from cadenza.parsers.markers import format_params
 from cadenza.parsers.reasoning import ReasoningParser, ReasoningStream
 from cadenza.parsers.tool_calls import HermesToolParser, ToolCallStream, ToolParser
 from cadenza.samplers.vocab import token_bytes_lookup
@@ -105,9 +106,13 @@ async def chat_completions(request: Request) -> Response:
     prompt = chat if tools or template_kwargs else chat.messages
     # A forced call is all the output is (the grammar allows no reasoning before it).
     reasoning = state.reasoning_parser if forced_names is None else None
+    # A format written in special tokens (gpt-oss's harmony) reads them, and ends on its own.
+    formats = [f for f in (parser, reasoning) if f is not None]
     jobs = [
-        (prompt, to_sampling_params(req, defaults, max_tokens=max_tokens, logprobs=logprobs, choice=j, rename=rename,
-                                    structured=structured, prompt_logprobs=req.prompt_logprobs))
+        (prompt, format_params(to_sampling_params(req, defaults, max_tokens=max_tokens, logprobs=logprobs, choice=j,
+                                                  rename=rename, structured=structured,
+                                                  prompt_logprobs=req.prompt_logprobs),
+                               formats, lambda token: tokenizer.backend.token_to_id(token)))
         for j in range(req.n)
     ]  # fmt: skip
     shape = _ChatShape(_TokenTexts(tokenizer), req.n, req.logprobs, parser, req.prompt_logprobs, forced_names,
