@@ -84,6 +84,25 @@ def test_the_template_renders_tools_a_past_call_its_result_and_the_reasoning_eff
     assert "Reasoning: medium" in ChatPrompt(messages[:2], TOOLS).render(tokenizer)  # the default
 
 
+def test_a_past_turns_reasoning_content_reaches_the_template_as_its_thinking(template):
+    """A client sends back an assistant turn as the API returned it (`reasoning_content`); gpt-oss's
+    template reads `thinking`, so the model sees its earlier reasoning again."""
+    from cadenza.api.openai.protocol import ChatMessage
+    from cadenza.models.prompts import ChatPrompt
+
+    tokenizer = Tokenizer(backend=harmony_tokenizer(), eos_token_ids=(RETURN_ID, CALL_ID), chat_template=template)
+    turn = ChatMessage(role="assistant", content=None, reasoning_content="The weather tool.", tool_calls=[
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}])
+    messages = [{"role": "user", "content": "Weather in Paris?"}, turn.to_engine(1),
+                {"role": "tool", "content": "Sunny", "tool_call_id": "c1"}]  # fmt: skip
+    text = ChatPrompt(messages, TOOLS).render(tokenizer)
+    assert "<|start|>assistant<|channel|>analysis<|message|>The weather tool.<|end|>" in text
+    # A preamble beside the calls: the template takes one or the other, so the content stays.
+    turn = ChatMessage(role="assistant", content="Checking.", reasoning_content="The weather tool.",
+                       tool_calls=turn.tool_calls)
+    assert "thinking" not in turn.to_engine(1)
+
+
 def test_a_turn_the_template_writes_parses_back(template):
     """The assistant turn gpt-oss's template renders (reasoning, then a call with the recipient
     after the role), as the model would write it after the prompt: its reasoning and its call."""

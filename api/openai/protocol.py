@@ -279,6 +279,10 @@ class ChatMessage(_Strict):
             message["tool_call_id"] = self.tool_call_id
         if self.reasoning_content is not None and self.role == "assistant":
             message["reasoning_content"] = self.reasoning_content
+            # gpt-oss's template reads an earlier turn's reasoning from `thinking`, and refuses it
+            # beside content on a turn with calls: given there too, where the two cannot clash.
+            if not (self.tool_calls and message["content"]):
+                message["thinking"] = self.reasoning_content
         return message
 
 
