@@ -103,6 +103,21 @@ def test_a_past_turns_reasoning_content_reaches_the_template_as_its_thinking(tem
     assert "thinking" not in turn.to_engine(1)
 
 
+def test_openais_reasoning_effort_field_reaches_the_template(template):
+    from cadenza.api.openai.protocol import ChatCompletionRequest
+    from cadenza.models.prompts import ChatPrompt
+
+    tokenizer = Tokenizer(backend=harmony_tokenizer(), eos_token_ids=(RETURN_ID, CALL_ID), chat_template=template)
+    question = [{"role": "user", "content": "Hi"}]
+    request = ChatCompletionRequest(model="m", messages=question, reasoning_effort="high")
+    assert request.template_kwargs() == {"reasoning_effort": "high"}
+    assert "Reasoning: high" in ChatPrompt(question, None, request.template_kwargs()).render(tokenizer)
+    both = ChatCompletionRequest(model="m", messages=question, reasoning_effort="high",
+                                 chat_template_kwargs={"reasoning_effort": "low"})
+    assert both.template_kwargs() == {"reasoning_effort": "low"}  # the explicit template variable wins
+    assert ChatCompletionRequest(model="m", messages=question).template_kwargs() is None
+
+
 def test_a_turn_the_template_writes_parses_back(template):
     """The assistant turn gpt-oss's template renders (reasoning, then a call with the recipient
     after the role), as the model would write it after the prompt: its reasoning and its call."""

@@ -101,7 +101,7 @@ async def chat_completions(request: Request) -> Response:
     if forced is not None and parser is not None:  # "required" or a named function: the grammar makes the call
         structured, structured_param = StructuredOutputs(grammar=parser.grammar(*forced)), "tools"
         forced_names = [t["function"]["name"] for t in forced[0]]
-    template_kwargs = req.chat_template_kwargs or None
+    template_kwargs = req.template_kwargs()
     chat = ChatPrompt(req.engine_messages(), tools, template_kwargs)
     prompt = chat if tools or template_kwargs else chat.messages
     # A forced call is all the output is (the grammar allows no reasoning before it).

@@ -328,6 +328,9 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="Extra variables for the chat template (vLLM's), such as Qwen3's "
         "{\"enable_thinking\": false}; messages, tools and add_generation_prompt are the server's.")
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = Field(
+        None, description="OpenAI's field: given to the chat template as its `reasoning_effort` variable "
+        "(gpt-oss's reads it: 'Reasoning: high'), unless chat_template_kwargs sets that variable itself.")
     # Declared so that asking for them is a clear 400 rather than an unknown field.
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
@@ -359,6 +362,13 @@ class ChatCompletionRequest(_SamplingFields):
                 raise _invalid("tool_choice", f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools")
             if self.structured()[0] is not None:
                 raise _invalid("tool_choice", "a required or named tool_choice cannot be combined with response_format or guided_*")
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The chat template's extra variables: chat_template_kwargs, and reasoning_effort."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+        return kwargs or None
 
     def engine_messages(self) -> list[dict[str, Any]]:
         return [m.to_engine(i) for i, m in enumerate(self.messages)]
