@@ -55,9 +55,9 @@ def test_unsupported_architecture(tiny_model_dir, tmp_path):
 def test_unsupported_rope_type(tiny_model_dir, tmp_path):
     model = copy_model(tiny_model_dir("llama3"), tmp_path / "m")
     config = json.loads((model / "config.json").read_text())
-    config["rope_parameters"]["rope_type"] = "yarn"
+    config["rope_parameters"]["rope_type"] = "dynamic"  # NTK-aware dynamic scaling: not computed
     (model / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModelError, match="rope type 'yarn'"):
+    with pytest.raises(UnsupportedModelError, match="rope type 'dynamic'"):
         LLM(model)
 
 
