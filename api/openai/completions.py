@@ -26,7 +26,7 @@ from cadenza.api.openai.schema import ChatCompletionResponse, CompletionResponse
 from cadenza.api.openai.tool_schemas import check_tool_schemas
 from cadenza.api.state import ServerState, server_state
 from cadenza.engine.streams import GenerationOutput
-from cadenza.models.prompts import ChatPrompt, PromptError
+from cadenza.models.prompts import ChatPrompt, PromptError, tokenize_prompt
 from cadenza.models.tokenizer import ChatTemplateError
 from cadenza.outputs import TokenLogprob
 from cadenza.parsers.markers import format_params
@@ -108,6 +108,10 @@ async def chat_completions(request: Request) -> Response:
     reasoning = state.reasoning_parser if forced_names is None else None
     # A format written in special tokens (gpt-oss's harmony) reads them, and ends on its own.
     formats = [f for f in (parser, reasoning) if f is not None]
+    rendered = None
+    if reasoning is not None:  # the parser reads the rendered prompt: render it once, and send its tokens
+        rendered, ids = _rendered(chat, tokenizer, state.engine.runtime.loaded.arch.vocab_size)
+        prompt = ids if ids is not None else prompt
     jobs = [
         (prompt, format_params(to_sampling_params(req, defaults, max_tokens=max_tokens, logprobs=logprobs, choice=j,
                                                   rename=rename, structured=structured,
@@ -116,19 +120,20 @@ async def chat_completions(request: Request) -> Response:
         for j in range(req.n)
     ]  # fmt: skip
     shape = _ChatShape(_TokenTexts(tokenizer), req.n, req.logprobs, parser, req.prompt_logprobs, forced_names,
-                       reasoning, _rendered(chat, tokenizer) if reasoning is not None else None)
+                       reasoning, rendered)
     shape.structured_param = structured_param
     return await _respond(request, state, shape, jobs, req)
 
 
-def _rendered(chat: ChatPrompt, tokenizer) -> str | None:
-    """The prompt text the engine will make of `chat`, which tells a reasoning parser whether the
-    template opened the reasoning; None where it cannot render (the engine then fails the request
-    with the template's own message)."""
+def _rendered(chat: ChatPrompt, tokenizer, vocab_size: int) -> tuple[str | None, list[int] | None]:
+    """(the prompt text the engine would make of `chat`, its token ids), as the engine's ingress
+    makes them: the text tells a reasoning parser whether the template opened the reasoning, and
+    the ids spare the engine a second rendering. (None, None) where it cannot render (the engine,
+    given the chat, then fails the request with the template's own message)."""
     try:
-        return chat.render(tokenizer)
+        return tokenize_prompt(chat, tokenizer, vocab_size)
     except (ChatTemplateError, PromptError):
-        return None
+        return None, None
 
 
 def _prompt_text(state: ServerState, prompt: str | list[int]) -> str:
