@@ -357,7 +357,9 @@ class ModelRunner:
         record = self._requests.get(chunk.request_id)
         if record is None:
             seed = chunk.params.seed if chunk.params is not None else None
-            generator = None if seed is None else torch.Generator().manual_seed(seed)
+            # On the logits' device: a CPU generator cannot draw CUDA noise (torch refuses, which
+            # failed every request batched with a seeded one).
+            generator = None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
             record = self._requests[chunk.request_id] = _RequestRecord(chunk.prompt_token_ids, generator=generator)
         elif chunk.num_output_tokens is not None and len(record.output_token_ids) > chunk.num_output_tokens:
             del record.output_token_ids[chunk.num_output_tokens :]

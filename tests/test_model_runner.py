@@ -94,3 +94,20 @@ def test_a_seed_torch_refuses_fails_only_its_request():
     result = runner.execute([chunk("a", (5, 6, 7), 0, 0), bad])
     assert result.request_ids == ["a"] and result.sampled.token_ids.tolist() == [1]
     assert [request_id for request_id, _ in result.failed] == ["bad"] and "runner" in result.failed[0][1]
+
+
+def test_a_seeded_requests_generator_is_made_on_the_runners_device(monkeypatch):
+    """The generator follows the device the logits live on: a CPU generator cannot draw a CUDA
+    tensor's noise (torch refuses), which failed every request batched with a seeded one."""
+    runner, pipeline = make_runner()
+    devices = []
+    real = torch.Generator
+
+    def spy(device="cpu"):
+        devices.append(torch.device(device))
+        return real()  # a CPU stand-in: this machine may have no GPU to make one on
+
+    monkeypatch.setattr(torch, "Generator", spy)
+    runner.device = torch.device("cuda")  # as the runner of a CUDA model holds it
+    runner._record(chunk("a", (5, 6, 7), 0, 0, seed=3))
+    assert devices == [torch.device("cuda")]
