@@ -299,7 +299,9 @@ def test_step_rows_times_each_chunk_size(tiny_model_dir, capsys):
 # --- the bench's own layout ---------------------------------------------------------------------
 
 # Each part of bench/ and the parts it may import (bench/__init__.py's list, bottom to top); the
-# command line (bench/cli.py) may import any of them, and none may import it.
+# command line (bench/cli.py) may import any of them, and none may import it. gpu_first_run.py sits
+# beside the command line, above the parts: it runs the command line's benches.
+TOP = ("cli.py", "gpu_first_run.py")
 BENCH_PARTS = {"common": set(), "peers": {"common"}, "offline": {"common", "peers"}, "features": {"common", "offline"},
                "profiling": {"common", "offline"}, "serving": {"common"}, "cpu": {"common", "peers"}}
 
@@ -310,7 +312,7 @@ def test_each_part_of_the_bench_imports_only_the_parts_below_it():
 
     bench = Path(__file__).resolve().parent.parent / "bench"
     assert {p.name for p in bench.iterdir() if (p / "__init__.py").exists()} == BENCH_PARTS.keys()
-    assert {p.name for p in bench.glob("*.py")} == {"__init__.py", "cli.py"}, "a bench module belongs in a part"
+    assert {p.name for p in bench.glob("*.py")} == {"__init__.py", *TOP}, "a bench module belongs in a part"
     problems = []
     for path in bench.rglob("*.py"):
         part = path.relative_to(bench).parts[0]
@@ -323,7 +325,7 @@ def test_each_part_of_the_bench_imports_only_the_parts_below_it():
                 continue
             for name in names:
                 target = name.split(".")[2:3]
-                if not target or not name.startswith("cadenza.bench") or part == "cli.py" or target[0] == part:
+                if not target or not name.startswith("cadenza.bench") or part in TOP or target[0] == part:
                     continue
                 if target[0] == "cli" or target[0] not in BENCH_PARTS[part]:
                     problems.append(f"{path.relative_to(bench)}:{node.lineno} imports {name}")
@@ -361,3 +363,19 @@ def test_a_shape_written_as_gguf_loads_and_generates(tmp_path, shape):
             assert arch.layer_windows == (8, None) and arch.attention_sinks and arch.rope.rope_type == "yarn"
         out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].token_ids) == 4
+
+
+def test_the_gpu_first_run_runs_dry_without_cuda(tmp_path, capsys):
+    """bench/gpu_first_run.py, the command a lent GPU runs first: without CUDA each stage's GPU
+    part is skipped (tests collected, bench command lines parsed, seeded sampling on the CPU), so
+    the script cannot rot unnoticed before the GPU comes."""
+    import json
+
+    from cadenza.bench import gpu_first_run
+
+    assert gpu_first_run.main(["--dry", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "first_run.json").read_text())
+    assert report["dry"] and [s["name"] for s in report["stages"]] == ["cuda_tests", "seeded_sampling", "latency_1b",
+                                                                       "throughput_1b"]
+    assert all(s["status"] == "dry" for s in report["stages"]), report["stages"]
+    assert "| seeded_sampling | dry |" in (tmp_path / "first_run.md").read_text()
