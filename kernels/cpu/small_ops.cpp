@@ -69,7 +69,10 @@ inline float silu_mul1(float g, float u) { return g / (1.0f + exp1(-g)) * u; }
 
 }  // namespace
 
-void silu_mul(In gate_up, Out out) {
+// out [rows, I] = f(gate, up) of gate_up [rows, 2I], the rows shared among the threads: `f8` on 8
+// values at a time, `f1` on the rest (the same arithmetic, one lane).
+template <class F8, class F1>
+inline void gated_rows(In gate_up, Out out, F8 f8, F1 f1) {
   const int64_t I = gate_up.cols / 2;
   parallel_for(0, gate_up.rows, 1, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m) {
@@ -77,62 +80,48 @@ void silu_mul(In gate_up, Out out) {
       const float* u = g + I;
       float* o = out.row(m);
       int64_t i = 0;
-      for (; i + 8 <= I; i += 8) _mm256_storeu_ps(o + i, silu_mul8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
-      for (; i < I; ++i) o[i] = silu_mul1(g[i], u[i]);
+      for (; i + 8 <= I; i += 8) _mm256_storeu_ps(o + i, f8(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
+      for (; i < I; ++i) o[i] = f1(g[i], u[i]);
     }
   });
 }
 
+void silu_mul(In gate_up, Out out) { gated_rows(gate_up, out, silu_mul8, silu_mul1); }
+
 void gelu_tanh_mul(In gate_up, Out out) {
-  const int64_t I = gate_up.cols / 2;
   // tanh(z) = 1 - 2 / (e^(2z) + 1), so 0.5 (1 + tanh(z)) = 1 - 1 / (e^(2z) + 1); z clamped where
   // e^(2z) would overflow (tanh is +-1 there to float precision).
   const __m256 k0 = _mm256_set1_ps(0.7978845608028654f), k1 = _mm256_set1_ps(0.044715f), one = _mm256_set1_ps(1.0f);
   const __m256 two = _mm256_set1_ps(2.0f), lim = _mm256_set1_ps(40.0f), neg_lim = _mm256_set1_ps(-40.0f);
-  parallel_for(0, gate_up.rows, 1, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      const float* g = gate_up.row(m);
-      const float* u = g + I;
-      float* o = out.row(m);
-      int64_t i = 0;
-      for (; i + 8 <= I; i += 8) {
-        const __m256 x = _mm256_loadu_ps(g + i);
+  gated_rows(
+      gate_up, out,
+      [&](__m256 x, __m256 u) {
         __m256 z = _mm256_mul_ps(k0, _mm256_add_ps(x, _mm256_mul_ps(k1, _mm256_mul_ps(x, _mm256_mul_ps(x, x)))));
         z = _mm256_max_ps(_mm256_min_ps(z, lim), neg_lim);
         const __m256 half_one_plus_tanh = _mm256_sub_ps(one, _mm256_div_ps(one, _mm256_add_ps(exp8(_mm256_mul_ps(two, z)), one)));
-        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(x, half_one_plus_tanh), _mm256_loadu_ps(u + i)));
-      }
-      for (; i < I; ++i) {
-        const float x = g[i];
+        return _mm256_mul_ps(_mm256_mul_ps(x, half_one_plus_tanh), u);
+      },
+      [](float x, float u) {
         const float z = std::max(std::min(0.7978845608028654f * (x + 0.044715f * x * x * x), 40.0f), -40.0f);
-        o[i] = x * (1.0f - 1.0f / (exp1(2.0f * z) + 1.0f)) * u[i];
-      }
-    }
-  });
+        return x * (1.0f - 1.0f / (exp1(2.0f * z) + 1.0f)) * u;
+      });
 }
 
 void swiglu_clamped(In gate_up, Out out, float alpha, float limit) {
-  const int64_t I = gate_up.cols / 2;
   const __m256 lim = _mm256_set1_ps(limit), neg_lim = _mm256_set1_ps(-limit), one = _mm256_set1_ps(1.0f);
   const __m256 neg_alpha = _mm256_set1_ps(-alpha);
-  parallel_for(0, gate_up.rows, 1, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      const float* g = gate_up.row(m);
-      const float* u = g + I;
-      float* o = out.row(m);
-      int64_t i = 0;
-      for (; i + 8 <= I; i += 8) {
-        const __m256 gate = _mm256_min_ps(_mm256_loadu_ps(g + i), lim);
-        const __m256 up = _mm256_max_ps(_mm256_min_ps(_mm256_loadu_ps(u + i), lim), neg_lim);
+  gated_rows(
+      gate_up, out,
+      [&](__m256 g, __m256 u) {
+        const __m256 gate = _mm256_min_ps(g, lim);
+        const __m256 up = _mm256_max_ps(_mm256_min_ps(u, lim), neg_lim);
         const __m256 glu = _mm256_div_ps(gate, _mm256_add_ps(one, exp8(_mm256_mul_ps(neg_alpha, gate))));
-        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_add_ps(up, one), glu));
-      }
-      for (; i < I; ++i) {
-        const float gate = std::min(g[i], limit), up = std::max(std::min(u[i], limit), -limit);
-        o[i] = (up + 1.0f) * (gate / (1.0f + exp1(-alpha * gate)));
-      }
-    }
-  });
+        return _mm256_mul_ps(_mm256_add_ps(up, one), glu);
+      },
+      [&](float g, float u) {
+        const float gate = std::min(g, limit), up = std::max(std::min(u, limit), -limit);
+        return (up + 1.0f) * (gate / (1.0f + exp1(-alpha * gate)));
+      });
 }
 
 void silu_mul_bf16(const uint16_t* gate_up, int64_t rows, int64_t I, int64_t in_stride, uint16_t* out, int64_t out_stride) {
