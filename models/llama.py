@@ -214,10 +214,14 @@ class DecoderLayer(nn.Module):
             self.fused, self.fused_max_rows = None, 0
             return
         linears = (attn.qkv_proj, attn.o_proj, *((mlp.gate_up_proj, mlp.down_proj) if dense else ()))
-        if not all(_fusable(m) for m in linears):
+        if not _fusable(attn.qkv_proj, parts=True) or not all(_fusable(m) for m in linears[1:]):
             self.fused, self.fused_max_rows = None, 0
             return
         weights = [_fused_weight(m) for m in linears] + [(None, -1)] * (0 if dense else 2)
+        # llama-quantize's mixes store q/k and v in different types (Q4_K_M's Q6_K attn_v): parts.
+        qkv = attn.qkv_proj
+        more = qkv.block_tensors()[1:] if isinstance(qkv, QuantizedLinear) else []
+        more_types = [qtype for _, qtype in qkv.parts[1:]] if more else []
         sandwich = cfg.sandwich_norms
         mlp_norm = self.pre_feedforward_layernorm if sandwich else self.post_attention_layernorm
         self.fused = kernels.DecoderLayerKernel(
@@ -235,6 +239,8 @@ class DecoderLayer(nn.Module):
             attn_out_norm=self.post_attention_layernorm.weight_f32 if sandwich else None,
             mlp_out_norm=self.post_feedforward_layernorm.weight_f32 if sandwich else None,
             activation=activation,
+            qkv_more=more,
+            qkv_more_types=more_types,
         )  # fmt: skip
         moe_rows = mlp.fused_max_rows if isinstance(mlp, SparseMoE) else 1 << 30
         self.fused_max_rows = min(min(m.min_rows for m in linears) - 1, moe_rows)
@@ -257,9 +263,11 @@ class DecoderLayer(nn.Module):
         return self.mlp(self.post_attention_layernorm(h), h)
 
 
-def _fusable(linear: nn.Module) -> bool:
+def _fusable(linear: nn.Module, parts: bool = False) -> bool:
+    """Whether the layer kernel takes `linear`: bf16, or quantized blocks of one type (of one or
+    more, in row ranges, where `parts`: the fused q/k/v of a mixed file)."""
     if isinstance(linear, QuantizedLinear):
-        return linear.kernels is not None and len(linear.parts) == 1
+        return linear.kernels is not None and (len(linear.parts) == 1 or parts)
     return isinstance(linear, DualPrecisionLinear) and linear.kernels is not None
 
 

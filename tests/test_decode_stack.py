@@ -126,3 +126,41 @@ def test_each_familys_layer_options_run_inside_the_fused_layer(kernels, tiny_mod
     for layer, (fused_layer, rows) in zip(loaded.model.layers, kept):
         layer.fused, layer.fused_max_rows = fused_layer, rows
     torch.testing.assert_close(fused, one_by_one, rtol=1e-5, atol=1e-5)
+
+
+def test_a_fused_projection_stored_in_two_block_types_runs_inside_the_fused_layer(kernels, tiny_model_dir):
+    """llama-quantize's Q4_K_M stores half the layers' `attn_v` as Q6_K beside Q4_K q and k: the
+    fused q/k/v then holds rows of two block types. The layer kernel takes it in parts (it left
+    those layers, and the whole-step path, to the modules one by one): the logits equal theirs."""
+    import gguf
+    import numpy as np
+    from model_forward import prefill_logits
+
+    from cadenza.models.loading import load_model
+    from cadenza.models.quantized_linear import QuantizedLinear, QuantizedTensor
+
+    loaded = load_model(tiny_model_dir("llama2_bias"), dtype=torch.bfloat16, quantization="int8", cpu_kernels="auto")
+    model, cfg = loaded.model, loaded.arch
+    kv_rows = slice(cfg.q_size + cfg.kv_size, cfg.q_size + 2 * cfg.kv_size)
+    for layer in model.layers[::2]:  # every other layer, as Q4_K_M does
+        old = layer.self_attn.qkv_proj
+        weight = torch.empty(old.out_features, old.in_features)
+        kernels.quant_dequantize_(weight, *old.block_tensors(), old.parts[0][1])
+        mixed = QuantizedLinear(old.in_features, old.out_features, bias=True)
+        split = cfg.q_size + cfg.kv_size
+        q8 = gguf.quants.quantize(weight[:split].numpy(), gguf.GGMLQuantizationType.Q8_0)
+        q4 = gguf.quants.quantize(weight[kv_rows].numpy(), gguf.GGMLQuantizationType.Q4_0)
+        mixed.load_rows(0, QuantizedTensor(torch.from_numpy(np.ascontiguousarray(q8)), 8, old.in_features))
+        mixed.load_rows(split, QuantizedTensor(torch.from_numpy(np.ascontiguousarray(q4)), 2, old.in_features))
+        mixed.finish_loading()
+        mixed.bias = old.bias
+        layer.self_attn.qkv_proj = mixed
+    model.use_cpu_kernels(kernels)
+    assert [len(layer.self_attn.qkv_proj.parts) for layer in model.layers] == [2, 1]
+    assert all(layer.fused is not None for layer in model.layers) and model.fused_stack is not None
+    tokens = [7, 99, 123, 5, 17, 101, 33]
+    fused = prefill_logits(loaded, tokens)
+    for layer in model.layers:
+        layer.fused, layer.fused_max_rows = None, 0
+    model.fused_stack = None
+    torch.testing.assert_close(fused, prefill_logits(loaded, tokens), rtol=1e-5, atol=1e-5)

@@ -448,7 +448,8 @@ class DecoderLayerKernel {
                      int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, int64_t qkv_type,
                      int64_t o_type, int64_t gate_up_type, int64_t down_type, OptionalTensor q_norm,
                      OptionalTensor k_norm, int64_t rotary_dims, double residual_scale, OptionalTensor attn_out_norm,
-                     OptionalTensor mlp_out_norm, int64_t activation)
+                     OptionalTensor mlp_out_norm, int64_t activation, std::vector<Tensor> qkv_more,
+                     std::vector<int64_t> qkv_more_types)
       : input_norm_(std::move(input_norm)), post_norm_(std::move(post_norm)), q_norm_(std::move(q_norm)),
         k_norm_(std::move(k_norm)), attn_out_norm_(std::move(attn_out_norm)), mlp_out_norm_(std::move(mlp_out_norm)),
         cos_table_(std::move(cos_table)),
@@ -464,8 +465,21 @@ class DecoderLayerKernel {
                 "rotary_dims must be even and at most head_dim (0: no rotary)");
     TORCH_CHECK(activation == 0 || activation == 1, "activation must be 0 (SiLU) or 1 (GELU tanh)");
     const int64_t hidden = input_norm_.numel(), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-    TORCH_CHECK(qkv_.w.dim() == 2 && qkv_.out_features() == q_size + 2 * kv_size && qkv_.in_features() == hidden,
-                "qkv weight must be [q_size + 2 * kv_size, hidden]");
+    TORCH_CHECK(qkv_more.size() == qkv_more_types.size(), "one type for each further qkv part");
+    // A fused projection stored in parts: each part's rows after the last's, its bias the slice of
+    // qkv_bias at its rows.
+    const OptionalTensor whole_bias = qkv_.bias;
+    int64_t rows = qkv_.out_features();
+    if (!qkv_more.empty() && whole_bias.has_value()) qkv_.bias = whole_bias->narrow(0, 0, rows);
+    for (size_t k = 0; k < qkv_more.size(); ++k) {
+      const int64_t part_rows = qkv_more[k].size(0);
+      OptionalTensor bias;
+      if (whole_bias.has_value()) bias = whole_bias->narrow(0, rows, part_rows);
+      qkv_more_.push_back(Projection{qkv_more[k], bias, qkv_more_types[k]});
+      rows += part_rows;
+    }
+    TORCH_CHECK(qkv_.w.dim() == 2 && rows == q_size + 2 * kv_size && qkv_.in_features() == hidden,
+                "qkv weight (its parts together) must be [q_size + 2 * kv_size, hidden]");
     TORCH_CHECK(o_.w.dim() == 2 && o_.out_features() == hidden && o_.in_features() == q_size,
                 "o_proj weight must be [hidden, q_size]");
     TORCH_CHECK(gate_up_weight.has_value() == down_weight.has_value(), "gate_up and down come together or not at all");
@@ -491,6 +505,10 @@ class DecoderLayerKernel {
     }
     // Every product is checked once here rather than on each call.
     qkv_.check(hidden);
+    for (const Projection& part : qkv_more_) {
+      part.check(hidden);
+      qkv_more_plain_.push_back(part.plain());
+    }
     o_.check(q_size);
     if (has_mlp_) {
       gate_up_.check(hidden);
@@ -510,6 +528,8 @@ class DecoderLayerKernel {
             o_.plain(),
             has_mlp_ ? gate_up_.plain() : cadenza::Weight{nullptr, 0, 0, -1, nullptr},
             has_mlp_ ? down_.plain() : cadenza::Weight{nullptr, 0, 0, -1, nullptr},
+            qkv_more_plain_.empty() ? nullptr : qkv_more_plain_.data(),
+            static_cast<int64_t>(qkv_more_plain_.size()),
             {floats(cos_table_), floats(sin_table_), cos_table_.dim() > 0 ? cos_table_.size(0) : 0},
             input_norm_.numel(),
             num_heads_,
@@ -575,6 +595,8 @@ class DecoderLayerKernel {
   OptionalTensor q_norm_, k_norm_, attn_out_norm_, mlp_out_norm_;
   Tensor cos_table_, sin_table_;
   Projection qkv_, o_, gate_up_, down_;
+  std::vector<Projection> qkv_more_;
+  std::vector<cadenza::Weight> qkv_more_plain_;  // what layer() hands the kernel, made once
   bool has_mlp_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_;
@@ -678,14 +700,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<Tensor, Tensor, OptionalTensor, Tensor, OptionalTensor, Tensor, OptionalTensor, OptionalTensor,
                     OptionalTensor, OptionalTensor, Tensor, Tensor, int64_t, int64_t, int64_t, double, int64_t, int64_t,
                     int64_t, int64_t, OptionalTensor, OptionalTensor, int64_t, double, OptionalTensor, OptionalTensor,
-                    int64_t>(),
+                    int64_t, std::vector<Tensor>, std::vector<int64_t>>(),
            py::arg("input_norm"), py::arg("qkv_weight"), py::arg("qkv_bias"), py::arg("o_weight"), py::arg("o_bias"),
            py::arg("post_norm"), py::arg("gate_up_weight"), py::arg("gate_up_bias"), py::arg("down_weight"),
            py::arg("down_bias"), py::arg("cos_table"), py::arg("sin_table"), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("qkv_type"), py::arg("o_type"),
            py::arg("gate_up_type"), py::arg("down_type"), py::arg("q_norm") = py::none(),
            py::arg("k_norm") = py::none(), py::arg("rotary_dims") = -1, py::arg("residual_scale") = 1.0,
-           py::arg("attn_out_norm") = py::none(), py::arg("mlp_out_norm") = py::none(), py::arg("activation") = 0)
+           py::arg("attn_out_norm") = py::none(), py::arg("mlp_out_norm") = py::none(), py::arg("activation") = 0,
+           py::arg("qkv_more") = std::vector<Tensor>{}, py::arg("qkv_more_types") = std::vector<int64_t>{})
       .def("attention_input", &DecoderLayerKernel::attention_input,
            "(q, k, v) of h: input norm, fused projection, rotary", release())
       .def("finish_", &DecoderLayerKernel::finish_, "h += attention output and MLP (if it has one), in place", release())

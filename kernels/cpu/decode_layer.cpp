@@ -50,7 +50,9 @@ void layer_attention_input(const DecoderLayer& layer, const float* h, int64_t T,
   const int64_t hidden = layer.hidden, width = layer.qkv_features();
   float* x = normed.get(T * hidden);
   rms_norm(in_rows(h, T, hidden), layer.input_norm, layer.eps, out_rows(x, T, hidden));
-  project(layer.qkv, in_rows(x, T, hidden), out_rows(qkv, T, width), false);
+  project(layer.qkv, in_rows(x, T, hidden), Out{qkv, T, layer.qkv.rows, width}, false);
+  for (int64_t k = 0, at = layer.qkv.rows; k < layer.num_qkv_more; at += layer.qkv_more[k].rows, ++k)
+    project(layer.qkv_more[k], in_rows(x, T, hidden), Out{qkv + at, T, layer.qkv_more[k].rows, width}, false);
   if (layer.q_norm != nullptr) {  // each head of each row, in place (rms_norm reads a row before it writes it)
     const int64_t H = layer.num_heads, KVH = layer.num_kv_heads, D = layer.head_dim;
     for (int64_t t = 0; t < T; ++t) {

@@ -36,6 +36,10 @@ struct DecoderLayer {
   const float* q_norm;
   const float* k_norm;
   Weight qkv, o, gate_up, down;
+  // The fused projection's further parts, rows after qkv's, where its rows are stored in more than
+  // one block type (llama-quantize's Q4_K_M: Q6_K `attn_v` beside Q4_K q and k); nullptr, 0: none.
+  const Weight* qkv_more;
+  int64_t num_qkv_more;
   RotaryTables rotary;
   int64_t hidden, num_heads, num_kv_heads, head_dim;
   double eps;
