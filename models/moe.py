@@ -12,6 +12,11 @@ A token's weight scales the expert's hidden activations before the down projecti
 same sum to rounding), which lets a single token's product add straight into the residual stream;
 where the down projection has a bias (gpt-oss), the weight scales its output, bias included, as
 transformers does. gpt-oss's router has a bias and softmaxes only its top k logits.
+
+Where the experts run: on the CPU, decode-sized steps through one kernel call for all the step's
+experts (`fuse`), others expert by expert; on a GPU, two grouped GEMMs over every (token, expert)
+pair (`use_grouped_gemm`); in host memory beside a GPU model (`keep_experts_on_host`); under tensor
+parallelism, a share of every expert's width on each rank, summed once a layer (`reduce`).
 """
 
 from __future__ import annotations
@@ -151,11 +156,9 @@ class SparseMoE(nn.Module):
         or None: PyTorch's ops) while the rest of the model runs on its device: llama.cpp's
         `--cpu-moe` (`model.moe_experts_on: cpu`). Each step sends its activations and the router's
         picks to the host (the router runs on the device) and the mixture's output back."""
-        for expert in self.experts:
-            for module in expert.modules():
-                if module is not expert and hasattr(module, "use_cpu_kernels"):
-                    module.use_cpu_kernels(kernels)
-            expert.use_cpu_kernels(kernels)
+        for module in self.experts.modules():
+            if hasattr(module, "use_cpu_kernels"):
+                module.use_cpu_kernels(kernels)
         if kernels is not None:
             from cadenza.models.quantized_linear import move_into_huge_pages
 
