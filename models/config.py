@@ -238,17 +238,19 @@ def _longrope(cfg: Mapping[str, Any], params: Mapping[str, Any], theta: float, o
                       short_factor=short, long_factor=long, attention_factor=float(attention))
 
 
+def yarn_mscale(scale: float, m: float = 1.0) -> float:
+    """YaRN's magnitude factor on cos and sin for a context stretched `scale` times (1: none)."""
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
 def _yarn(cfg: Mapping[str, Any], params: Mapping[str, Any], theta: float, original: int) -> RopeConfig:
     """YaRN as transformers computes it: the attention factor from `factor` (and DeepSeek's
     `mscale`s) unless given."""
     factor = params.get("factor") or int(cfg.get("max_position_embeddings", original)) / original
     attention = params.get("attention_factor")
     if attention is None:
-        def mscale(scale: float, m: float = 1.0) -> float:
-            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
         m, m_all = params.get("mscale"), params.get("mscale_all_dim")
-        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+        attention = yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all else yarn_mscale(factor)
     return RopeConfig(theta=theta, rope_type="yarn", factor=float(factor), original_max_position_embeddings=original,
                       attention_factor=float(attention), beta_fast=float(params.get("beta_fast") or 32.0),
                       beta_slow=float(params.get("beta_slow") or 1.0), truncate=bool(params.get("truncate", True)))
@@ -292,20 +294,27 @@ def _gemma_options(cfg: Mapping[str, Any], num_layers: int, source: str) -> dict
 
 
 def _gpt_oss_options(cfg: Mapping[str, Any], moe: MoEConfig, num_layers: int) -> dict[str, Any]:
-    """gpt-oss's differences as the decoder's options: `layer_types` alternate sliding and full
-    attention, every layer has sinks, every MLP is a mixture of biased experts whose router has a
-    bias and softmaxes its top k."""
+    """gpt-oss's `layer_types` (sliding and full attention in turn by default) and SwiGLU clamp."""
     types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
     window = cfg.get("sliding_window")
+    windows = tuple(int(window) if t == "sliding_attention" and window else None for t in types)
+    return gpt_oss_options(moe, windows, float(cfg.get("swiglu_alpha", 1.702)), float(cfg.get("swiglu_limit", 7.0)))
+
+
+def gpt_oss_options(moe: MoEConfig, layer_windows: tuple[int | None, ...], swiglu_alpha: float = 1.702,
+                    swiglu_limit: float = 7.0) -> dict[str, Any]:
+    """gpt-oss's differences as the decoder's options, whichever format gave its windows: every
+    layer has sinks and biased attention, every MLP is a mixture of biased experts with the clamped
+    SwiGLU, whose router has a bias and softmaxes its top k."""
     return dict(
-        layer_windows=tuple(int(window) if t == "sliding_attention" and window else None for t in types),
+        layer_windows=layer_windows,
         sliding_window=None,
         attention_sinks=True,
         mlp_bias=True,
         o_bias=True,
         hidden_act=SWIGLU_CLAMPED,
-        swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
-        swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+        swiglu_alpha=swiglu_alpha,
+        swiglu_limit=swiglu_limit,
         moe=replace(moe, router_bias=True, softmax_after_top_k=True, normalize_top_k=False),
     )
 

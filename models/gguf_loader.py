@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import math
 import re
 import warnings
 from dataclasses import replace
@@ -15,7 +14,7 @@ import numpy as np
 import structlog
 import torch
 
-from cadenza.models.config import SWIGLU_CLAMPED, ModelArchConfig, MoEConfig, RopeConfig
+from cadenza.models.config import ModelArchConfig, MoEConfig, RopeConfig, gpt_oss_options, yarn_mscale
 from cadenza.models.errors import ModelLoadError, UnsupportedModelError
 from cadenza.models.families import FAMILIES, GGUF_ARCHITECTURES, gguf_model_type
 from cadenza.models.gguf_file import GGUFFile, GGUFTensor
@@ -158,41 +157,32 @@ def read_gguf_config(reader: GGUFFile, source: str) -> ModelArchConfig:
 
 def _gpt_oss_options(reader: GGUFFile, arch: str, config: ModelArchConfig) -> dict:
     """gpt-oss as llama.cpp's graph runs it: sliding-window layers every other one from the first
-    (unless the file gives a pattern), sinks, a biased router softmaxing its top k, biased experts
-    with the clamped SwiGLU at the constants llama.cpp's graph fixes (alpha 1.702, limit 7)."""
-    window = int(read_field(reader, f"{arch}.attention.sliding_window", 0) or 0)
-    pattern = read_field(reader, f"{arch}.attention.sliding_window_pattern", 2)
-    if isinstance(pattern, list):
-        local = [bool(p) for p in pattern]
-    else:
-        local = [i % int(pattern) < int(pattern) - 1 for i in range(config.num_layers)]
-    return dict(
-        layer_windows=tuple(window if window and is_local else None for is_local in local[: config.num_layers]),
-        sliding_window=None,
-        attention_sinks=True,
-        hidden_act=SWIGLU_CLAMPED,
-        swiglu_alpha=1.702,
-        swiglu_limit=7.0,
-        mlp_bias=True,
-        moe=replace(config.moe, router_bias=True, softmax_after_top_k=True, normalize_top_k=False),
-    )
+    (unless the file gives a pattern), and the SwiGLU clamp at the constants that graph fixes
+    (alpha 1.702, limit 7: the file records none)."""
+    return gpt_oss_options(config.moe, _layer_windows(reader, arch, config.num_layers, 2))
 
+
+def _layer_windows(reader: GGUFFile, arch: str, num_layers: int, pattern: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: global) as llama.cpp reads them: the file's per-layer
+    flags, or a pattern n (the file's, else the architecture's `pattern`) where every n-th layer
+    is global and the others slide."""
+    window = int(read_field(reader, f"{arch}.attention.sliding_window", 0) or 0)
+    given = read_field(reader, f"{arch}.attention.sliding_window_pattern", pattern)
+    if isinstance(given, list):
+        local = [bool(p) for p in given]
+    else:
+        local = [bool((i + 1) % int(given)) for i in range(num_layers)]
+    return tuple(window if window and is_local else None for is_local in local[:num_layers])
 
 def _gemma_options(reader: GGUFFile, arch: str, config: ModelArchConfig) -> dict:
     """Gemma 3 as llama.cpp's graph runs it: every sixth layer global unless the file says
     otherwise, local layers rotating with base 10,000 unless it says otherwise, norm weights
     already shifted by 1 in the file, 1/sqrt(head_dim) as the softmax scale (27B: of
     hidden / heads)."""
-    window = int(read_field(reader, f"{arch}.attention.sliding_window", 0) or 0)
-    pattern = read_field(reader, f"{arch}.attention.sliding_window_pattern", 6)
-    if isinstance(pattern, list):
-        local = [bool(p) for p in pattern]
-    else:
-        local = [bool((i + 1) % int(pattern)) for i in range(config.num_layers)]
     scale = (config.hidden_size / config.num_heads) if config.num_layers == 62 else config.head_dim
     softcap = read_field(reader, f"{arch}.final_logit_softcapping", None)
     return dict(
-        layer_windows=tuple(window if window and is_local else None for is_local in local[: config.num_layers]),
+        layer_windows=_layer_windows(reader, arch, config.num_layers, 6),
         local_rope=RopeConfig(theta=float(read_field(reader, f"{arch}.rope.freq_base_swa", 10000.0))),
         hidden_act="gelu_pytorch_tanh",
         embedding_multiplier=float(config.hidden_size) ** 0.5,
@@ -235,8 +225,7 @@ def _rope(reader: GGUFFile, arch: str, source: str) -> RopeConfig:
             beta_fast=float(read_field(reader, f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
             beta_slow=float(read_field(reader, f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
             truncate=True,
-            attention_factor=(1.0 + 0.1 * math.log(factor) if factor > 1 else 1.0)
-            * float(read_field(reader, f"{arch}.rope.scaling.attn_factor", 1.0)),
+            attention_factor=yarn_mscale(factor) * float(read_field(reader, f"{arch}.rope.scaling.attn_factor", 1.0)),
         )
     raise UnsupportedModelError(
         f"{source}: GGUF rope scaling {scaling!r} (or a rope_freqs tensor) is not supported; "

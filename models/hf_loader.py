@@ -91,20 +91,21 @@ def mxfp4_expert_names(files: list[Path], family: Family) -> frozenset[str]:
                     if canonical.endswith("_blocks"):
                         stem = canonical.removesuffix("_blocks")
                         experts = handle.get_slice(name).get_shape()[0]
-                        names.update(n for e in range(experts) for n, _ in _mxfp4_parts(stem, e))
+                        names.update(n for e in range(experts) for n, _ in _expert_parts(stem, e))
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(f"{path}: corrupt or unreadable safetensors file: {exc}") from exc
     return frozenset(names)
 
 
-def _mxfp4_parts(stem: str, expert: int) -> list[tuple[str, slice]]:
-    """(canonical name, its rows of the stored tensor) of expert `expert` of an MXFP4 stack: gate
-    and up interleaved in `gate_up_proj` as in the float layout (even rows gate, odd up)."""
+def _expert_parts(stem: str, expert: int) -> list[tuple[str, slice]]:
+    """(canonical name, its outputs of the stack) of expert `expert` of one of gpt-oss's expert
+    stacks (`...experts.gate_up_proj`, its `_bias`, `down_proj` or its `_bias`): gate and up are
+    interleaved in gate_up, gate the even outputs and up the odd."""
     prefix, _, kind = stem.rpartition(".")
-    base = f"{prefix}.{expert}"
-    if kind == "gate_up_proj":
-        return [(f"{base}.gate_proj.weight", slice(0, None, 2)), (f"{base}.up_proj.weight", slice(1, None, 2))]
-    return [(f"{base}.down_proj.weight", slice(None))]
+    base, suffix = f"{prefix}.{expert}", "bias" if kind.endswith("_bias") else "weight"
+    if kind.startswith("gate_up_proj"):
+        return [(f"{base}.gate_proj.{suffix}", slice(0, None, 2)), (f"{base}.up_proj.{suffix}", slice(1, None, 2))]
+    return [(f"{base}.down_proj.{suffix}", slice(None))]
 
 
 def _split_mxfp4_experts(stem: str, blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, native: bool,
@@ -120,7 +121,7 @@ def _split_mxfp4_experts(stem: str, blocks: torch.Tensor, scales: torch.Tensor, 
     in_features = blocks.shape[2] * 32
     for e in range(blocks.shape[0]):
         raw = mxfp4_from_hf(blocks[e], scales[e])  # [out, n * 17]
-        for name, rows in _mxfp4_parts(stem, e):
+        for name, rows in _expert_parts(stem, e):
             part = raw[rows].contiguous()
             yield name, QuantizedTensor(part, QTYPE, in_features) if native else dequantize_mxfp4(part).to(dtype)
 
@@ -135,21 +136,14 @@ def _is_stacked_experts(name: str) -> bool:
 
 def split_stacked_experts(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
     """gpt-oss's experts, stored as one tensor per layer and projection with the inputs first
-    ([experts, in, out]) and gate and up interleaved (gate: even outputs, up: odd), as the
-    per-expert canonical tensors the decoder loads (`...experts.N.gate_proj.weight` [out, in])."""
-    prefix, _, kind = name.rpartition(".")
+    ([experts, in, out]; biases [experts, out]) and gate and up interleaved, as the per-expert
+    canonical tensors the decoder loads (`...experts.N.gate_proj.weight` [out, in])."""
     for e in range(tensor.shape[0]):
-        base = f"{prefix}.{e}"
-        if kind == "gate_up_proj":
-            yield f"{base}.gate_proj.weight", tensor[e, :, 0::2].t().contiguous()
-            yield f"{base}.up_proj.weight", tensor[e, :, 1::2].t().contiguous()
-        elif kind == "gate_up_proj_bias":
-            yield f"{base}.gate_proj.bias", tensor[e, 0::2].contiguous()
-            yield f"{base}.up_proj.bias", tensor[e, 1::2].contiguous()
-        elif kind == "down_proj":
-            yield f"{base}.down_proj.weight", tensor[e].t().contiguous()
-        else:
-            yield f"{base}.down_proj.bias", tensor[e]
+        for part, outputs in _expert_parts(name, e):
+            if tensor.dim() == 2:  # biases
+                yield part, tensor[e, outputs].contiguous()
+            else:
+                yield part, tensor[e, :, outputs].t().contiguous()
 
 
 def iter_safetensors(files: list[Path], dtype: torch.dtype, family: Family = FAMILIES["llama"],
