@@ -39,6 +39,7 @@ class _Group:
     is_causal: bool
     key_slots: torch.Tensor | None = None  # built on first use: the kernel path needs none
     mask: torch.Tensor | None = None  # mask_bool as an additive mask, built on first use
+    sink_base: torch.Tensor | None = None  # the additive mask [n, H, Q, K] sinks extend, built on first use
 
     @property
     def is_decode(self) -> bool:
@@ -223,15 +224,18 @@ class TorchSDPABackend(AttentionBackend):
         n, max_q, max_k = group.num_seqs, group.max_q, group.max_k
         zeros = keys.new_zeros(n, 1, self.num_kv_heads, self.head_dim)
         keys, values = torch.cat([keys, zeros], dim=1), torch.cat([values, zeros], dim=1)
-        if group.mask_bool is not None:
-            base = self._additive_mask(group, dtype).expand(n, self.num_heads, max_q, max_k)
-        elif group.is_causal or max_q > 1:
-            positions = group.context_lens[:, None] + torch.arange(max_q, device=keys.device)[None, :]
-            allowed = causal_mask(positions, torch.arange(max_k, device=keys.device), group.seq_lens, self.sliding_window)
-            base = torch.zeros(allowed.shape, dtype=dtype, device=keys.device).masked_fill_(~allowed, float("-inf"))
-            base = base.unsqueeze(1).expand(n, self.num_heads, max_q, max_k)
-        else:  # one query a sequence, every key visible
-            base = torch.zeros(n, self.num_heads, max_q, max_k, dtype=dtype, device=keys.device)
+        base = group.sink_base
+        if base is None or base.dtype != dtype:  # once a step, not once a layer
+            if group.mask_bool is not None:
+                base = self._additive_mask(group, dtype)
+            elif group.is_causal or max_q > 1:
+                positions = group.context_lens[:, None] + torch.arange(max_q, device=keys.device)[None, :]
+                allowed = causal_mask(positions, torch.arange(max_k, device=keys.device), group.seq_lens, self.sliding_window)
+                base = torch.zeros(allowed.shape, dtype=dtype, device=keys.device).masked_fill_(~allowed, float("-inf"))
+                base = base.unsqueeze(1)
+            else:  # one query a sequence, every key visible
+                base = torch.zeros(n, 1, max_q, max_k, dtype=dtype, device=keys.device)
+            group.sink_base = base = base.expand(n, self.num_heads, max_q, max_k)
         sink = sinks.to(dtype).view(1, -1, 1, 1).expand(n, self.num_heads, max_q, 1)
         return keys, values, torch.cat([base, sink], dim=-1)
 
