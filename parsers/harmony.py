@@ -31,7 +31,7 @@ from typing import Any, Sequence
 from cadenza.parsers.markers import partial_suffix
 from cadenza.parsers.reasoning import ReasoningDelta, ReasoningParser, ReasoningStream
 from cadenza.parsers.tool_calls import Consumed, ToolCall, ToolParser, settled_name
-from cadenza.parsers.tool_schemas import closed_arguments
+from cadenza.parsers.tool_schemas import closed_arguments, json_rule
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
@@ -270,9 +270,9 @@ class HarmonyToolParser(ToolParser):
         rules = []
         for i, tool in enumerate(tools):
             function = tool["function"]
-            schema = json.dumps(closed_arguments(function.get("parameters")), ensure_ascii=False)
+            schema = json_rule(closed_arguments(function.get("parameters")))
             header = json.dumps(f"commentary to={FUNCTIONS}{function['name']} ")
-            rules.append(f'call_{i}: {CHANNEL} {header} {CONSTRAIN} "json" {MESSAGE} %json {schema} {CALL}')
+            rules.append(f'call_{i}: {CHANNEL} {header} {CONSTRAIN} "json" {MESSAGE} {schema} {CALL}')
         start = f'start: call ({START} "assistant" call)*' if parallel else "start: call"
         alternatives = " | ".join(f"call_{i}" for i in range(len(tools)))
         return "\n".join([start, f"call: {alternatives}", *rules]) + "\n"

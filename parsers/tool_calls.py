@@ -23,7 +23,14 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Sequence
 
 from cadenza.parsers.markers import FormatTokens, partial_suffix
-from cadenza.parsers.tool_schemas import closed_arguments
+from cadenza.parsers.tool_schemas import (
+    closed_arguments,
+    embedded,
+    has_local_refs,
+    json_rule,
+    pointer_token,
+    resolved,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,10 +88,12 @@ class ToolParser(FormatTokens, ABC):
         the grammar allowed."""
 
 
-def _call_schema(tool: dict[str, Any], arguments_key: str) -> dict[str, Any]:
+def _call_schema(tool: dict[str, Any], arguments_key: str, at: str = "") -> dict[str, Any]:
+    """A call's JSON schema, placed at JSON pointer `at` of the grammar's schema (its local
+    references are rewritten to match)."""
     function = tool["function"]
     # Closed to the declared keys, so that no key is written twice (api/openai/tool_schemas.py).
-    parameters = closed_arguments(function.get("parameters"))
+    parameters = embedded(closed_arguments(function.get("parameters")), f"{at}/properties/{pointer_token(arguments_key)}")
     return {
         "type": "object",
         "properties": {"name": {"const": function["name"]}, arguments_key: parameters},
@@ -94,9 +103,11 @@ def _call_schema(tool: dict[str, Any], arguments_key: str) -> dict[str, Any]:
 
 
 def _json_rule(tools: Sequence[dict[str, Any]], arguments_key: str) -> str:
-    schemas = [_call_schema(t, arguments_key) for t in tools]
-    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-    return "%json " + json.dumps(schema, ensure_ascii=False)
+    if len(tools) == 1:
+        schema = _call_schema(tools[0], arguments_key)
+    else:
+        schema = {"anyOf": [_call_schema(t, arguments_key, f"/anyOf/{i}") for i, t in enumerate(tools)]}
+    return json_rule(schema)
 
 
 def _lark_string(text: str) -> str:
@@ -331,7 +342,7 @@ class MistralToolParser(ToolParser):
         alternatives = " | ".join(f"call_{i}" for i in range(len(tools)))
         rules = [
             f"call_{i}: {_lark_string(self.tag + t['function']['name'] + self.args_tag)} "
-            f"%json {json.dumps(closed_arguments(t['function'].get('parameters')), ensure_ascii=False)}"
+            f"{json_rule(closed_arguments(t['function'].get('parameters')))}"
             for i, t in enumerate(tools)
         ]
         start = "start: call call*" if parallel else "start: call"
@@ -349,8 +360,12 @@ class Qwen3CoderToolParser(HermesToolParser):
 
     def __init__(self, tools: Sequence[dict[str, Any]] | None = None) -> None:
         super().__init__(tools)
-        self.schemas = {t["function"]["name"]: (t["function"].get("parameters") or {}).get("properties") or {}
-                        for t in tools or ()}
+        # Each parameter's schema, a local `$ref` followed (a pydantic enum is one).
+        self.schemas = {}
+        for tool in tools or ():
+            parameters = tool["function"].get("parameters") or {}
+            self.schemas[tool["function"]["name"]] = {
+                name: resolved(parameters, spec) for name, spec in (parameters.get("properties") or {}).items()}
 
     def _value(self, function: str, parameter: str, text: str) -> Any:
         if _is_text(self.schemas.get(function, {}).get(parameter)):
@@ -388,7 +403,9 @@ class Qwen3CoderToolParser(HermesToolParser):
             required = set(schema.get("required") or ())
             parts = []
             for j, (parameter, spec) in enumerate((schema.get("properties") or {}).items()):
-                value = _text_rule(spec) if _is_text(spec) else f"%json {json.dumps(spec or {}, ensure_ascii=False)}"
+                spec = resolved(schema, spec)
+                value = (_text_rule(spec) if _is_text(spec)
+                         else json_rule(_parameter_schema(schema, parameter)))
                 rules.append(f"param_{i}_{j}: {_lark_string(f'<parameter={parameter}>' + chr(10))} {value} "
                              f"{_lark_string(chr(10) + '</parameter>' + chr(10))}")
                 parts.append(f"param_{i}_{j}" + ("" if parameter in required else "?"))
@@ -398,6 +415,16 @@ class Qwen3CoderToolParser(HermesToolParser):
             alternatives.append(f"call_{i}")
         start = 'start: call ("\\n" call)*' if parallel else "start: call"
         return "\n".join([start, f"call: {' | '.join(alternatives)}", *rules, 'text: /[^<]*/']) + "\n"
+
+
+def _parameter_schema(arguments: dict[str, Any], parameter: str) -> dict[str, Any]:
+    """One parameter's schema, standing alone: as written, or, when the arguments schema holds
+    local references (`$defs`), a reference into the whole schema carried beside it."""
+    spec = arguments["properties"][parameter] or {}
+    if not has_local_refs(arguments):
+        return spec
+    return {"$defs": {"arguments": embedded(arguments, "/$defs/arguments")},
+            "$ref": f"#/$defs/arguments/properties/{pointer_token(parameter)}"}
 
 
 def _begins(text: str, marker: str) -> bool:

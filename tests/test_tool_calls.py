@@ -499,3 +499,119 @@ def test_a_forced_call_in_the_family_s_own_syntax_through_the_sdk(family_server,
     and the server parses it back into `tool_calls`."""
     client, model, _ = family_server
     _required_call(client, model, [{"role": "user", "content": "What is the weather in Paris?"}], stream, max_tokens=200)
+
+
+# --- schemas as users write them: $defs, definitions, recursive $ref --------------------------
+
+# What pydantic writes for a model with a nested model: the nested one under `$defs`, referenced
+# from the root of `parameters`.
+PERSON = {"type": "function", "function": {"name": "Person", "parameters": {
+    "type": "object", "required": ["name", "address"],
+    "properties": {"name": {"enum": ["Ann", "Bo"]}, "address": {"$ref": "#/$defs/Address"}},
+    "$defs": {"Address": {"type": "object", "required": ["city"], "properties": {"city": {"enum": ["Oslo", "Rome"]}}}}}}}  # fmt: skip
+# Draft-07's `definitions`, and a schema that refers to its own root (a tree).
+TREE = {"type": "function", "function": {"name": "Tree", "parameters": {
+    "type": "object", "required": ["label"],
+    "properties": {"label": {"$ref": "#/definitions/Label"}, "kids": {"type": "array", "maxItems": 2, "items": {"$ref": "#"}}},
+    "definitions": {"Label": {"enum": ["x", "y"]}}}}}  # fmt: skip
+
+
+@pytest.mark.parametrize("parser", [HermesToolParser(), Llama3JsonToolParser(), MistralToolParser(),
+                                    Qwen3CoderToolParser([PERSON, TREE])])  # fmt: skip
+def test_the_forcing_grammar_follows_references_into_the_user_s_schema(parser):
+    """A forced call's grammar places `parameters` inside its own schema: `$ref`s still reach the
+    user's definitions (and its root), whether one tool is forced or either of two."""
+    tokenizer = llguidance.LLTokenizer(_ByteTokenizer(), n_vocab=257, eos_token=256)
+    person = {"name": "Ann", "address": {"city": "Oslo"}}
+    tree = {"label": "x", "kids": [{"label": "y", "kids": [{"label": "x"}]}]}
+    for tools in ([PERSON], [TREE], [PERSON, TREE]):
+        grammar = llguidance.LLMatcher.grammar_from_lark(parser.grammar(tools, parallel=False))
+        assert llguidance.LLMatcher.validate_grammar(grammar) == "", tools
+
+        def accepts(name: str, arguments: dict) -> bool:
+            matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+            return matcher.consume_tokens(list(_format(parser, name, arguments).encode())) and matcher.is_accepting()
+
+        if PERSON in tools:
+            assert accepts("Person", person)
+            assert not accepts("Person", {"name": "Ann", "address": {"city": "Paris"}})  # the definition binds
+        if TREE in tools:
+            assert accepts("Tree", tree)
+            assert not accepts("Tree", {"label": "x", "kids": [{"label": "z"}]})  # the root binds, recursively
+
+
+def test_embedded_rewrites_local_references_only():
+    from cadenza.parsers.tool_schemas import embedded
+
+    schema = {"properties": {"$ref": {"$ref": "#/$defs/A"}, "b": {"$ref": "other.json#/x"}}, "items": {"$ref": "#"},
+              "const": {"$ref": "#/data"}, "$defs": {"A": {"$ref": "#/$defs/A/x~1y"}}}  # fmt: skip
+    assert embedded(schema, "/properties/arguments") == {
+        "properties": {"$ref": {"$ref": "#/properties/arguments/$defs/A"}, "b": {"$ref": "other.json#/x"}},
+        "items": {"$ref": "#/properties/arguments"}, "const": {"$ref": "#/data"},
+        "$defs": {"A": {"$ref": "#/properties/arguments/$defs/A/x~1y"}}}  # fmt: skip
+
+
+def test_a_harmony_forcing_grammar_with_references_compiles():
+    from cadenza.parsers.harmony import HarmonyToolParser
+
+    grammar = llguidance.LLMatcher.grammar_from_lark(HarmonyToolParser().grammar([PERSON, TREE], parallel=True))
+    assert llguidance.LLMatcher.validate_grammar(grammar) == ""
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_nested_pydantic_model_forced_as_a_tool_through_the_sdk(client, model, stream):
+    """openai's `pydantic_function_tool` with a nested model (what instructor's TOOLS mode and
+    pydantic-ai's output tools send), forced by name: the call parses into the model."""
+    from typing import Literal
+
+    import openai
+    from pydantic import BaseModel, Field
+
+    class Address(BaseModel):
+        city: Literal["Oslo", "Rome"]
+        floor: int = Field(ge=0, le=9)
+
+    class Person(BaseModel):
+        name: Literal["Ann", "Bo"]
+        home: Address
+        past: list[Address] = Field(max_length=2)
+
+    tool = openai.pydantic_function_tool(Person)
+    assert "$defs" in tool["function"]["parameters"]
+    kwargs = dict(model=model, messages=[{"role": "user", "content": "Who?"}], tools=[tool], max_tokens=300,
+                  tool_choice={"type": "function", "function": {"name": "Person"}}, temperature=1.0)
+    if stream:
+        _, calls, reason = _accumulate(client.chat.completions.create(stream=True, **kwargs))
+        arguments = calls[0]["arguments"]
+    else:
+        (choice,) = client.chat.completions.create(**kwargs).choices
+        reason, arguments = choice.finish_reason, choice.message.tool_calls[0].function.arguments
+    assert reason == "tool_calls"
+    Person.model_validate_json(arguments)  # raises when the grammar let a wrong shape through
+
+
+def test_a_schema_whose_reference_points_nowhere_is_a_400_naming_the_tool(server, model):
+    dangling = {"type": "function", "function": {"name": "g", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/$defs/Missing"}}}}}  # fmt: skip
+    body = {"model": model, "messages": [{"role": "user", "content": "x"}], "tools": [TIME, dangling], "max_tokens": 2}
+    response = httpx.post(server.url + "/v1/chat/completions", timeout=30, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "tools.1.function.parameters" and "/$defs/Missing" in error["message"], error
+    assert "/properties/arguments" not in error["message"]  # the place in the user's schema, not the grammar's
+
+
+@pytest.mark.parametrize("parser", [HermesToolParser(), Llama3JsonToolParser(), MistralToolParser()])
+def test_the_forcing_grammar_bounds_the_whitespace_between_json_tokens(parser):
+    """A blank, or a line break and an indent: what models write. Not a run of blanks that a small
+    model pads a call with until max_tokens."""
+    tokenizer = llguidance.LLTokenizer(_ByteTokenizer(), n_vocab=257, eos_token=256)
+    grammar = llguidance.LLMatcher.grammar_from_lark(parser.grammar([TIME], parallel=False))
+
+    def accepts(arguments_text: str) -> bool:
+        text = _format(parser, "get_time", {"zone": "UTC"}).replace('{"zone": "UTC"}', arguments_text)
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        return matcher.consume_tokens(list(text.encode())) and matcher.is_accepting()
+
+    assert accepts('{"zone": "UTC"}') and accepts('{"zone":"UTC"}') and accepts('{\n    "zone": "UTC"\n}')
+    assert not accepts('{"zone":' + " " * 30 + '"UTC"}') and not accepts("{" + "\n \r\t" * 8 + '"zone": "UTC"}')

@@ -95,7 +95,8 @@ async def chat_completions(request: Request) -> Response:
     parser = (state.tool_parser or HermesToolParser)(tools) if tools else None
     structured, structured_param = req.structured()
     if req.tools:  # every tool's schema compiles, whatever tool_choice says
-        await check_tool_schemas([t.function.parameters for t in req.tools])
+        offered = [t.model_dump(exclude_none=True) for t in req.tools]
+        await check_tool_schemas(offered, (state.tool_parser or HermesToolParser)(offered))
     forced = req.forced_tools()
     forced_names = None
     if forced is not None and parser is not None:  # "required" or a named function: the grammar makes the call
