@@ -1,5 +1,6 @@
-"""The ASGI app: OpenAI-compatible HTTP (chat, completions, Responses), WebSocket sessions, the
-Responses and Realtime WebSocket APIs, the browser playground at `/`, health and metrics, on one port."""
+"""The ASGI app: the wire protocols served (`api/protocols.py`: OpenAI's chat, completions and
+Responses over HTTP, the Responses and Realtime WebSocket APIs, cadenza's WebSocket sessions, and
+what plugins add), the browser playground at `/`, health, metrics and the model list, on one port."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any, AsyncContextManager, Callable, Literal
 import anyio
 import structlog
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
@@ -20,6 +21,7 @@ from cadenza.api.errors import APIError, error_responses, install_error_handlers
 from cadenza.api.metrics import ServerMetrics
 from cadenza.api.openai.request_rules import API_DESCRIPTION, ServedLimits
 from cadenza.api.openai.schema import ModelList, openapi_schemas
+from cadenza.api.protocols import ErrorWriters, select_protocols
 from cadenza.api.sessions.core import ContextPlugins, SessionCore
 from cadenza.api.state import (
     ServerState,
@@ -74,6 +76,12 @@ def create_app(runtime: Served, *, serve_engine: ServeEngine | None = None, shut
             log.info("Stopping engine", requests_in_flight=engine.num_active_requests)
 
     app = FastAPI(title="cadenza", lifespan=lifespan, docs_url=None, redoc_url=None)
+    registered = runtime.registries.protocols
+    protocols = select_protocols(
+        [(name, registered.get(name), registered.source_of(name)) for name in registered.names()],
+        config.server.protocols,
+    )
+    app.state.error_writers = ErrorWriters(protocols)
     install_error_handlers(app)
 
     def openapi() -> dict[str, Any]:
@@ -111,7 +119,7 @@ def create_app(runtime: Served, *, serve_engine: ServeEngine | None = None, shut
                 check_api_key(request, server_state(request))
             response = await call_next(request)
         except APIError as exc:
-            response = JSONResponse(exc.body(), status_code=exc.status)
+            response = app.state.error_writers.response(request.url.path, exc)
         log.info(
             "access",
             request_id=request_id,
@@ -152,16 +160,9 @@ def create_app(runtime: Served, *, serve_engine: ServeEngine | None = None, shut
             ],
         }
 
-    from cadenza.api import playground, tokenizer
-    from cadenza.api.openai import completions, embeddings
-    from cadenza.api.openai_ws import realtime, responses
-    from cadenza.api.sessions import websocket
+    from cadenza.api import playground
 
-    app.include_router(completions.router)
-    app.include_router(embeddings.router)
-    app.include_router(tokenizer.router)
-    app.include_router(websocket.router)
-    app.include_router(responses.router)
-    app.include_router(realtime.router)
+    for protocol in protocols:
+        app.include_router(protocol.router())
     app.include_router(playground.router)
     return app

@@ -1,4 +1,5 @@
-"""Errors on the wire: one exception type, rendered in OpenAI's error shape for HTTP."""
+"""Errors on the wire: one exception type, written in OpenAI's error shape for HTTP unless the
+protocol that owns the path writes its own (api/protocols.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from typing import Any, Literal
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
@@ -105,15 +106,26 @@ def validation_error(exc: RequestValidationError) -> APIError:
     return APIError(400, code, problems or "invalid request", param)
 
 
+def _written(request: Request, error: APIError, headers: dict[str, str] | None = None) -> Response:
+    """`error` in the shape of the protocol that owns the request's path (`app.state.error_writers`,
+    api/protocols.py), OpenAI's where none is set."""
+    writers = getattr(request.app.state, "error_writers", None)
+    if writers is None:
+        response: Response = JSONResponse(error.body(), status_code=error.status)
+    else:
+        response = writers.response(request.url.path, error)
+    response.headers.update(headers or {})
+    return response
+
+
 def install_error_handlers(app) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+    async def _api_error(request: Request, exc: APIError) -> Response:
+        return _written(request, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        error = validation_error(exc)
-        return JSONResponse(error.body(), status_code=error.status)
+    async def _validation(request: Request, exc: RequestValidationError) -> Response:
+        return _written(request, validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -125,8 +137,7 @@ def install_error_handlers(app) -> None:
             message = f"{request.method} is not allowed on {request.url.path}; allowed: {', '.join(allowed)}"
         else:
             message = str(exc.detail)
-        error = APIError(exc.status_code, code, message)
-        return JSONResponse(error.body(), status_code=exc.status_code, headers=headers)
+        return _written(request, APIError(exc.status_code, code, message), headers)
 
 
 def allowed_methods(request: Request) -> list[str]:

@@ -93,19 +93,28 @@ async def until_disconnected(request: Request, work: Callable[[], Awaitable[T]])
 Emit = Callable[[bytes], Awaitable[None]]
 
 
+def openai_failure(error: APIError) -> bytes:
+    """How an OpenAI stream ends when it fails after it began: an error event, then `[DONE]`."""
+    return sse(json.dumps(error.body())) + sse("[DONE]")
+
+
 class EventStreamResponse(Response):
-    """Server-Sent Events written by `produce(emit)`.
+    """A stream (Server-Sent Events unless `media_type` says otherwise) written by `produce(emit)`.
 
     The status is decided at the first `emit`: an `APIError` raised before it becomes a plain
-    HTTP error response, so a rejected request gets its proper status rather than a 200 stream.
-    A failure after it becomes an SSE error event. A client disconnect cancels `produce`
-    wherever it waits.
+    HTTP error response (in the shape of the protocol that owns the path, api/protocols.py), so a
+    rejected request gets its proper status rather than a 200 stream. A failure after it ends the
+    stream with `fail(error)` (OpenAI's error event by default). A client disconnect cancels
+    `produce` wherever it waits.
     """
 
     media_type = "text/event-stream"
 
-    def __init__(self, produce: Callable[[Emit], Awaitable[None]], **log_context: Any) -> None:
+    def __init__(self, produce: Callable[[Emit], Awaitable[None]], *, media_type: str | None = None,
+                 fail: Callable[[APIError], bytes] = openai_failure, **log_context: Any) -> None:
         self.produce = produce
+        self.fail = fail
+        self.media_type = media_type or self.media_type
         self.log_context = log_context  # what the disconnect and failure log lines carry
         self.status_code = 200
         self.background = None
@@ -141,10 +150,10 @@ class EventStreamResponse(Response):
                     log.exception("Event stream failed", **self.log_context)
                     exc = APIError(500, "internal_error", f"the stream failed: {exc!r}")
                 if started:
-                    await self._fail(send, exc)
+                    await send({"type": "http.response.body", "body": self.fail(exc), "more_body": False})
                 else:
                     started = True
-                    await JSONResponse(exc.body(), status_code=exc.status)(scope, receive, send)
+                    await _error_response(scope, exc)(scope, receive, send)
             tg.cancel_scope.cancel()
         if not started:
             # The client left before anything was sent; end the exchange all the same (499, as
@@ -152,10 +161,13 @@ class EventStreamResponse(Response):
             await send({"type": "http.response.start", "status": 499, "headers": []})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-    @staticmethod
-    async def _fail(send: Send, error: APIError) -> None:
-        body = sse(json.dumps(error.body())) + sse("[DONE]")
-        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def _error_response(scope: Scope, error: APIError) -> Response:
+    writers = getattr(scope["app"].state, "error_writers", None) if "app" in scope else None
+    if writers is None:
+        return JSONResponse(error.body(), status_code=error.status)
+    return writers.response(scope["path"], error)
 
 
 def sse(data: str) -> bytes:

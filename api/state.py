@@ -64,12 +64,15 @@ def server_state(connection: HTTPConnection) -> ServerState:
 
 
 def check_api_key(connection: HTTPConnection, state: ServerState) -> None:
-    """`Authorization: Bearer KEY` (HTTP and WebSocket), or `?api_key=KEY` where a browser's
-    WebSocket cannot set headers."""
+    """`Authorization: Bearer KEY` (HTTP and WebSocket), `x-api-key: KEY` (Anthropic's SDK), or
+    `?api_key=KEY` where a browser's WebSocket cannot set headers."""
     expected = state.config.server.api_key
     if expected is None:
         return
     header = connection.headers.get("authorization", "")
-    given = header[7:] if header.lower().startswith("bearer ") else connection.query_params.get("api_key", "")
+    if header.lower().startswith("bearer "):
+        given = header[7:]
+    else:
+        given = connection.headers.get("x-api-key") or connection.query_params.get("api_key", "")
     if not hmac.compare_digest(given.encode(), expected.encode()):
         raise APIError(401, "invalid_api_key", "a valid API key is required: send 'Authorization: Bearer <key>'")

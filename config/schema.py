@@ -338,6 +338,11 @@ class ServerConfig(_Section):
         "(built-ins: hermes, llama3_json, mistral, qwen3_coder, harmony; plugins add more) or auto (chosen by "
         "the chat template's text, hermes when it says nothing).",
     )
+    protocols: list[str] | None = Field(
+        None, min_length=1, description="The wire protocols served, by name: built-ins openai (chat, "
+        "completions, embeddings, tokenize), responses, realtime, sessions (cadenza's WebSocket), anthropic "
+        "(Messages API), ollama; plugins add more. null: every registered protocol.",
+    )
     reasoning_parser: str = Field(
         "auto", min_length=1, description="How chat answers split the model's reasoning "
         "(`reasoning_content`, streamed as deltas too) from its answer (`content`): a registered reasoning "

@@ -62,3 +62,9 @@ def register_tool_parsers(register: Register) -> None:
 @hookspec
 def register_reasoning_parsers(register: Register) -> None:
     """Register reasoning parsers: `register(name, cls)`, cls a `ReasoningParser` subclass."""
+
+
+@hookspec
+def register_protocols(register: Register) -> None:
+    """Register wire protocols the HTTP server speaks: `register(name, cls)`, cls an
+    `api.protocols.Protocol` subclass (its routes, and the shape of its errors)."""

@@ -82,6 +82,9 @@ class Registries:
     kv_connectors: Registry
     reasoning_parsers: Registry
     tool_parsers: Registry
+    # Wire protocols (api/protocols.py): checked to be `Protocol`s where the app mounts them, since
+    # that contract lives above this layer.
+    protocols: Registry
     plugin_names: list[str]
 
 
@@ -106,6 +109,7 @@ def _new_registries() -> Registries:
         kv_connectors=Registry("KV connector", KVConnector),
         reasoning_parsers=Registry("reasoning parser", ReasoningParser),
         tool_parsers=Registry("tool parser", ToolParser),
+        protocols=Registry("protocol", object),
         plugin_names=[],
     )
 
@@ -182,6 +186,7 @@ def collect_registries(pm: pluggy.PluginManager) -> Registries:
         ("register_kv_connectors", _checked(registries.kv_connectors)),
         ("register_reasoning_parsers", _checked(registries.reasoning_parsers)),
         ("register_tool_parsers", _checked(registries.tool_parsers)),
+        ("register_protocols", _checked(registries.protocols)),
     ]
     for hook_name, add in hooks:
         for impl in getattr(pm.hook, hook_name).get_hookimpls():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 
+from cadenza.api.protocols import Protocol
 from cadenza.attention_backends.base import AttentionBackend
 from cadenza.parsers.reasoning import ReasoningParser, ReasoningStream
 from cadenza.parsers.tool_calls import ToolParser
@@ -18,7 +19,7 @@ from cadenza.samplers.base import LogitsProcessor, Sampler
 from cadenza.speculative.base import Proposer
 
 CONTRACTS = (LogitsProcessor, Sampler, EvictionPolicy, AttentionBackend, ContextPolicy, ContextProvider, Proposer,
-             ReasoningParser, ReasoningStream, ToolParser)
+             ReasoningParser, ReasoningStream, ToolParser, Protocol)
 _DUNDERS = ("__init__", "__len__")
 
 

@@ -536,7 +536,8 @@ def test_a_format_written_in_special_tokens_gets_them_and_stops_on_its_ends():
 
 def test_every_contract_member_and_hook_has_a_test():
     covered = set()
-    for module_name in ("test_plugin_contract", "test_plugin_engine", "test_context_plugins", "test_speculative"):
+    for module_name in ("test_plugin_contract", "test_plugin_engine", "test_context_plugins", "test_speculative",
+                        "test_protocol_plugins"):
         module = importlib.import_module(module_name)
         for test in vars(module).values():
             covered.update(getattr(test, "covers", ()))

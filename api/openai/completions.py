@@ -12,8 +12,9 @@ import json
 import math
 import time
 import uuid
+from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, AsyncIterator
 
 import structlog
 from fastapi import APIRouter, Request
@@ -84,6 +85,14 @@ async def completions(request: Request) -> Response:
 async def chat_completions(request: Request) -> Response:
     state = server_state(request)
     req = await parse_body(request, ChatCompletionRequest)
+    return await _answer(request, state, await prepare_chat(state, req))
+
+
+async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> PreparedRun:
+    """A chat request made ready to run (`whole_answer`, `streamed_chunks`): the model admitted,
+    the tools' schemas compiled, the template's formats (tool calls, reasoning) chosen, one job
+    per choice. The Anthropic and Ollama protocols run their chats through this too, as a
+    `ChatCompletionRequest` translated from theirs. An `APIError` names what is wrong."""
     _admit(state, req)
     defaults = state.config.sampling.defaults
     max_tokens = next((v for v in (req.max_completion_tokens, req.max_tokens) if v is not None), defaults.max_tokens)
@@ -123,7 +132,7 @@ async def chat_completions(request: Request) -> Response:
     shape = _ChatShape(_TokenTexts(tokenizer), req.n, req.logprobs, parser, req.prompt_logprobs, forced_names,
                        reasoning, rendered)
     shape.structured_param = structured_param
-    return await _respond(request, state, shape, jobs, req)
+    return PreparedRun(shape, jobs, bool(req.stream), bool(req.stream_options and req.stream_options.include_usage))
 
 
 def _rendered(chat: ChatPrompt, tokenizer, vocab_size: int) -> tuple[str | None, list[int] | None]:
@@ -206,64 +215,101 @@ def _check_finish(out: GenerationOutput | APIError, prompt_param: str, structure
     return out
 
 
-async def _respond(request: Request, state: ServerState, shape: "_Shape", jobs, req) -> Response:
-    rid = f"{shape.id_prefix}{uuid.uuid4().hex}"
-    created = int(time.time())
-    head = {"id": rid, "object": shape.object, "created": created, "model": state.model_name}
-    choices = [_Choice() for _ in jobs]
-    run = run_choices(state.engine, jobs, rid, state.metrics)
-    client_id = getattr(request.state, "request_id", None)
+@dataclass
+class PreparedRun:
+    """A generation request made ready to run: how its answer is shaped, its engine jobs (one
+    per choice: prompt and sampling params), and how it is to be answered."""
 
-    if not req.stream:
+    shape: "_Shape"
+    jobs: list[tuple[Any, SamplingParams]]
+    stream: bool
+    include_usage: bool = False
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
 
-        async def collect() -> None:
-            async with run as items:
-                async for index, out in items:
-                    choices[index].add(_check_finish(out, shape.prompt_param, shape.structured_param))
 
-        disconnected, _ = await until_disconnected(request, collect)
-        if disconnected:
-            log.info("Client disconnected", request_id=client_id, completion_id=rid)
-            return Response(status_code=499)
-        whole = [shape.choice(i, c) for i, c in enumerate(choices)]
-        return JSONResponse({**head, "choices": whole, **shape.extra(choices), "usage": _usage(choices, shape.n, shape.generates)})
+def _head(state: ServerState, run: PreparedRun) -> dict[str, Any]:
+    return {"id": f"{run.shape.id_prefix}{run.id}", "object": run.shape.object, "created": run.created,
+            "model": state.model_name}
 
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    chunk_head = {**head, "object": shape.chunk_object}
 
-    def chunk(choice: dict[str, Any]) -> bytes:
+async def whole_answer(request: Request, state: ServerState, run: PreparedRun) -> dict[str, Any] | None:
+    """The whole answer (a `chat.completion` or `text_completion` object), or None when the
+    client disconnected first (its requests are aborted). An `APIError` for a refused request."""
+    choices = [_Choice() for _ in run.jobs]
+    shape = run.shape
+
+    async def collect() -> None:
+        async with run_choices(state.engine, run.jobs, _head(state, run)["id"], state.metrics) as items:
+            async for index, out in items:
+                choices[index].add(_check_finish(out, shape.prompt_param, shape.structured_param))
+
+    disconnected, _ = await until_disconnected(request, collect)
+    if disconnected:
+        log.info("Client disconnected", request_id=getattr(request.state, "request_id", None),
+                 completion_id=_head(state, run)["id"])
+        return None
+    whole = [shape.choice(i, c) for i, c in enumerate(choices)]
+    return {**_head(state, run), "choices": whole, **shape.extra(choices), "usage": _usage(choices, shape.n, shape.generates)}
+
+
+async def streamed_chunks(state: ServerState, run: PreparedRun) -> AsyncIterator[dict[str, Any]]:
+    """The answer as OpenAI's stream chunks (`chat.completion.chunk` objects), the usage chunk
+    last when `run.include_usage`. An `APIError` before the first chunk is a refused request;
+    closing the iterator early aborts every choice still running."""
+    shape = run.shape
+    chunk_head = {**_head(state, run), "object": shape.chunk_object}
+    choices = [_Choice() for _ in run.jobs]
+
+    def chunk(choice: dict[str, Any]) -> dict[str, Any]:
         body = {**chunk_head, "choices": [choice]}
-        if include_usage:
+        if run.include_usage:
             body["usage"] = None
-        return sse(_json(body))
+        return body
+
+    async with run_choices(state.engine, run.jobs, chunk_head["id"], state.metrics) as items:
+        # Wait for every choice's first output, so a rejected request gets its HTTP status.
+        buffered, firsts = [], {}
+        async for index, out in items:
+            buffered.append((index, _check_finish(out, shape.prompt_param, shape.structured_param)))
+            firsts.setdefault(index, out)
+            if len(firsts) == len(run.jobs):
+                break
+        for index in range(len(run.jobs)):
+            for opening in shape.opening(index, firsts[index]):
+                yield chunk(opening)
+        for index, out in buffered:
+            choices[index].add(out)
+            for body in shape.deltas(index, out):
+                yield chunk(body)
+        async for index, out in items:
+            out = _check_finish(out, shape.prompt_param, shape.structured_param)
+            choices[index].add(out)
+            for body in shape.deltas(index, out):
+                yield chunk(body)
+    if run.include_usage:
+        yield {**chunk_head, "choices": [], "usage": _usage(choices, shape.n, shape.generates)}
+
+
+async def _respond(request: Request, state: ServerState, shape: "_Shape", jobs, req) -> Response:
+    run = PreparedRun(shape, jobs, bool(req.stream), bool(req.stream_options and req.stream_options.include_usage))
+    return await _answer(request, state, run)
+
+
+async def _answer(request: Request, state: ServerState, run: PreparedRun) -> Response:
+    """The HTTP response to a prepared run: JSON, or Server-Sent Events ending in `[DONE]`."""
+    if not run.stream:
+        whole = await whole_answer(request, state, run)
+        return Response(status_code=499) if whole is None else JSONResponse(whole)
 
     async def produce(emit: Emit) -> None:
-        async with run as items:
-            # Wait for every choice's first output, so a rejected request gets its HTTP status.
-            buffered, firsts = [], {}
-            async for index, out in items:
-                buffered.append((index, _check_finish(out, shape.prompt_param, shape.structured_param)))
-                firsts.setdefault(index, out)
-                if len(firsts) == len(jobs):
-                    break
-            for index in range(len(jobs)):
-                for opening in shape.opening(index, firsts[index]):
-                    await emit(chunk(opening))
-            for index, out in buffered:
-                await _emit_output(emit, chunk, shape, choices[index], index, out)
-            async for index, out in items:
-                await _emit_output(emit, chunk, shape, choices[index], index, _check_finish(out, shape.prompt_param, shape.structured_param))
-        if include_usage:
-            await emit(sse(_json({**chunk_head, "choices": [], "usage": _usage(choices, shape.n, shape.generates)})))
+        async with aclosing(streamed_chunks(state, run)) as chunks:
+            async for body in chunks:
+                await emit(sse(_json(body)))
         await emit(sse("[DONE]"))
 
-    return EventStreamResponse(produce, request_id=client_id, completion_id=rid)
-
-
-async def _emit_output(emit: Emit, chunk, shape: "_Shape", choice: _Choice, index: int, out: GenerationOutput) -> None:
-    choice.add(out)
-    for body in shape.deltas(index, out):
-        await emit(chunk(body))
+    return EventStreamResponse(produce, request_id=getattr(request.state, "request_id", None),
+                               completion_id=_head(state, run)["id"])
 
 
 def _usage(choices: list[_Choice], n: int, generates: bool = True) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from cadenza.api.errors import APIError
+from cadenza.api.protocols import Protocol
 from cadenza.api.sessions.conversation import Conversation
 from cadenza.api.sessions.core import ContextSettings, SessionCore, TurnError
 from cadenza.api.sessions.protocol import SamplingOptions
@@ -344,3 +345,12 @@ async def realtime(websocket: WebSocket) -> None:
         finally:
             session.log.info("Realtime session closed")
             tg.cancel_scope.cancel()
+
+
+class RealtimeProtocol(Protocol):
+    """OpenAI's Realtime API over a WebSocket (text sessions)."""
+
+    name = "realtime"
+
+    def router(self) -> APIRouter:
+        return router

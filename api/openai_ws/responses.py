@@ -40,6 +40,7 @@ from cadenza.api.openai_ws.responses_protocol import (
     text_part,
     usage,
 )
+from cadenza.api.protocols import Protocol
 from cadenza.api.sessions.conversation import Conversation
 from cadenza.api.sessions.core import ContextSettings, SessionCore, TurnError
 from cadenza.api.state import ServerState, server_state
@@ -400,3 +401,12 @@ def _parse_event(text: str | None) -> ResponseCreateBody | str | None:
         errors = exc.errors(include_url=False)
         param = ".".join(str(p) for p in errors[0].get("loc", ())) or None
         raise APIError(400, "invalid_request", "; ".join(describe_error(e) for e in errors), param) from None
+
+
+class ResponsesProtocol(Protocol):
+    """OpenAI's Responses API (HTTP, streamed or not, and its WebSocket mode): stored responses and `previous_response_id` conversations."""
+
+    name = "responses"
+
+    def router(self) -> APIRouter:
+        return router

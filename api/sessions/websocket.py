@@ -22,6 +22,7 @@ import structlog
 from anyio.streams.memory import MemoryObjectSendStream
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 
+from cadenza.api.protocols import Protocol
 from cadenza.api.sessions.conversation import Conversation
 from cadenza.api.sessions.core import ContextSettings, PreparedTurn, SessionCore, TurnError
 from cadenza.api.sessions.protocol import (
@@ -450,3 +451,12 @@ def _logprob_json(lp) -> dict[str, Any]:
     if lp.rank is not None:
         out["rank"] = lp.rank
     return out
+
+
+class SessionsProtocol(Protocol):
+    """cadenza's own bidirectional WebSocket sessions."""
+
+    name = "sessions"
+
+    def router(self) -> APIRouter:
+        return router
