@@ -1,6 +1,7 @@
 """cadenza: an asyncio actor-based LLM inference engine."""
 
 from cadenza.kernels.cpu.features import apply_cpu_kind_to_torch
+from cadenza.outputs import CompletionOutput, RequestOutput
 from cadenza.sampling_params import SamplingParams
 from cadenza.threads.compute_thread import apply_openmp_defaults
 
@@ -9,7 +10,7 @@ from cadenza.threads.compute_thread import apply_openmp_defaults
 apply_cpu_kind_to_torch()
 apply_openmp_defaults()
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
 __version__ = "0.1.0"
 
 

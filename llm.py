@@ -1,14 +1,17 @@
-"""`LLM`: offline, synchronous generation for many prompts at once.
+"""`LLM`: offline, synchronous generation for many prompts at once, shaped as vLLM's.
 
     from cadenza import LLM, SamplingParams
     llm = LLM()                                   # the embedded SmolLM2 model
     outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+    print(outs[0].outputs[0].text)
+    outs = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=32))
 """
 
 from __future__ import annotations
 
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -21,8 +24,16 @@ from cadenza.config.flags import KEYWORDS
 from cadenza.config.logging_setup import configure_logging
 from cadenza.engine.async_engine import AsyncEngine
 from cadenza.models.loading import release_free_memory
-from cadenza.models.prompts import Prompt, PromptError, is_single_prompt, tokenize_prompt
-from cadenza.outputs import EmbeddingOutput, RequestOutput, TokenLogprob
+from cadenza.models.prompts import ChatPrompt, Prompt, PromptError, is_single_prompt, tokenize_prompt
+from cadenza.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    Logprob,
+    PositionLogprobs,
+    RequestOutput,
+    RequestTimings,
+    TokenLogprob,
+)
 from cadenza.pooling_params import PoolingParams
 from cadenza.runtime.build import Runtime, build_runtime
 from cadenza.sampling_params import SamplingParams, completion_seed
@@ -59,6 +70,7 @@ class LLM:
             configure_logging(self.config.logging.level, self.config.logging.format)
         self.runtime: Runtime = build_runtime(self.config)
         self.tokenizer = self.runtime.tokenizer
+        self._token_texts: dict[int, str] = {}  # vLLM's `decoded_token` of each token met in logprobs
         self._portal, self._thread = _start_event_loop_thread()
         self._engine_cm = self._portal.wrap_async_context_manager(AsyncEngine.serve(self.runtime))
         self.engine: AsyncEngine = self._engine_cm.__enter__()
@@ -99,17 +111,40 @@ class LLM:
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
-        """One output per prompt and completion, in prompt order: a prompt whose params ask for
-        `n` completions gets `n` outputs in a row, `index` 0..n-1 (completion i of a seeded request
-        samples with seed + i). A request that fails alone has finish_reason "error"."""
+        """One `RequestOutput` per prompt, in prompt order, its `n` completions in `outputs`
+        (completion i of a seeded request samples with seed + i). A completion that fails alone
+        has finish_reason "error" and its `error`; the others are unaffected."""
         batch = [prompts] if is_single_prompt(prompts) else list(prompts)
-        if params is None:
-            params = SamplingParams()
-        per_prompt = [params] * len(batch) if isinstance(params, SamplingParams) else list(params)
+        return self._run(batch, sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of messages) or a list of them, each
+        rendered by the model's chat template with `tools` (OpenAI function tools) and
+        `chat_template_kwargs` (Qwen3's `enable_thinking`, say), then generated as `generate`
+        does. The text comes back as the model wrote it (tool calls and reasoning unparsed)."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [ChatPrompt(list(c), list(tools) if tools else None, chat_template_kwargs) for c in conversations]
+        return self._run(prompts, sampling_params, use_tqdm)
+
+    def _run(self, batch: list[Prompt], sampling_params, use_tqdm: bool | None) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            per_prompt = [sampling_params] * len(batch)
+        else:
+            per_prompt = list(sampling_params)
         if len(per_prompt) != len(batch):
             raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(batch)} prompts")
         prepared = [self._prepare(p) for p in batch]
@@ -118,7 +153,22 @@ class LLM:
         ]
         if use_tqdm is None:
             use_tqdm = len(requests) > 1 and sys.stderr.isatty()
-        return self._portal.call(self._run_all, requests, use_tqdm)
+        completions = self._portal.call(self._run_all, requests, use_tqdm)
+        outputs, start = [], 0
+        for (text, ids), params in zip(prepared, per_prompt):
+            mine, start = completions[start : start + params.n], start + params.n
+            first = mine[0]
+            outputs.append(RequestOutput(
+                request_id=first.request_id,
+                prompt=text,
+                prompt_token_ids=ids,
+                prompt_logprobs=first.prompt_logprobs,
+                outputs=[c.completion for c in mine],
+                finished=all(c.completion.finished() for c in mine),
+                metrics=first.timings,
+                num_cached_tokens=first.num_cached_tokens,
+            ))  # fmt: skip
+        return outputs
 
     def embed(self, prompts: Prompt | Sequence[Prompt], pooling: PoolingParams | None = None) -> list[EmbeddingOutput]:
         """One vector per prompt, in order (`.embedding`; None with `error` for a request that
@@ -149,8 +199,8 @@ class LLM:
             raise PromptError(f"prompt has {len(ids)} tokens; max_model_len is {limit}")
         return text, ids
 
-    async def _run_all(self, requests, use_tqdm: bool) -> list[RequestOutput]:
-        results: list[RequestOutput | None] = [None] * len(requests)
+    async def _run_all(self, requests, use_tqdm: bool) -> list["_Completion"]:
+        results: list[_Completion | None] = [None] * len(requests)
         progress = None
         if use_tqdm:
             from tqdm import tqdm
@@ -171,12 +221,12 @@ class LLM:
                 progress.close()
         return results  # type: ignore[return-value]
 
-    async def _collect(self, prepared: tuple[str | None, list[int]], params: SamplingParams, index: int) -> RequestOutput:
+    async def _collect(self, prepared: tuple[str | None, list[int]], params: SamplingParams, index: int) -> "_Completion":
         text, ids = prepared
         pieces: list[str] = []
         tokens: list[int] = []
         logprobs: list[TokenLogprob] | None = [] if params.logprobs is not None else None
-        prompt_logprobs: list[TokenLogprob | None] | None = None
+        prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
         last = None
         async for out in self.engine.generate(ids, params):
             last = out
@@ -185,23 +235,48 @@ class LLM:
             if logprobs is not None and out.logprobs:
                 logprobs.extend(out.logprobs)
             if out.prompt_logprobs is not None:
-                prompt_logprobs = list(out.prompt_logprobs)
+                prompt_logprobs = out.prompt_logprobs
         assert last is not None and last.finished
-        return RequestOutput(
-            request_id=last.request_id,
-            prompt=text,
-            prompt_token_ids=ids,
+        completion = CompletionOutput(
+            index=index,
             text="".join(pieces),
             token_ids=tokens,
+            cumulative_logprob=sum(lp.logprob for lp in logprobs) if logprobs is not None else None,
+            logprobs=[self._position(lp) for lp in logprobs] if logprobs is not None else None,
             finish_reason=last.finish_reason,
-            logprobs=logprobs,
-            num_cached_tokens=last.num_cached_tokens,
-            timings=last.timings,
+            stop_reason=last.stop_reason,
             error=last.error,
             error_code=last.error_code,
-            index=index,
-            prompt_logprobs=prompt_logprobs,
         )
+        prompt = [None if lp is None else self._position(lp) for lp in prompt_logprobs] if prompt_logprobs else None
+        return _Completion(last.request_id, completion, prompt, last.timings, last.num_cached_tokens)
+
+    def _position(self, entry: TokenLogprob) -> PositionLogprobs:
+        """One position's `TokenLogprob` as vLLM's dict: the token itself first (its rank where it
+        was computed, else its place among the top ones), then the top tokens ranked 1, 2, ..."""
+        ranks = {token: rank for rank, (token, _) in enumerate(entry.top, start=1)}
+        position = {entry.token_id: Logprob(entry.logprob, entry.rank or ranks.get(entry.token_id),
+                                            self._token_text(entry.token_id))}
+        for token, logprob in entry.top:
+            position.setdefault(token, Logprob(logprob, ranks[token], self._token_text(token)))
+        return position
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+
+@dataclass(frozen=True, slots=True)
+class _Completion:
+    """One completion as `_collect` gathers it, with what its prompt's `RequestOutput` takes from it."""
+
+    request_id: str
+    completion: CompletionOutput
+    prompt_logprobs: list[PositionLogprobs | None] | None
+    timings: RequestTimings | None
+    num_cached_tokens: int
 
 
 def _completions(params: SamplingParams) -> list[SamplingParams]:

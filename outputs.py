@@ -7,7 +7,8 @@
 `TextDelta` is what the detokenizer produced since its last one; the stream merges the deltas its
 reader has not read yet into one `GenerationOutput` (defined beside `RequestStream` in
 `engine/streams.py`), and adds running counts and, on the last, the `RequestTimings`. `LLM.generate`
-joins a request's `GenerationOutput`s into one `RequestOutput`.
+joins a request's `GenerationOutput`s into one `CompletionOutput`, and a prompt's completions into
+one `RequestOutput`, in vLLM's shape (`out.outputs[0].text`).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class TextDelta:
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     prompt_token_ids: tuple[int, ...] | None = None
     embedding: tuple[float, ...] | None = None  # an embedding request's vector, on its last delta
+    stop_reason: int | str | None = None  # on the last: the stop string or stop token id that ended it
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,30 +64,59 @@ class RequestTimings:
 
 
 @dataclass(frozen=True, slots=True)
-class RequestOutput:
-    """`LLM.generate`'s result for one completion: the whole text of one request.
+class Logprob:
+    """vLLM's record of one token at one position: its log-probability, its 1-based rank in the
+    distribution there (None where it was not computed) and its text."""
 
-    A prompt asked for `n` completions gets `n` of these, one after the other, `index` 0..n-1.
-    `prompt_logprobs` (when the params asked): one per prompt token, None for the first.
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One position's log-probabilities, as vLLM gives them: token id -> Logprob, the sampled (or prompt)
+# token first, then the most likely tokens there, most likely first.
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionOutput:
+    """One completion of a prompt, as vLLM's `CompletionOutput`.
+
+    `cumulative_logprob`: the sum of the sampled tokens' log-probabilities, where logprobs were
+    asked for (None otherwise). `stop_reason`: the stop string or stop token id that ended it
+    (None when it ended on EOS or length). `error`/`error_code`: why a completion that failed
+    alone (`finish_reason` "error") failed.
     """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[PositionLogprobs] | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    error_code: str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """`LLM.generate`'s and `LLM.chat`'s result for one prompt, shaped as vLLM's: its `n`
+    completions in `outputs` (`index` 0..n-1), the prompt and its `prompt_logprobs` (when the
+    params asked: one per prompt token, None for the first), and `metrics` (the first
+    completion's timings)."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None
+    outputs: list[CompletionOutput]
+    finished: bool = True
+    metrics: RequestTimings | None = None
     num_cached_tokens: int = 0
-    timings: RequestTimings | None = None
-    error: str | None = None
-    error_code: str | None = None
-    index: int = 0  # which of its prompt's `n` completions
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass(frozen=True, slots=True)

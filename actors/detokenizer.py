@@ -44,6 +44,7 @@ class _Stream:
     num_decoded: int = 0  # leading `token_ids` whose text is in `text`; the rest the decoder holds
     stop_max: int = field(default=0)
     stopped: bool = False  # a stop string was hit: the request's text is complete
+    stop: str | None = None  # the stop string that was hit
     prompt_token_ids: tuple[int, ...] = ()  # kept when it asked for prompt logprobs, to go with them
 
 
@@ -98,11 +99,21 @@ class IncrementalDetokenizer:
             if hits:
                 _, index, stop = min(hits)
                 end = index + (len(stop) if params.include_stop_str_in_output else 0)
-                stream.stopped = True
+                stream.stopped, stream.stop = True, stop
                 return self._emit(stream, max(end, stream.sent)), True
             if not finishing:
                 return self._emit(stream, len(stream.text) - _partial_stop_len(stream.text, params.stop)), False
         return self._emit(stream, len(stream.text)), False
+
+    def stop_reason(self, request_id: str, finish_reason: str | None, token_ids: tuple[int, ...]) -> int | str | None:
+        """What ended a request that stops now (vLLM's `stop_reason`): the stop string it hit, or
+        the stop token it generated last; None for EOS, length or anything else."""
+        stream = self._streams[request_id]
+        if stream.stop is not None:
+            return stream.stop
+        if finish_reason == "stop" and token_ids and token_ids[-1] in stream.params.stop_token_ids:
+            return token_ids[-1]
+        return None
 
     def finish(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
@@ -178,7 +189,9 @@ class DetokenizerActor(Actor[DetokenizerMessage]):
         prompt_ids = self.core.prompt_token_ids(request_id) if message.prompt_logprobs is not None else None
         text, hit_stop = self.core.add(request_id, message.token_ids, finishing)
         reason = "stop" if hit_stop else message.finish_reason
+        stop_reason = None
         if reason is not None:
+            stop_reason = self.core.stop_reason(request_id, reason, message.token_ids)
             self.core.finish(request_id)
         if hit_stop and not finishing:
             await self.scheduler.send(AbortRequest(request_id, "stop"))
@@ -197,6 +210,7 @@ class DetokenizerActor(Actor[DetokenizerMessage]):
                 prompt_logprobs=message.prompt_logprobs,
                 prompt_token_ids=prompt_ids,
                 embedding=message.embedding,
+                stop_reason=stop_reason,
             )
         )
 

@@ -87,8 +87,9 @@ def seeded_sampling(out: Path, dry: bool, timeout: float) -> StageResult:
         prompts = [[5, 6, 7, 8], [9, 10, 11], [5, 6, 7, 8]]
         together = llm.generate(prompts, [seeded, plain, seeded], use_tqdm=False)
         (alone,) = llm.generate([prompts[0]], seeded, use_tqdm=False)
-    failed = [o.error for o in together if o.finish_reason == "error"]
-    same = together[0].token_ids == together[2].token_ids == alone.token_ids
+    completions = [o.outputs[0] for o in together]
+    failed = [c.error for c in completions if c.finish_reason == "error"]
+    same = completions[0].token_ids == completions[2].token_ids == alone.outputs[0].token_ids
     status = "ok" if not failed and same else "failed"
     summary = f"{len(failed)} of 3 failed; the same seed gave the same tokens: {same}"
     return StageResult("seeded_sampling", "dry" if dry and status == "ok" else status, time.monotonic() - started,

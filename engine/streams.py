@@ -39,6 +39,7 @@ class GenerationOutput:
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     prompt_token_ids: tuple[int, ...] | None = None
     embedding: tuple[float, ...] | None = None  # an embedding request's vector, on its last output
+    stop_reason: int | str | None = None  # on the last: the stop string or stop token id that ended it
 
     @property
     def finished(self) -> bool:
@@ -98,8 +99,9 @@ class RequestStream:
     def _merge(self, deltas: list[TextDelta]) -> GenerationOutput:
         tokens: list[int] = []
         logprobs: list[TokenLogprob] | None = None
-        finish = error = code = prompt_logprobs = prompt_ids = embedding = None
+        finish = error = code = prompt_logprobs = prompt_ids = embedding = stop_reason = None
         for d in deltas:
+            stop_reason = d.stop_reason if d.stop_reason is not None else stop_reason
             embedding = d.embedding if d.embedding is not None else embedding
             tokens.extend(d.token_ids)
             if d.prompt_logprobs is not None:  # one delta carries them
@@ -138,4 +140,5 @@ class RequestStream:
             prompt_logprobs,
             prompt_ids,
             embedding,
+            stop_reason,
         )

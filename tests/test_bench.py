@@ -362,7 +362,7 @@ def test_a_shape_written_as_gguf_loads_and_generates(tmp_path, shape):
         if shape == "gpt-oss-20b":
             assert arch.layer_windows == (8, None) and arch.attention_sinks and arch.rope.rope_type == "yarn"
         out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    assert len(out[0].token_ids) == 4
+    assert len(out[0].outputs[0].token_ids) == 4
 
 
 def test_the_gpu_first_run_runs_dry_without_cuda(tmp_path, capsys):

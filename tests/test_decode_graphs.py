@@ -81,7 +81,7 @@ def greedy_tokens(model_path, prompts, **overrides):
     with LLM(model_path, **settings) as llm:
         graphs = llm.runtime.runner.graphs
         outputs = llm.generate(prompts, params)
-    return [o.token_ids for o in outputs], graphs
+    return [o.outputs[0].token_ids for o in outputs], graphs
 
 
 @pytest.mark.parametrize("cache_dtype", ["float32", "int8"])
@@ -160,7 +160,7 @@ ENGINE_ON_KERNELS = textwrap.dedent("""
     tokens = {}
     for name, extra in (("eager", {"attention_backend": "eager"}), ("triton", kernels)):
         with LLM(config=load_config(None, overrides={**common, **extra}, env={})) as llm:
-            tokens[name] = [o.token_ids for o in llm.generate(prompts, params)]
+            tokens[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     print(json.dumps(tokens))
 """)
 

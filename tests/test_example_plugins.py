@@ -120,7 +120,7 @@ def test_deployment_runs_on_a_tiny_model(model_path):
     config = load_config(DEPLOYMENT, overrides={"model.path": str(model_path), "model.dtype": "float32"}, env={})
     with LLM(config=config) as llm:
         assert type(llm.engine.cache_core.policy).name == "pinned_prefix"
-        off, on = llm.generate([[5, 6, 7], [5, 6, 7]], [greedy(12), greedy(12, extra=banned("e"))])
+        off, on = (o.outputs[0] for o in llm.generate([[5, 6, 7], [5, 6, 7]], [greedy(12), greedy(12, extra=banned("e"))]))
         assert off.finish_reason == on.finish_reason == "length"
         assert "e" not in on.text
 
@@ -256,9 +256,9 @@ async def test_bad_params_fail_only_that_request_naming_the_field(model_path):
 
 def test_banned_words_through_the_llm_api(model_path):
     with LLM(model_path, dtype="float32", block_size=8, num_blocks=128, logits_processors=PROCESSORS) as llm:
-        (off,) = llm.generate([[7, 8, 9]], greedy(16))
+        off = llm.generate([[7, 8, 9]], greedy(16))[0].outputs[0]
         word = next(off.text[k : k + 2] for k in range(len(off.text)) if off.text[k : k + 2].isalpha() and off.text[k : k + 2].isascii())
-        on, again = llm.generate([[7, 8, 9], [7, 8, 9]], [greedy(16, extra=banned(word)), greedy(16)])
+        on, again = (o.outputs[0] for o in llm.generate([[7, 8, 9], [7, 8, 9]], [greedy(16, extra=banned(word)), greedy(16)]))
         assert word in off.text and word not in on.text and again.token_ids == off.token_ids
 
 

@@ -143,9 +143,10 @@ def test_default_model_prefill_logits_match(default_llm, default_reference, defa
 
 def test_default_model_greedy_matches_transformers(default_reference, default_outputs):
     assert len({len(out.prompt_token_ids) for out in default_outputs}) > 1  # mixed lengths, one batch
-    for prompt, out in zip(DEFAULT_PROMPTS, default_outputs):
+    for prompt, request in zip(DEFAULT_PROMPTS, default_outputs):
+        out = request.outputs[0]
         assert out.finish_reason == "length"
-        assert out.token_ids == reference_greedy(default_reference, out.prompt_token_ids, DEFAULT_TOKENS), prompt
+        assert out.token_ids == reference_greedy(default_reference, request.prompt_token_ids, DEFAULT_TOKENS), prompt
         assert out.text
 
 
@@ -393,9 +394,10 @@ def test_tiny_gguf_logits_match_transformers(tiny_llm, tiny_reference):
 def test_tiny_gguf_greedy_matches_transformers(tiny_llm, tiny_reference):
     prompts = ["The quick brown fox", "def add(a, b):", "Paged attention stores keys and values"]
     outputs = tiny_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-    for out in outputs:
+    for request in outputs:
+        out = request.outputs[0]
         assert out.finish_reason == "length"
-        assert out.token_ids == reference_greedy(tiny_reference, out.prompt_token_ids, 16), out.prompt
+        assert out.token_ids == reference_greedy(tiny_reference, request.prompt_token_ids, 16), request.prompt
 
 
 def test_tiny_gguf_runs_every_quantized_type_on_the_kernels(tiny_gguf, kernels):

@@ -101,8 +101,8 @@ def test_engine_runs_an_int8_deployment(kernels, tiny_model_dir):
     llm = LLM(str(tiny_model_dir("llama3")), quantization="int8", dtype="bfloat16")
     try:
         outs = llm.generate([[5, 17, 101], [9, 9, 9, 9]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
-        assert [len(o.token_ids) for o in outs] == [6, 6]
+        assert [len(o.outputs[0].token_ids) for o in outs] == [6, 6]
         alone = llm.generate([[9, 9, 9, 9]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
-        assert alone[0].token_ids == outs[1].token_ids
+        assert alone[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
     finally:
         llm.close()

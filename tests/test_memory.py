@@ -101,7 +101,7 @@ CHILD = textwrap.dedent(
         "block_storages": list(blocks.values()), "kv_bytes": kv_bytes, "use_grew": used - before_use,
         "kv_resident_before": kv_before, "kv_resident_after": kv_after,
         "anon_grew_besides_kv": anon_after - anon_before - (kv_after - kv_before),
-        "generated": len(out[0].token_ids), "kv_itemsize": runtime.runner.kv_caches[0].element_size(),
+        "generated": len(out[0].outputs[0].token_ids), "kv_itemsize": runtime.runner.kv_caches[0].element_size(),
     }))
     """
 )

@@ -72,8 +72,8 @@ def test_greedy_matches_the_engine_streamed_or_not(client, model, tiny_model_dir
             [messages, "Paged attention"],
             [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 10)],
         )
-    assert choice.message.content == engine_chat.text
-    assert text.choices[0].text == engine_text.text
+    assert choice.message.content == engine_chat.outputs[0].text
+    assert text.choices[0].text == engine_text.outputs[0].text
 
 
 def spec_steps(server, method) -> float:

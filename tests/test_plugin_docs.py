@@ -87,9 +87,9 @@ def test_tutorial_plugin_through_the_engine(tutorial_plugin, tiny_model_dir):
     }  # fmt: skip
     params = dict(temperature=0, max_tokens=40, ignore_eos=True)
     with LLM(config=load_config(None, overrides=overrides, env={})) as llm:
-        on, off = llm.generate([[5, 6, 5, 6], [5, 6, 5, 6]], [SamplingParams(extra={"no_repeat_ngram": {"n": 2}}, **params), SamplingParams(**params)])
-        (alone,) = llm.generate([[5, 6, 5, 6]], SamplingParams(**params))
-        (bad,) = llm.generate([[5]], SamplingParams(extra={"no_repeat_ngram": {"n": 99}}, **params))
+        on, off = (o.outputs[0] for o in llm.generate([[5, 6, 5, 6], [5, 6, 5, 6]], [SamplingParams(extra={"no_repeat_ngram": {"n": 2}}, **params), SamplingParams(**params)]))
+        alone = llm.generate([[5, 6, 5, 6]], SamplingParams(**params))[0].outputs[0]
+        bad = llm.generate([[5]], SamplingParams(extra={"no_repeat_ngram": {"n": 99}}, **params))[0].outputs[0]
     bigrams = list(zip(on.token_ids, on.token_ids[1:]))
     assert len(bigrams) == len(set(bigrams)) == 39
     assert off.token_ids == alone.token_ids

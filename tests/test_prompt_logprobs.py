@@ -78,6 +78,20 @@ class Reference:
                 assert abs(value - expected) <= TOLERANCE and abs(row[top_id].item() - value) <= TOLERANCE
 
 
+def entries(positions, k: int) -> list[TokenLogprob | None]:
+    """`LLM.generate`'s prompt logprobs (vLLM's dicts: the prompt token first, then the top `k`)
+    as the engine's `TokenLogprob`s, for `Reference.check`."""
+    out: list[TokenLogprob | None] = []
+    for position in positions:
+        if position is None:
+            out.append(None)
+            continue
+        token = next(iter(position))
+        top = tuple((t, p.logprob) for t, p in sorted(position.items(), key=lambda item: item[1].rank) if p.rank <= k)
+        out.append(TokenLogprob(token, position[token].logprob, top, position[token].rank))
+    return out
+
+
 @pytest.fixture(scope="module")
 def reference(model_path):
     return Reference(model_path)
@@ -230,16 +244,17 @@ def test_one_token_prompt_chunks_never_go_through_the_decode_graphs(model_path, 
         asked, plain = llm.generate(prompts, [asking(2, max_tokens=6), asking(None, max_tokens=6)])
         alone = llm.generate(prompts[:1], asking(None, max_tokens=6))[0]
     assert padded  # the decodes did go through them
-    reference.check(asked.prompt_logprobs, prompts[0], 2)
-    assert asked.token_ids == alone.token_ids and len(plain.token_ids) == 6
+    reference.check(entries(asked.prompt_logprobs, 2), prompts[0], 2)
+    assert asked.outputs[0].token_ids == alone.outputs[0].token_ids and len(plain.outputs[0].token_ids) == 6
 
 
 def test_llm_generate_returns_them_aligned_with_the_prompt(model_path, reference):
     with LLM(model_path, dtype="float32", block_size=BLOCK, num_blocks=128, chunk_size=8) as llm:
         asked, plain = llm.generate(["The quick brown fox", "The quick brown fox"], [asking(4), asking(None)])
     assert plain.prompt_logprobs is None
-    assert len(asked.prompt_logprobs) == len(asked.prompt_token_ids) and asked.token_ids == plain.token_ids
-    reference.check(asked.prompt_logprobs, asked.prompt_token_ids, 4)
+    assert len(asked.prompt_logprobs) == len(asked.prompt_token_ids)
+    assert asked.outputs[0].token_ids == plain.outputs[0].token_ids
+    reference.check(entries(asked.prompt_logprobs, 4), asked.prompt_token_ids, 4)
 
 
 # --- the pieces -----------------------------------------------------------------------------------
@@ -367,19 +382,21 @@ def test_echo_with_logprobs_gives_the_python_api_s_prompt_logprobs(client, model
     prompt = "Paged attention stores keys"
     (expected,) = python_api.generate([prompt], asking(2, max_tokens=2, logprobs=2))
     n = len(expected.prompt_token_ids)
+    prompt_entries, completion = entries(expected.prompt_logprobs, 2), expected.outputs[0]
+    sampled = [p[t].logprob for p, t in zip(completion.logprobs, completion.token_ids)]
     for max_tokens in (0, 1, 2):
         answer = client.completions.create(model=model, prompt=prompt, echo=True, logprobs=2, max_tokens=max_tokens, temperature=0)
         choice, logprobs = answer.choices[0], answer.choices[0].logprobs
         assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.text_offset) == n + max_tokens
         assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
-        want = [None] + [e.logprob for e in expected.prompt_logprobs[1:]] + [e.logprob for e in expected.logprobs[:max_tokens]]
+        want = [None] + [e.logprob for e in prompt_entries[1:]] + sampled[:max_tokens]
         assert _close(logprobs.token_logprobs, want), (logprobs.token_logprobs, want)
         # The prompt's tokens spell it, each at its offset; the completion's follow the prompt.
         assert "".join(logprobs.tokens[:n]) == prompt
         assert logprobs.text_offset == [len("".join(logprobs.tokens[:i])) for i in range(n + max_tokens)]
-        for top, entry in zip(logprobs.top_logprobs[1:n], expected.prompt_logprobs[1:]):
+        for top, entry in zip(logprobs.top_logprobs[1:n], prompt_entries[1:]):
             assert len(top) <= 2 and max(top.values()) == pytest.approx(entry.top[0][1], abs=1e-5)
-        assert choice.text == prompt + {0: "", 2: expected.text}.get(max_tokens, choice.text[len(prompt) :])
+        assert choice.text == prompt + {0: "", 2: completion.text}.get(max_tokens, choice.text[len(prompt) :])
         assert choice.finish_reason == "length"
         assert answer.usage.completion_tokens == max_tokens and answer.usage.prompt_tokens == n
 
@@ -392,21 +409,23 @@ def test_what_lm_eval_sends(client, model, python_api):
     expected = python_api.generate(prompts, asking(1, max_tokens=1))
     for choice, out, prompt in zip(sorted(answer.choices, key=lambda c: c.index), expected, prompts):
         values = choice.logprobs.token_logprobs[1 : len(prompt)]
-        assert _close(values, [e.logprob for e in out.prompt_logprobs[1:]])
+        got = entries(out.prompt_logprobs, 1)
+        assert _close(values, [e.logprob for e in got[1:]])
         greedy = [v == max(top.values()) for v, top in zip(values, choice.logprobs.top_logprobs[1 : len(prompt)])]
-        assert greedy == [e.rank == 1 for e in out.prompt_logprobs[1:]]
+        assert greedy == [e.rank == 1 for e in got[1:]]
 
 
 def test_vllm_prompt_logprobs_and_streamed_echo(client, model, python_api, server):
     prompt = [5, 6, 7, 8, 9]
     (expected,) = python_api.generate([prompt], asking(3, max_tokens=2, logprobs=1))
+    prompt_entries = entries(expected.prompt_logprobs, 3)
     answer = client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 3})
     shown = answer.choices[0].model_extra["prompt_logprobs"]
     assert shown[0] is None and len(shown) == len(prompt)
-    for entries, entry in zip(shown[1:], expected.prompt_logprobs[1:]):
-        own = entries[str(entry.token_id)]
+    for wire, entry in zip(shown[1:], prompt_entries[1:]):
+        own = wire[str(entry.token_id)]
         assert own["rank"] == entry.rank and own["logprob"] == pytest.approx(entry.logprob, abs=1e-5)
-        assert [(int(t), v["rank"]) for t, v in entries.items() if int(t) != entry.token_id] == [
+        assert [(int(t), v["rank"]) for t, v in wire.items() if int(t) != entry.token_id] == [
             (t, r) for r, (t, _) in enumerate(entry.top, start=1) if t != entry.token_id
         ]
     chat = httpx.post(server.url + "/v1/chat/completions", json={
@@ -417,9 +436,10 @@ def test_vllm_prompt_logprobs_and_streamed_echo(client, model, python_api, serve
     chunks = list(client.completions.create(model=model, prompt=prompt, echo=True, logprobs=1, max_tokens=2, temperature=0, stream=True))
     opening = chunks[0].choices[0]
     assert opening.text == python_api.tokenizer.decode(prompt)
-    assert _close(opening.logprobs.token_logprobs, [None] + [e.logprob for e in expected.prompt_logprobs[1:]])
+    assert _close(opening.logprobs.token_logprobs, [None] + [e.logprob for e in prompt_entries[1:]])
     later = [t for c in chunks[1:] for t in (c.choices[0].logprobs.token_logprobs if c.choices[0].logprobs else [])]
-    assert _close(later, [e.logprob for e in expected.logprobs])
+    completion = expected.outputs[0]
+    assert _close(later, [p[t].logprob for p, t in zip(completion.logprobs, completion.token_ids)])
     streamed_only = list(client.completions.create(model=model, prompt=prompt, echo=True, max_tokens=0, stream=True))
     assert "".join(c.choices[0].text for c in streamed_only) == opening.text
     assert streamed_only[-1].choices[0].finish_reason == "length"

@@ -353,15 +353,15 @@ def test_engine_on_native_path_with_small_cache(kernels):
     small_steps = {"chunk_size": 16, "max_num_batched_tokens": 19}
     with LLM(block_size=8, num_blocks=256, quantization="auto", **small_steps) as roomy:
         assert roomy.runtime.loaded.model.layers[0].fused is not None
-        alone = [roomy.generate([p], params)[0].token_ids for p in prompts]
+        alone = [roomy.generate([p], params)[0].outputs[0].token_ids for p in prompts]
     with LLM(block_size=8, num_blocks=16, quantization="auto", **small_steps) as tight:
         outs = tight.generate(prompts, params)
-        assert all(o.finish_reason == "length" for o in outs)
-        assert [o.token_ids for o in outs] == alone
+        assert all(o.outputs[0].finish_reason == "length" for o in outs)
+        assert [o.outputs[0].token_ids for o in outs] == alone
         assert tight.engine.metrics.num_preemptions > 0
         assert any(o.num_cached_tokens > 0 for o in outs)  # the shared system prompt was reused
         again = tight.generate(prompts[:1], params)[0]
-        assert again.num_cached_tokens > 0 and again.token_ids == alone[0]
+        assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == alone[0]
         core = tight.engine.cache_core
         assert core.num_available == core.num_blocks
 

@@ -195,9 +195,9 @@ def test_a_mixed_batch_gives_free_requests_their_solo_tokens(llm):
     free = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
             SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True)]  # fmt: skip
     prompts = ["The quick brown fox", "Paged attention"]
-    solo = [llm.generate(p, s)[0].token_ids for p, s in zip(prompts, free)]
+    solo = [llm.generate(p, s)[0].outputs[0].token_ids for p, s in zip(prompts, free)]
     constrained = SamplingParams(temperature=1.0, max_tokens=300, structured_outputs={"json": POINT})
-    mixed = llm.generate([*prompts, "x", "y"], [*free, constrained, constrained])
+    mixed = [o.outputs[0] for o in llm.generate([*prompts, "x", "y"], [*free, constrained, constrained])]
     assert [o.token_ids for o in mixed[:2]] == solo
     for out in mixed[2:]:
         assert out.finish_reason == "stop"
@@ -205,7 +205,7 @@ def test_a_mixed_batch_gives_free_requests_their_solo_tokens(llm):
 
 
 def test_llm_reports_an_invalid_schema_by_field(llm):
-    (out,) = llm.generate("x", SamplingParams(structured_outputs={"json": {"type": "object", "required": 3}}))
+    out = llm.generate("x", SamplingParams(structured_outputs={"json": {"type": "object", "required": 3}}))[0].outputs[0]
     assert out.finish_reason == "error" and out.error_code == "invalid_value"
     assert out.error.startswith("structured_outputs.json: ")
 
@@ -253,7 +253,8 @@ SCHEMAS = st.recursive(
 def test_generated_schemas_always_validate(llm, schemas, compact):
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=400, structured_outputs={"json": s, "disable_any_whitespace": compact})
               for i, s in enumerate(schemas)]  # fmt: skip
-    for schema, out in zip(schemas, llm.generate(["{"] * len(schemas), params)):
+    for schema, request in zip(schemas, llm.generate(["{"] * len(schemas), params)):
+        out = request.outputs[0]
         assert out.finish_reason == "stop", (schema, out.text, out.error)
         jsonschema.validate(json.loads(out.text), schema)
 

@@ -166,7 +166,7 @@ def test_an_adaptive_engine_builds_its_governor_and_gives_the_same_tokens(model_
         with LLM(str(model_path), **{"logging.level": "warning", "model.thread_policy": policy}) as llm:
             runner = next(a for a in llm.engine.actors if a.name == "runner")
             assert (runner.governor is None) == (policy == "fixed")
-            outputs[policy] = [o.token_ids for o in llm.generate(["hello", "world"], params)]
+            outputs[policy] = [o.outputs[0].token_ids for o in llm.generate(["hello", "world"], params)]
             if runner.governor is not None:
                 compute_thread.run_sync(lambda: runner.governor.set_threads(runner.governor.threads))
     assert outputs["fixed"] == outputs["adaptive"]

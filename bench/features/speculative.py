@@ -33,8 +33,9 @@ METHODS = ("none", "ngram", "suffix")
 
 
 def decode_speed(output) -> float:
-    timings = output.timings
-    tokens = len(output.token_ids)
+    """Decode tokens a second of an `LLM.generate` result (its one completion) after the first token."""
+    timings = output.metrics
+    tokens = len(output.outputs[0].token_ids)
     if timings is None or timings.ttft_seconds is None or tokens < 2:
         return 0.0
     return (tokens - 1) / max(timings.e2e_seconds - timings.ttft_seconds, 1e-9)
@@ -58,8 +59,9 @@ def run_workload(llm, name: str, items: list[Item], methods=METHODS, repeats: in
                 one = SamplingParams(**{**item.params.model_dump(), "speculative": pick})
                 (out,) = llm.generate(item.prompt, one, use_tqdm=False)
                 speed = decode_speed(out)
-                tokens = len(out.token_ids) - 1
-                runs[method].append((index, tokens, tokens / speed if speed else 0.0, out.token_ids))
+                token_ids = out.outputs[0].token_ids
+                tokens = len(token_ids) - 1
+                runs[method].append((index, tokens, tokens / speed if speed else 0.0, token_ids))
     row = {"workload": name, "prompts": len(items), "repeats": repeats}
     for method in methods:
         counts = llm.engine.metrics.speculation.get(method, [0, 0, 0])
