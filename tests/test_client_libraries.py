@@ -1,0 +1,96 @@
+"""The client libraries people point at an OpenAI-compatible server, each as its documentation
+shows it, against a served tiny model on loopback: instructor (a nested model in TOOLS mode),
+langchain-openai (tools bound and structured output) and litellm (chat and a forced tool call).
+
+The tiny model is random, so what is asserted is what the server guarantees: the shape each
+library parses, and arguments that validate, since a forced call is written under a grammar.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Literal
+
+import openai
+import pytest
+from openai_fixtures import client, model, server  # noqa: F401 (fixtures)
+from pydantic import BaseModel, Field
+
+# litellm fetches a price list from GitHub when imported; the local copy it ships does.
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+
+
+class Address(BaseModel):
+    city: Literal["Oslo", "Rome"]
+    floor: int = Field(ge=0, le=9)
+
+
+class Person(BaseModel):
+    """A person and where they live."""
+
+    name: Literal["Ann", "Bo"]
+    home: Address
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+           "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Tokyo"]}},
+                          "required": ["city"], "additionalProperties": False}}}  # fmt: skip
+
+
+def test_instructor_tools_mode_with_a_nested_model(server, model):
+    import instructor
+
+    patched = instructor.from_openai(openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0),
+                                     mode=instructor.Mode.TOOLS)  # fmt: skip
+    person = patched.chat.completions.create(model=model, response_model=Person, max_tokens=300, max_retries=0,
+                                             messages=[{"role": "user", "content": "Who lives where?"}])  # fmt: skip
+    assert isinstance(person, Person) and isinstance(person.home, Address)
+    # Streamed partial objects (create_partial): the last one is the whole, valid object.
+    partials = list(patched.chat.completions.create_partial(
+        model=model, response_model=Person, max_tokens=300, max_retries=0,
+        messages=[{"role": "user", "content": "Who lives where?"}]))  # fmt: skip
+    assert partials and Person.model_validate(partials[-1].model_dump())
+
+
+def test_langchain_openai_bind_tools_and_structured_output(server, model):
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(model=model, base_url=server.url + "/v1", api_key="x", max_tokens=300, max_retries=0,
+                      temperature=1.0)  # fmt: skip
+    message = chat.bind_tools([WEATHER], tool_choice="get_weather").invoke("Weather in Paris?")
+    (call,) = message.tool_calls
+    assert call["name"] == "get_weather" and call["args"]["city"] in ("Paris", "Tokyo")
+    # A nested model as a function call, and as a JSON schema response format.
+    for method in ("function_calling", "json_schema"):
+        person = chat.with_structured_output(Person, method=method).invoke("Who lives where?")
+        assert isinstance(person, Person), method
+
+
+def test_litellm_chat_and_a_forced_tool_call(server, model):
+    import litellm
+
+    common = dict(model=f"openai/{model}", api_base=server.url + "/v1", api_key="x", max_tokens=8)
+    answer = litellm.completion(messages=[{"role": "user", "content": "hi"}], **common)
+    assert answer.choices[0].finish_reason in ("stop", "length") and answer.usage.completion_tokens > 0
+    forced = litellm.completion(messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER],
+                                tool_choice="required", **{**common, "max_tokens": 300})  # fmt: skip
+    (call,) = forced.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Tokyo")
+    streamed = litellm.completion(messages=[{"role": "user", "content": "hi"}], stream=True, **common)
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed) is not None
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_pydantic_function_tool_with_a_nested_model(client, model, stream):
+    """openai's own helper for a nested model, forced and parsed back by `.parse()`."""
+    kwargs = dict(model=model, messages=[{"role": "user", "content": "Who?"}], max_tokens=300,
+                  tools=[openai.pydantic_function_tool(Person)],
+                  tool_choice={"type": "function", "function": {"name": "Person"}})  # fmt: skip
+    if stream:
+        with client.chat.completions.stream(**kwargs) as events:
+            final = events.get_final_completion()
+    else:
+        final = client.chat.completions.parse(**kwargs)
+    (call,) = final.choices[0].message.tool_calls
+    assert isinstance(call.function.parsed_arguments, Person)
