@@ -62,6 +62,13 @@ def _documented(request_model, response_model) -> dict[str, Any]:
 async def completions(request: Request) -> Response:
     state = server_state(request)
     req = await parse_body(request, CompletionRequest)
+    return await _answer(request, state, prepare_completion(state, req))
+
+
+def prepare_completion(state: ServerState, req: CompletionRequest) -> PreparedRun:
+    """A completion request made ready to run (`whole_answer`, `streamed_chunks`), as
+    `prepare_chat` makes a chat: the model admitted, one job per prompt and choice. The Ollama
+    protocol runs its raw generations through this. An `APIError` names what is wrong."""
     _admit(state, req)
     max_tokens = req.max_tokens if req.max_tokens is not None else COMPLETIONS_DEFAULT_MAX_TOKENS
     prompts = req.prompts()
@@ -78,7 +85,7 @@ async def completions(request: Request) -> Response:
     echo = [_prompt_text(state, p) for p in prompts] if req.echo else None
     shape = _CompletionShape(_TokenTexts(tokenizer), req.n, req.logprobs, echo, req.echo_only, req.prompt_logprobs)
     shape.structured_param = structured_param
-    return await _respond(request, state, shape, jobs, req)
+    return PreparedRun(shape, jobs, bool(req.stream), bool(req.stream_options and req.stream_options.include_usage))
 
 
 @router.post("/v1/chat/completions", **_documented(ChatCompletionRequest, ChatCompletionResponse))
@@ -291,11 +298,6 @@ async def streamed_chunks(state: ServerState, run: PreparedRun) -> AsyncIterator
         yield {**chunk_head, "choices": [], "usage": _usage(choices, shape.n, shape.generates)}
 
 
-async def _respond(request: Request, state: ServerState, shape: "_Shape", jobs, req) -> Response:
-    run = PreparedRun(shape, jobs, bool(req.stream), bool(req.stream_options and req.stream_options.include_usage))
-    return await _answer(request, state, run)
-
-
 async def _answer(request: Request, state: ServerState, run: PreparedRun) -> Response:
     """The HTTP response to a prepared run: JSON, or Server-Sent Events ending in `[DONE]`."""
     if not run.stream:
@@ -424,7 +426,8 @@ class _ChatShape(_Shape):
             reason = out.finish_reason
             if self.tool_parser is not None and self.tool_streams[index].num_calls and reason == "stop":
                 reason = "tool_calls"
-            bodies.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason})
+            bodies.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": reason,
+                           **_stop_reason(out)})
         return bodies
 
     def _forced_calls(self, stream: ToolCallStream, out: GenerationOutput) -> tuple[str, list]:
@@ -458,6 +461,7 @@ class _ChatShape(_Shape):
             "message": message,
             "logprobs": self._logprobs(choice.logprobs) if self.want_logprobs else None,
             "finish_reason": reason,
+            **_stop_reason(choice.last),
         }
 
     def _logprobs(self, logprobs: list[TokenLogprob]) -> dict[str, Any]:
@@ -470,6 +474,13 @@ class _ChatShape(_Shape):
                 top.append({"token": t, "logprob": _finite(value), "bytes": b})
             content.append({"token": text, "logprob": _finite(lp.logprob), "bytes": raw, "top_logprobs": top})
         return {"content": content, "refusal": None}
+
+
+def _stop_reason(last: GenerationOutput | None) -> dict[str, Any]:
+    """vLLM's `stop_reason` (the stop string or stop token id that ended the choice), where one
+    did: Anthropic's `stop_sequence` is read from it."""
+    stop = last.stop_reason if last is not None else None
+    return {} if stop is None else {"stop_reason": stop}
 
 
 class _CompletionShape(_Shape):
