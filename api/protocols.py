@@ -46,12 +46,13 @@ def builtin_protocols() -> list[type[Protocol]]:
     """cadenza's own protocols, in mounting order."""
     # Imported here: each protocol's module holds its routes, and they import this module.
     from cadenza.api.anthropic import AnthropicProtocol
+    from cadenza.api.ollama import OllamaProtocol
     from cadenza.api.openai.routes import OpenAIProtocol
     from cadenza.api.openai_ws.realtime import RealtimeProtocol
     from cadenza.api.openai_ws.responses import ResponsesProtocol
     from cadenza.api.sessions.websocket import SessionsProtocol
 
-    return [OpenAIProtocol, ResponsesProtocol, RealtimeProtocol, SessionsProtocol, AnthropicProtocol]
+    return [OpenAIProtocol, ResponsesProtocol, RealtimeProtocol, SessionsProtocol, AnthropicProtocol, OllamaProtocol]
 
 
 def select_protocols(plugins: Iterable[tuple[str, type, str]], wanted: Sequence[str] | None) -> list[Protocol]:
