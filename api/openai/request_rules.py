@@ -87,6 +87,13 @@ CONDITIONS: dict[str, list[dict[str, Any]]] = {
                    {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}],
          "description": "tool_choice 'required' or a named function only with tools."},
     ],
+    "ResponseCreateRequest": [
+        {"anyOf": [{"properties": {"tool_choice": {"anyOf": [{"enum": ["none", "auto"]}, _NULL]}}},
+                   {"required": ["tools"], "properties": {"tools": {"type": "array", "minItems": 1}}}],
+         "description": "tool_choice 'required' or a named function only with tools."},
+    ],
+    "TextFormat": [{"anyOf": [{"properties": {"type": {"enum": ["text", "json_object"]}}}, {"required": ["schema"]}],
+                    "description": "schema is required with type json_schema."}],
     # ChatMessage.to_engine: only an assistant turn may leave out its content or carry tool_calls.
     "ChatMessage": [
         {"anyOf": [_is("role", "assistant"),
@@ -109,12 +116,18 @@ FIELD_SCHEMAS: dict[str, dict[str, dict[str, Any]]] = {
         "modalities": {"anyOf": [{"type": "array", "items": {"const": "text"}, "maxItems": 1}, _NULL], "description": "Text only."},
     },
     "ResponseCreateRequest": {
-        "input": {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {"$ref": "#/components/schemas/InputMessage"}}],
-                  "description": "The new input: text, or messages (a whole conversation, or what follows previous_response_id)."},
-        "tools": {"anyOf": [{"type": "array", "maxItems": 0}, _NULL], "description": "Tools are not supported here: empty or null only."},
+        "input": {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {"anyOf": [
+                      {"$ref": f"#/components/schemas/{item}"}
+                      for item in ("InputMessage", "FunctionCallItem", "FunctionCallOutputItem", "ReasoningItem")]}}],
+                  "description": "The new input: text, or items (a whole conversation, or what follows previous_response_id)."},
         "background": {"anyOf": [{"const": False}, _NULL], "description": "Background responses are not supported: false or null only."},
-        "text": {"anyOf": [_NULL, {"type": "object", "properties": {"format": {"anyOf": [_NULL, {
-            "type": "object", "properties": {"type": {"const": "text"}}}]}}}], "description": "Only the text format."},
+        "conversation": {"anyOf": [{"type": "string", "maxLength": 0}, {"type": "object", "maxProperties": 0}, _NULL],
+                         "description": "Not supported (use previous_response_id): empty or null only."},
+        "prompt": {"anyOf": [{"type": "object", "maxProperties": 0}, _NULL], "description": "Prompt templates are not supported: empty or null only."},
+        "context_management": {"anyOf": [{"type": "array", "maxItems": 0}, _NULL], "description": "Not supported: empty or null only."},
+    },
+    "FunctionTool": {
+        "type": {"const": "function", "description": "Function tools only: cadenza runs no hosted tools (web_search, file_search, ...)."},
     },
 }  # fmt: skip
 
@@ -161,7 +174,14 @@ RELATIONS: dict[str, list[Relation]] = {
     "ResponseCreateRequest": [
         *[Relation(tuple(f"sampling.{p}" for p in r.params), r.rule) for r in _SAMPLING_RELATIONS],
         Relation(("input",), f"The conversation (the stored one before it included), rendered by the chat template, {_FITS}, "
-                 "unless truncation lets it drop old turns; the template may refuse it."),
+                 "unless truncation lets it drop old turns; the template may refuse it (roles out of the order it allows)."),
+        Relation(("tools",), "Tool names are unique."),
+        Relation(("tool_choice",), "A named tool_choice names one of the tools; a forced call (required or named) does not "
+                 "go with sampling.structured_outputs (text.format applies to the turns that write text)."),
+        Relation(("tools.*.parameters",), "Each tool's parameters must compile as a JSON schema (llguidance), "
+                 "whatever tool_choice says."),
+        Relation(("text.format", "text.format.schema"), "The json_schema format's schema must compile (llguidance); "
+                 "at most one of text.format and sampling.structured_outputs."),
     ],
 }  # fmt: skip
 

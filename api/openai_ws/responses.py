@@ -5,7 +5,12 @@ events out, one response at a time per `stream_id` lane).
 
 A stored response keeps its conversation: `previous_response_id` continues it (a fork: two
 responses may continue the same one), and since the new prompt starts with the old one's tokens,
-the prefix cache serves them. Turns go through `api/sessions/core.py` like the WebSocket sessions'.
+the prefix cache serves them. A turn goes through two cores: `api/sessions/core.py` (like the
+WebSocket sessions') runs the context providers and policy over the conversation, then the chat
+core (`api/openai/completions.py`'s `prepare_chat`, the conversation translated to a chat request)
+renders it with the tools and chooses the formats; its chat deltas become the Responses' output
+items and events (`responses_output.py`). The engine loop is this module's, so that `cancel`
+reaches the request and a cancelled or cut response keeps what it wrote.
 """
 
 from __future__ import annotations
@@ -26,8 +31,11 @@ from pydantic import ValidationError
 
 from cadenza.api.errors import ENGINE_CODE_STATUS, APIError, engine_error, error_responses
 from cadenza.api.http_streaming import EventStreamResponse, parse_body, until_disconnected
+from cadenza.api.openai.completions import PreparedRun, prepare_chat
 from cadenza.api.openai.protocol import across_fields_param
 from cadenza.api.openai.schema import openapi_request_body
+from cadenza.api.openai_ws.responses_items import answer_message
+from cadenza.api.openai_ws.responses_output import OutputItems
 from cadenza.api.openai_ws.responses_protocol import (
     CancelledResponse,
     DeletedResponse,
@@ -35,9 +43,8 @@ from cadenza.api.openai_ws.responses_protocol import (
     ResponseCreateRequest,
     ResponseObject,
     engine_overrides,
-    message_item,
     response_object,
-    text_part,
+    split_turns,
     usage,
 )
 from cadenza.api.protocols import Protocol
@@ -117,40 +124,47 @@ async def response_events(core: SessionCore, store: ResponseStore, body: Respons
         raise APIError(400, "invalid_request", exc.describe({"max_tokens": "max_output_tokens"}), _sampling_param(exc, body)) from None
     conversation = store.get(body.previous_response_id)[1].fork() if body.previous_response_id else Conversation()
     conversation.system_prompt = body.instructions  # OpenAI: instructions are not carried over
-    earlier, new_turn = body.turns()
+    messages = body.messages()
+    if conversation.turns and messages and messages[0]["role"] not in ("user", "system"):
+        messages = conversation.turns.pop() + messages  # the results of the stored turn's calls: that turn goes on
+    earlier, new_turn = split_turns(messages)
     conversation.turns += earlier
     settings = _settings(core, body)
     live = store.live[response_id] = _Live(f"resp:{response_id}")
     created = time.time()
-    item_id = f"msg_{uuid.uuid4().hex}"
     try:
-        prepared = None
+        prepared = run = None
         with live.preparing:
             try:
                 prepared = await core.prepare(conversation, new_turn, params, settings, session_id=response_id, request_id=live.engine_id)
             except TurnError as exc:
                 status = TURN_STATUS.get(exc.code, 400)
                 raise APIError(status, exc.code, exc.message, "input" if status == 400 else None) from None
-        if prepared is None:
+            run = await _chat_run(state, body, conversation)
+        if prepared is None or run is None:
             raise APIError(400, "cancelled", "the response was cancelled before it started")
+        prompt, params = run.jobs[0]
+        if prompt == conversation.messages():  # no tools, template variables or reasoning: the ids are already made
+            prompt = prepared.token_ids
 
         def snapshot(status: str, **kw) -> dict[str, Any]:
             return response_object(response_id, body, state.model_name, status, created=created, **kw)
 
         yield {"type": "response.created", "response": snapshot("in_progress")}
         yield {"type": "response.in_progress", "response": snapshot("in_progress")}
-        yield {"type": "response.output_item.added", "output_index": 0, "item": message_item(item_id, "", "in_progress")}
-        yield {"type": "response.content_part.added", "item_id": item_id, "output_index": 0, "content_index": 0, "part": text_part("")}
-        text, last = [], None
+        output, last = OutputItems(), None
         failure = APIError(500, "internal_error", "the request ended without output")
         try:
-            async for out in state.engine.generate(prepared.token_ids, params, request_id=live.engine_id):
+            async for out in state.engine.generate(prompt, params, request_id=live.engine_id):
                 if last is None and live.cancelled:
                     await state.engine.abort(live.engine_id)
                 last = out
-                if out.text:
-                    text.append(out.text)
-                    yield {"type": "response.output_text.delta", "item_id": item_id, "output_index": 0, "content_index": 0, "delta": out.text, "logprobs": []}
+                if out.finish_reason == "error":
+                    break
+                ending = "incomplete" if out.finish_reason == "length" else "completed"
+                for delta in run.shape.deltas(0, out):
+                    for event in output.feed(delta["delta"], ending):
+                        yield event
         except EngineClosedError as exc:
             last = None
             failure = APIError(503, "unavailable", str(exc))
@@ -158,19 +172,20 @@ async def response_events(core: SessionCore, store: ResponseStore, body: Respons
             state.metrics.observe_ended("responses", live.engine_id, last)
         if last is not None and last.finish_reason == "error":
             failure = engine_error(last.error_code, last.error)
+            if failure.message.startswith("structured_outputs") and run.shape.structured_param:
+                failure.param = body.param(run.shape.structured_param)
         if last is None or last.finish_reason == "error":
             core.settle(conversation, prepared, None)
             final = live.final = snapshot("failed", error=failure)
             yield {"type": "response.failed", "response": final}
             return
-        whole = "".join(text)
-        core.settle(conversation, prepared, {"role": "assistant", "content": whole})
-        yield {"type": "response.output_text.done", "item_id": item_id, "output_index": 0, "content_index": 0, "text": whole, "logprobs": []}
-        yield {"type": "response.content_part.done", "item_id": item_id, "output_index": 0, "content_index": 0, "part": text_part(whole)}
         status = "cancelled" if last.finish_reason == "abort" else "incomplete" if last.finish_reason == "length" else "completed"
-        item = message_item(item_id, whole, "completed" if status == "completed" else "incomplete")
-        yield {"type": "response.output_item.done", "output_index": 0, "item": item}
-        final = live.final = snapshot(status, output=[item], usage={**usage(last), "context": prepared.report()},
+        for event in output.finish("completed" if status == "completed" else "incomplete"):
+            yield event
+        core.settle(conversation, prepared, answer_message(output.items))
+        reasoning_tokens = _reasoning_tokens(state, output.items)
+        final = live.final = snapshot(status, output=output.items,
+                                      usage={**usage(last, reasoning_tokens), "context": prepared.report()},
                                       incomplete="max_output_tokens" if status == "incomplete" else None)  # fmt: skip
         if body.store:
             store.put(final, conversation)
@@ -180,6 +195,28 @@ async def response_events(core: SessionCore, store: ResponseStore, body: Respons
     finally:
         store.live.pop(response_id, None)
         live.ended.set()
+
+
+async def _chat_run(state: ServerState, body: ResponseCreateRequest, conversation: Conversation) -> PreparedRun:
+    """The chat core's run of the conversation as it stands (the context policy's cut made, the
+    new turn in): the prompt rendered with the tools, the formats chosen, one job."""
+    history = [{k: v for k, v in m.items() if k != "id"} for turn in conversation.turns for m in turn]
+    chat = body.chat_request(state.model_name, conversation.system() + history)
+    try:
+        return await prepare_chat(state, chat)
+    except APIError as exc:
+        exc.param = body.param(exc.param)
+        for old in ("response_format.json_schema.schema", "max_completion_tokens"):
+            if exc.message.startswith(old):
+                exc.message = body.param(old) + exc.message.removeprefix(old)
+        raise
+
+
+def _reasoning_tokens(state: ServerState, items: list[dict[str, Any]]) -> int:
+    """The reasoning's length in tokens (re-encoded: the engine counts the output's tokens, not
+    whose they were)."""
+    text = "".join(p["text"] for item in items if item["type"] == "reasoning" for p in item["content"])
+    return len(state.engine.runtime.tokenizer.encode(text, add_special_tokens=False)) if text else 0
 
 
 def _sampling_param(exc: SamplingParamsError, body: ResponseCreateRequest) -> str | None:

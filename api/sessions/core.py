@@ -266,7 +266,9 @@ class SessionCore:
         return tokenize()
 
 
-_ROLES = ("system", "user", "assistant")
+_ROLES = ("system", "user", "assistant", "tool")
+# What a message keeps through a plugin: a Responses turn's calls, their results and reasoning too.
+_KEYS = ("role", "content", "id", "tool_calls", "tool_call_id", "reasoning_content")
 
 
 def _checked_messages(plugin: str, messages: Any, code: str) -> list[Message]:
@@ -277,5 +279,5 @@ def _checked_messages(plugin: str, messages: Any, code: str) -> list[Message]:
     for i, m in enumerate(messages):
         if not (isinstance(m, dict) and m.get("role") in _ROLES and isinstance(m.get("content"), str)):
             raise TurnError(code, f"{plugin} returned a bad message [{i}]: need a role in {_ROLES} and string content")
-        checked.append({k: v for k, v in m.items() if k in ("role", "content", "id")})
+        checked.append({k: v for k, v in m.items() if k in _KEYS})
     return checked
