@@ -8,17 +8,19 @@ import functools
 import time
 import uuid
 from contextlib import asynccontextmanager
-from typing import Any, AsyncContextManager, Callable, Literal
+from typing import Any, AsyncContextManager, AsyncIterator, Callable, Literal
 
 import anyio
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
 
 from cadenza.api.errors import APIError, error_responses, install_error_handlers
+from cadenza.api.http_streaming import parse_body
 from cadenza.api.metrics import ServerMetrics
+from cadenza.api.model_pool import ModelPool, ModelRouting
 from cadenza.api.openai.request_rules import API_DESCRIPTION, ServedLimits
 from cadenza.api.openai.schema import ModelList, openapi_schemas
 from cadenza.api.protocols import ErrorWriters, select_protocols
@@ -31,7 +33,10 @@ from cadenza.api.state import (
     served_model_name,
     server_state,
 )
+from cadenza.config import CadenzaConfig
 from cadenza.engine.async_engine import AsyncEngine
+from cadenza.models.loading import release_free_memory
+from cadenza.runtime.build import build_runtime
 from cadenza.runtime.served import Served
 
 log = structlog.get_logger("cadenza.api")
@@ -50,6 +55,12 @@ class Health(BaseModel):
     model: str
 
 
+class ModelAction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(min_length=1, description="A model the server serves (its `models` list).")
+
+
 def create_app(runtime: Served, *, serve_engine: ServeEngine | None = None, shutdown_grace: float = 10.0) -> FastAPI:
     """The app over `runtime`, served by `serve_engine` (`AsyncEngine.serve`, one engine in this
     process, unless given: the replica front end's `serve_engine`, an engine over its replicas)."""
@@ -57,25 +68,50 @@ def create_app(runtime: Served, *, serve_engine: ServeEngine | None = None, shut
     serve_engine = serve_engine or functools.partial(AsyncEngine.serve, runtime)
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        async with serve_engine(
-            shutdown_grace=shutdown_grace, max_pending_tokens=config.server.max_pending_tokens
+    async def serve_model(name: str, served: Served, serve: ServeEngine) -> AsyncIterator[ServerState]:
+        """One model's engine running, and the state its routes read."""
+        model_config = served.config
+        async with serve(
+            shutdown_grace=shutdown_grace, max_pending_tokens=model_config.server.max_pending_tokens
         ) as engine:
             template = engine.runtime.tokenizer.chat_template
-            reasoning = resolve_reasoning_parser(config.server.reasoning_parser, runtime.registries, template)
-            tools = resolve_tool_parser(config.server.tool_parser, runtime.registries, template)
-            app.state.server = ServerState(engine, config, served_model_name(config), ServerMetrics(engine.metrics),
-                                           reasoning_parser=reasoning, tool_parser=tools)
-            engine.register_metrics(app.state.server.metrics.registry)
+            reasoning = resolve_reasoning_parser(model_config.server.reasoning_parser, served.registries, template)
+            tools = resolve_tool_parser(model_config.server.tool_parser, served.registries, template)
+            state = ServerState(engine, model_config, name, ServerMetrics(engine.metrics),
+                                reasoning_parser=reasoning, tool_parser=tools)
+            engine.register_metrics(state.metrics.registry)
+            try:
+                yield state
+            finally:
+                state.draining = True
+                log.info("Stopping engine", model=name, requests_in_flight=engine.num_active_requests)
+
+    @asynccontextmanager
+    async def start_model(name: str, model_config: CadenzaConfig) -> AsyncIterator[ServerState]:
+        """A model of the pool: its runtime built (weights loaded) off the event loop, then served."""
+        served = await anyio.to_thread.run_sync(build_runtime, model_config)
+        try:
+            async with serve_model(name, served, functools.partial(AsyncEngine.serve, served)) as state:
+                yield state
+        finally:
+            await anyio.to_thread.run_sync(served.close)
+            await anyio.to_thread.run_sync(release_free_memory)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        name = served_model_name(config)
+        async with serve_model(name, runtime, serve_engine) as state:
+            app.state.server = state
             # Context providers build their indexes here, once (a folder of documents, say).
             context_plugins = await anyio.to_thread.run_sync(ContextPlugins, config, runtime.registries)
-            app.state.session_core = SessionCore(app.state.server, context_plugins)
-            log.info("Application startup complete", model=app.state.server.model_name)
-            yield
-            app.state.server.draining = True
-            log.info("Stopping engine", requests_in_flight=engine.num_active_requests)
+            app.state.session_core = SessionCore(state, context_plugins)
+            async with ModelPool(config, state, start_model).running() as pool:
+                app.state.model_pool = pool
+                log.info("Application startup complete", model=state.model_name, models=list(pool.models))
+                yield
 
     app = FastAPI(title="cadenza", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(ModelRouting)
     registered = runtime.registries.protocols
     protocols = select_protocols(
         [(name, registered.get(name), registered.source_of(name)) for name in registered.names()],
@@ -146,19 +182,31 @@ def create_app(runtime: Served, *, serve_engine: ServeEngine | None = None, shut
 
     @app.get("/v1/models", responses={200: {"model": ModelList}, **error_responses(401, 503)})
     async def models(request: Request):
-        state = server_state(request)
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": state.model_name,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "cadenza",
-                    "max_model_len": state.engine.runtime.max_model_len,
-                }
-            ],
-        }
+        server_state(request)  # 503 while starting
+        pool: ModelPool = request.app.state.model_pool
+        data = []
+        for model in pool.models.values():
+            entry = {"id": model.name, "object": "model", "created": 0, "owned_by": "cadenza", **model.describe()}
+            if model.state is not None:
+                entry["max_model_len"] = model.state.engine.runtime.max_model_len
+            data.append(entry)
+        return {"object": "list", "data": data}
+
+    # Not in the OpenAPI document yet, as the Anthropic and Ollama routes: its contract test knows
+    # OpenAI's error shape and the served model's name only.
+    @app.post("/models/load", include_in_schema=False)
+    async def load_model(request: Request):
+        """Load a model of the deployment's `models` now (llama.cpp's router mode)."""
+        body = await parse_body(request, ModelAction)
+        model = await request.app.state.model_pool.load(body.model)
+        return {"id": model.name, **model.describe()}
+
+    @app.post("/models/unload", include_in_schema=False)
+    async def unload_model(request: Request):
+        """Unload a model now, once its running requests have ended."""
+        body = await parse_body(request, ModelAction)
+        model = await request.app.state.model_pool.unload(body.model)
+        return {"id": model.name, **model.describe()}
 
     from cadenza.api import playground
 

@@ -19,6 +19,7 @@ import structlog
 import uvicorn
 
 from cadenza.api.app import create_app
+from cadenza.api.model_pool import model_config
 from cadenza.api.sessions.websocket import Sessions
 from cadenza.config import CadenzaConfig
 from cadenza.engine.async_engine import SERVER_SHUTDOWN
@@ -149,7 +150,11 @@ async def _ask_over_websocket(url: str, question: str, app) -> None:
 
 
 def run_server(config: CadenzaConfig, ask: str | None = None) -> None:
-    """Load the model, then listen; the port opens only once the engine can serve."""
+    """Load the model, then listen; the port opens only once the engine can serve. With a
+    `models` list, the first is the model loaded now (the others load on their first request)."""
+    if config.models:
+        first = config.models[0]
+        config = model_config(config, first.path, first.overrides)
     if config.parallel.data_parallel_size > 1:
         from cadenza.cluster.replicas import start_replicas
 

@@ -50,6 +50,10 @@ def resolve_reasoning_parser(name: str, registries: Registries, chat_template: s
 
 
 def served_model_name(config: CadenzaConfig) -> str:
+    """The name requests give the (default) model: the first of `models` where they are listed,
+    else taken from the model's path."""
+    if config.models:
+        return config.models[0].name
     if config.model.path is None:
         return DEFAULT_MODEL_NAME
     path = Path(config.model.path)
@@ -57,7 +61,9 @@ def served_model_name(config: CadenzaConfig) -> str:
 
 
 def server_state(connection: HTTPConnection) -> ServerState:
-    state = getattr(connection.app.state, "server", None)
+    """The state of the model this request runs on: the one its body named (leased by
+    `api/model_pool.py`'s routing), else the server's default model."""
+    state = connection.scope.get("state", {}).get("model_state") or getattr(connection.app.state, "server", None)
     if state is None:
         raise APIError(503, "not_ready", "the server is starting up")
     return state

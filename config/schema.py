@@ -338,6 +338,28 @@ class ServerConfig(_Section):
         "(built-ins: hermes, llama3_json, mistral, qwen3_coder, harmony; plugins add more) or auto (chosen by "
         "the chat template's text, hermes when it says nothing).",
     )
+    keep_alive: float = Field(
+        300.0, description="Seconds a model listed under `models` stays loaded with no request before it "
+        "is unloaded (Ollama's keep_alive; a request may set its own). -1: never. The first model listed "
+        "(and the `model` section's, when `models` is empty) stays loaded always.",
+    )
+    max_loaded_models: int | None = Field(
+        None, gt=0, description="The most models of `models` loaded at once; loading one more unloads the "
+        "least recently used idle one first. null: no limit but models_memory_budget.",
+    )
+    models_memory_budget: str | int | None = Field(
+        None, description="Memory the loaded models of `models` may take together (their weights files and "
+        "KV caches): bytes or a size such as '20GiB'. Loading one more unloads the least recently used idle "
+        "ones first. null: no limit but max_loaded_models.",
+    )
+    model_load_timeout: float = Field(
+        300.0, gt=0, description="Seconds a request for a model that is loading (or waiting for room) "
+        "waits before it gets a 503.",
+    )
+    max_concurrent_loads: int = Field(
+        1, gt=0, description="How many models of `models` may load at once (loading reads whole weights "
+        "files: two at once mostly share the disk).",
+    )
     protocols: list[str] | None = Field(
         None, min_length=1, description="The wire protocols served, by name: built-ins openai (chat, "
         "completions, embeddings, tokenize), responses, realtime, sessions (cadenza's WebSocket), anthropic "
@@ -350,6 +372,48 @@ class ServerConfig(_Section):
         "(chosen by the chat template's text: one that writes <think> gets qwen3, gpt-oss's <|channel|> "
         "gpt_oss) or none (everything is content).",
     )
+
+    @field_validator("models_memory_budget", mode="before")
+    @classmethod
+    def _parseable_models_budget(cls, value: object) -> object:
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)  # YAML reads 1e10 as a float
+        if value is not None:
+            parse_memory_size(value)  # raises with the reason; the original spelling is kept
+        return value
+
+    @property
+    def models_memory_budget_bytes(self) -> int | None:
+        return None if self.models_memory_budget is None else parse_memory_size(self.models_memory_budget)
+
+
+class ServedModelConfig(_Section):
+    """One model of a server that serves several (`models`): requests pick it by `model`."""
+
+    name: str = Field(
+        ..., min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/-]*$",
+        description="The name requests give as `model` (Ollama's clients may add ':latest').",
+    )
+    path: str | None = Field(
+        None, description="The model: a GGUF file, a Hugging Face directory or a shipped name, as "
+        "model.path. null: the embedded default model.",
+    )
+    overrides: dict[str, Any] = Field(
+        default_factory=dict, description="Dotted config keys set for this model only, over the rest of "
+        "the deployment (e.g. {'model.dtype': 'float32', 'cache.memory_budget': '1GiB'}).",
+    )
+    keep_alive: float | None = Field(
+        None, description="Seconds idle before it is unloaded; null: server.keep_alive; -1: never.",
+    )
+    pinned: bool = Field(False, description="Never unloaded (the first model listed always is).")
+
+    @field_validator("overrides")
+    @classmethod
+    def _not_nested(cls, value: dict[str, Any]) -> dict[str, Any]:
+        for key in value:
+            if key.split(".")[0] in ("models", "server", "plugins", "plugin_options", "logging"):
+                raise ValueError(f"{key!r}: the server's own settings are shared by every model")
+        return value
 
 
 class SessionsConfig(_Section):
@@ -553,6 +617,11 @@ class CadenzaConfig(_Section):
     embeddings: EmbeddingsConfig = Field(
         default_factory=EmbeddingsConfig, description="Embeddings: pooling of the last hidden states."
     )
+    models: list[ServedModelConfig] = Field(
+        default_factory=list, description="Several models on one server, each loaded on its first request "
+        "and unloaded after keep_alive idle (or for room, least recently used first); requests route by "
+        "`model`. The first is loaded at start-up and stays. Empty: the `model` section's one model.",
+    )
     plugins: list[str] = Field(
         default_factory=list, description="Module names to load as plugins."
     )
@@ -567,6 +636,15 @@ class CadenzaConfig(_Section):
     def _empty_section(cls, value: object) -> object:
         # A YAML section whose keys are all commented out reads as null: treat it as empty.
         return {} if value is None else value
+
+    @field_validator("models")
+    @classmethod
+    def _unique_names(cls, value: list[ServedModelConfig]) -> list[ServedModelConfig]:
+        names = [m.name for m in value]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"model names must be unique; given more than once: {', '.join(twice)}")
+        return value
 
 
 def section_model(model: type[BaseModel], name: str) -> type[BaseModel] | None:

@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import struct
+import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import lru_cache
@@ -129,6 +130,19 @@ def listing(state: ServerState) -> dict[str, Any]:
     name = listed_name(state.model_name)
     return {"name": name, "model": name, "modified_at": files.modified_at, "size": files.size,
             "digest": files.digest, "details": details(state)}
+
+
+def unloaded_listing(name: str, path: str | None) -> dict[str, Any]:
+    """A model of the server's `models` that is not loaded, as /api/tags lists it: from its files."""
+    files = model_files(path)
+    return {"name": listed_name(name), "model": listed_name(name), "modified_at": files.modified_at,
+            "size": files.size, "digest": files.digest, "details": {"format": files.format}}
+
+
+def wall_clock(monotonic_at: float) -> str:
+    """A `time.monotonic()` instant as Ollama writes times (RFC 3339, UTC)."""
+    at = time.time() + (monotonic_at - time.monotonic())
+    return datetime.fromtimestamp(at, tz=timezone.utc).isoformat().replace("+00:00", "Z")
 
 
 def model_info(state: ServerState) -> dict[str, Any]:

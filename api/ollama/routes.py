@@ -232,18 +232,39 @@ async def version() -> dict[str, str]:
     return {"version": API_VERSION}
 
 
+def _pooled(request: Request) -> list:
+    """Every model the server serves (a deployment's `models`, api/model_pool.py), the default first."""
+    pool = getattr(request.app.state, "model_pool", None)
+    return list(pool.models.values()) if pool is not None else []
+
+
 @router.get("/api/tags")
 async def tags(request: Request) -> dict[str, Any]:
-    return {"models": [model_info.listing(server_state(request))]}
+    state = server_state(request)
+    listed = []
+    for model in _pooled(request) or [None]:
+        if model is None or model.state is not None:
+            listed.append(model_info.listing(state if model is None else model.state))
+        else:  # not loaded: what its files say
+            listed.append(model_info.unloaded_listing(model.name, model.config.model.path))
+    return {"models": listed}
 
 
 @router.get("/api/ps")
 async def ps(request: Request) -> dict[str, Any]:
-    state = server_state(request)
-    listed = model_info.listing(state)
-    on_gpu = str(getattr(state.engine.runtime.loaded, "device", "cpu")).startswith("cuda")
-    return {"models": [{**listed, "expires_at": FOREVER, "size_vram": listed["size"] if on_gpu else 0,
-                        "context_length": state.engine.runtime.max_model_len}]}
+    default = server_state(request)
+    running = []
+    for model in _pooled(request) or [None]:
+        state = default if model is None else model.state
+        if state is None:
+            continue
+        listed = model_info.listing(state)
+        until = None if model is None else model.idle_until()
+        expires = FOREVER if until is None else model_info.wall_clock(until)
+        on_gpu = str(getattr(state.engine.runtime.loaded, "device", "cpu")).startswith("cuda")
+        running.append({**listed, "expires_at": expires, "size_vram": listed["size"] if on_gpu else 0,
+                        "context_length": state.engine.runtime.max_model_len})
+    return {"models": running}
 
 
 @router.post("/api/show")

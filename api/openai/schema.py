@@ -165,7 +165,13 @@ class ModelCard(BaseModel):
     object: Literal["model"]
     created: int
     owned_by: str
-    max_model_len: int
+    max_model_len: int | None = Field(None, description="Its context length; while it is loaded.")
+    status: Literal["unloaded", "loading", "loaded", "unloading"] = Field(
+        description="Whether it is loaded (docs/multi-model.md): a server may serve several models.")
+    pinned: bool = Field(description="Never unloaded.")
+    in_flight: int = Field(description="Requests running on it now.")
+    memory_bytes: int = Field(description="Its weights and KV cache while loaded; 0 otherwise.")
+    error: str | None = Field(None, description="Why its last load failed, where it did.")
 
 
 class ModelList(BaseModel):
