@@ -168,7 +168,7 @@ def test_unknown_yaml_key_names_file_key_and_suggestion(tmp_path):
     assert load_error(path).splitlines() == [
         f"{path}: servr: unknown key (did you mean 'server'?)",
         f"{path}: zzz: unknown key (expected one of: model, cache, scheduler, attention_backend, "
-        "sampling, server, sessions, parallel, speculative, logging, embeddings, plugins, plugin_options)",
+        "sampling, server, sessions, parallel, speculative, logging, embeddings, models, plugins, plugin_options)",
     ]
 
 
