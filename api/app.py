@@ -17,6 +17,7 @@ from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
+from cadenza.api.builtin_protocols import BUILTIN_PROTOCOLS
 from cadenza.api.errors import APIError, error_responses, install_error_handlers
 from cadenza.api.http_streaming import parse_body
 from cadenza.api.metrics import ServerMetrics
@@ -114,6 +115,7 @@ def create_app(runtime: Served, *, serve_engine: ServeEngine | None = None, shut
     app.add_middleware(ModelRouting)
     registered = runtime.registries.protocols
     protocols = select_protocols(
+        BUILTIN_PROTOCOLS,
         [(name, registered.get(name), registered.source_of(name)) for name in registered.names()],
         config.server.protocols,
     )

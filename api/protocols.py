@@ -1,7 +1,7 @@
 """Wire protocols as plugins: each API the server speaks (OpenAI's, Anthropic's, Ollama's, the
 WebSocket sessions) is a `Protocol` that hands the app its routes and writes its own errors.
 
-Built-ins are listed in `BUILTIN_PROTOCOLS`; a third-party package adds one through the
+Built-ins are listed in `api/builtin_protocols.py`; a third-party package adds one through the
 `register_protocols` hook (entry point group `cadenza`, as every plugin), and `server.protocols`
 picks which are served (every registered one by default). Every protocol runs on the same engine,
 `ServerState` (`api/state.py`), sampling parameters and `APIError`; only the shape of requests,
@@ -42,27 +42,15 @@ class Protocol(ABC):
         return JSONResponse(error.body(), status_code=error.status)
 
 
-def builtin_protocols() -> list[type[Protocol]]:
-    """cadenza's own protocols, in mounting order."""
-    # Imported here: each protocol's module holds its routes, and they import this module.
-    from cadenza.api.anthropic import AnthropicProtocol
-    from cadenza.api.ollama import OllamaProtocol
-    from cadenza.api.openai.routes import OpenAIProtocol
-    from cadenza.api.openai_ws.realtime import RealtimeProtocol
-    from cadenza.api.openai_ws.responses import ResponsesProtocol
-    from cadenza.api.sessions.websocket import SessionsProtocol
-
-    return [OpenAIProtocol, ResponsesProtocol, RealtimeProtocol, SessionsProtocol, AnthropicProtocol, OllamaProtocol]
-
-
-def select_protocols(plugins: Iterable[tuple[str, type, str]], wanted: Sequence[str] | None) -> list[Protocol]:
-    """The protocols to serve: the built-ins and `plugins` ((name, class, registering plugin)
-    from the `register_protocols` hook), restricted to `wanted` (`server.protocols`; None: all),
-    each made once. A plugin's class that is not a `Protocol`, a name registered twice or an
-    unknown wanted name is a `PluginError` at start-up."""
+def select_protocols(builtins: Sequence[type[Protocol]], plugins: Iterable[tuple[str, type, str]],
+                     wanted: Sequence[str] | None) -> list[Protocol]:
+    """The protocols to serve: `builtins` (api/builtin_protocols.py) and `plugins` ((name, class,
+    registering plugin) from the `register_protocols` hook), restricted to `wanted`
+    (`server.protocols`; None: all), each made once. A plugin's class that is not a `Protocol`, a
+    name registered twice or an unknown wanted name is a `PluginError` at start-up."""
     classes: dict[str, type[Protocol]] = {}
     sources: dict[str, str] = {}
-    for cls in builtin_protocols():
+    for cls in builtins:
         classes[cls.name], sources[cls.name] = cls, "cadenza"
     for name, cls, source in plugins:
         if not (isinstance(cls, type) and issubclass(cls, Protocol)):

@@ -97,11 +97,12 @@ def test_server_protocols_picks_what_is_served(tiny_model_dir, plugin_dir, tmp_p
 
 
 def test_an_unknown_protocol_fails_start_up_naming_the_known_ones():
+    from cadenza.api.builtin_protocols import BUILTIN_PROTOCOLS
     from cadenza.api.protocols import select_protocols
     from cadenza.plugins.errors import PluginError
 
     with pytest.raises(PluginError, match="unknown protocol 'nope'") as caught:
-        select_protocols([], ["nope"])
+        select_protocols(BUILTIN_PROTOCOLS, [], ["nope"])
     assert "openai" in str(caught.value) and "sessions" in str(caught.value)
 
 
@@ -115,8 +116,10 @@ def test_a_registration_that_is_not_a_protocol_or_is_twice_fails_naming_the_plug
         def router(self):
             raise AssertionError("never made")
 
+    from cadenza.api.builtin_protocols import BUILTIN_PROTOCOLS
+
     with pytest.raises(PluginError, match="not a subclass of Protocol") as caught:
-        select_protocols([("broken_test", object, "some_plugin")], None)
+        select_protocols(BUILTIN_PROTOCOLS, [("broken_test", object, "some_plugin")], None)
     assert "some_plugin" in str(caught.value)
     with pytest.raises(PluginError, match="registered twice: by 'cadenza' and by 'other'"):
-        select_protocols([("openai", Twice, "other")], None)
+        select_protocols(BUILTIN_PROTOCOLS, [("openai", Twice, "other")], None)
