@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -32,6 +33,11 @@ class EngineMetrics:
     prefix_cached_tokens: int = 0
     kv_slots_allocated_peak: int = 0  # most token slots requests held at once
     kv_slots_filled_at_peak: int = 0  # of which holding (or about to hold) a token
+    # tier agent: the tiers below the KV budget, by name -> their live counters (kv_tiers' TierStats:
+    # hits, bytes_read, read_seconds, bytes_written, ...), and blocks the agent handled
+    kv_tiers: dict[str, Any] = field(default_factory=dict)
+    kv_tier_blocks_read: int = 0  # blocks read back into the KV cache for waiting requests
+    kv_tier_writes_dropped: int = 0  # blocks not written behind: the queue was full, or evicted mid-copy
     # runner
     step_seconds_total: float = 0.0
     steps_ready_on_finish: int = 0  # the next step was already queued when one finished (overlap)
@@ -75,6 +81,9 @@ class EngineMetrics:
     def snapshot(self) -> dict[str, float]:
         values = asdict(self)
         del values["speculation"]  # flat numbers only; the per-proposer counts are in /metrics
+        del values["kv_tiers"]
+        for tier, stats in self.kv_tiers.items():
+            values.update({f"kv_tier_{tier}_{name}": value for name, value in asdict(stats).items()})
         values["spec_proposed_tokens"] = self.spec_proposed_tokens
         values["spec_accepted_tokens"] = self.spec_accepted_tokens
         values["spec_acceptance_rate"] = self.spec_acceptance_rate

@@ -14,7 +14,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import anyio
 import structlog
+from anyio.streams.memory import MemoryObjectSendStream
 
 from cadenza.actors.base import Actor
 from cadenza.actors.messages import (
@@ -25,8 +27,10 @@ from cadenza.actors.messages import (
     Candidate,
     CommitTokens,
     FreeBlocks,
+    Offload,
     StepAllocation,
     SyncCache,
+    TierMessage,
     UnexpectedMessageError,
 )
 from cadenza.metrics import EngineMetrics
@@ -64,6 +68,10 @@ class KVCacheManager:
         self._tables: dict[str, _Table] = {}
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which found cached
+        # Hashes `commit` cached since the last `take_newly_cached`, kept only when tiers below the
+        # KV budget want them written behind (None: not kept).
+        self.newly_cached: list[bytes] | None = None
+        self._evictions = [0] * num_blocks  # per block: times its cached contents were evicted for reuse
 
     # --- queries -------------------------------------------------------------------------------
 
@@ -206,6 +214,25 @@ class KVCacheManager:
                 self._cached[digest] = block
                 self._hash_of[block] = digest
                 self.policy.on_cached(block, index)
+                if self.newly_cached is not None:
+                    self.newly_cached.append(digest)
+
+    def take_newly_cached(self) -> tuple[bytes, ...]:
+        """The hashes `commit` cached since the last call (when `newly_cached` is kept)."""
+        if not self.newly_cached:
+            return ()
+        taken, self.newly_cached = tuple(self.newly_cached), []
+        return taken
+
+    def cached_block(self, digest: bytes) -> int | None:
+        """The block cached under `digest`, or None."""
+        return self._cached.get(digest)
+
+    def block_epoch(self, block: int) -> int:
+        """How many times `block`'s cached contents have been evicted for reuse. A full cached
+        block changes only so, so a copy taken while this stays the same is intact: the tier agent
+        copies blocks without pinning them (a pin would take blocks from admission)."""
+        return self._evictions[block]
 
     def free(self, request_id: str) -> None:
         table = self._tables.pop(request_id, None)
@@ -331,6 +358,7 @@ class KVCacheManager:
             return self._free.popleft()
         block = self.policy.pop_victim()
         del self._cached[self._hash_of.pop(block)]
+        self._evictions[block] += 1
         return block
 
     def check_invariants(self) -> None:
@@ -352,10 +380,19 @@ class KVCacheManager:
 class CacheManagerActor(Actor[CacheMessage]):
     name = "cache_manager"
 
-    def __init__(self, inbox, core: KVCacheManager, metrics: EngineMetrics) -> None:
+    def __init__(
+        self,
+        inbox,
+        core: KVCacheManager,
+        metrics: EngineMetrics,
+        tiers: MemoryObjectSendStream[TierMessage] | None = None,
+    ) -> None:
         super().__init__(inbox)
         self.core = core
         self.metrics = metrics
+        self.tiers = tiers  # the tier agent's inbox: newly cached blocks are written behind
+        if tiers is not None:
+            core.newly_cached = []
 
     async def handle(self, message: CacheMessage) -> None:
         match message:
@@ -364,9 +401,10 @@ class CacheManagerActor(Actor[CacheMessage]):
                     allocation = self.core.allocate_step(running, waiting, step_id)
                     self._report()
                     await reply.send(allocation)
-            case CommitTokens(entries=entries):
+            case CommitTokens(step_id=step_id, entries=entries):
                 for request_id, token_ids in entries:
                     self.core.commit(request_id, token_ids)
+                self._offload(step_id)
             case FreeBlocks(request_id=request_id):
                 self.core.free(request_id)
                 self._report()
@@ -378,6 +416,16 @@ class CacheManagerActor(Actor[CacheMessage]):
 
     def requests_concerned(self, message: CacheMessage) -> tuple[str, ...]:
         return ()  # the block pool is shared: a failure here is never one request's alone
+
+    def _offload(self, step_id: int) -> None:
+        """Hand the blocks just cached to the tier agent, never waiting: a full inbox drops them."""
+        hashes = self.core.take_newly_cached()
+        if self.tiers is None or not hashes:
+            return
+        try:
+            self.tiers.send_nowait(Offload(step_id, hashes))
+        except (anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):
+            self.metrics.kv_tier_writes_dropped += len(hashes)
 
     def _report(self) -> None:
         core = self.core

@@ -86,7 +86,16 @@ class StepFailed:
     message: str
 
 
-SchedulerMessage = Union[AdmitRequest, AbortRequest, StepOutput, StepFailed]
+@dataclass(frozen=True, slots=True)
+class TierReadDone:
+    """The tier agent has read back what it could of a waiting request's prefix (`num_blocks`
+    blocks, now in the prefix cache): the request may be admitted."""
+
+    request_id: str
+    num_blocks: int = 0
+
+
+SchedulerMessage = Union[AdmitRequest, AbortRequest, StepOutput, StepFailed, TierReadDone]
 
 # --- to the cache manager -------------------------------------------------------------------------
 
@@ -200,6 +209,29 @@ class RequestsFinished:
 
 
 RunnerMessage = Union[ExecuteStep, RequestsFinished]
+
+# --- to the tier agent -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ReadBack:
+    """A new request's prompt: read back the blocks of its prefix found in a tier below the KV
+    budget, then answer `TierReadDone` (always, even when nothing was read)."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Offload:
+    """Blocks that step `step_id`'s tokens completed entered the prefix cache under `hashes`:
+    write them behind to the tiers."""
+
+    step_id: int
+    hashes: tuple[bytes, ...]
+
+
+TierMessage = Union[ReadBack, Offload]
 
 # --- to the detokenizer ---------------------------------------------------------------------------
 

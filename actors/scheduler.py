@@ -27,6 +27,7 @@ from cadenza.actors.messages import (
     ExecuteStep,
     FreeBlocks,
     NewTokens,
+    ReadBack,
     RequestFailed,
     RequestsFinished,
     RunnerMessage,
@@ -34,6 +35,8 @@ from cadenza.actors.messages import (
     StepAllocation,
     StepFailed,
     StepOutput,
+    TierMessage,
+    TierReadDone,
     UnexpectedMessageError,
 )
 from cadenza.actors.request_state import Request
@@ -54,6 +57,7 @@ class SchedulerActor(Actor[SchedulerMessage]):
         detokenizer: MemoryObjectSendStream[DetokenizerMessage],
         metrics: EngineMetrics,
         clock=time.monotonic,
+        tiers: MemoryObjectSendStream[TierMessage] | None = None,
     ) -> None:
         super().__init__(inbox)
         self.core = core
@@ -62,6 +66,7 @@ class SchedulerActor(Actor[SchedulerMessage]):
         self.detokenizer = detokenizer
         self.metrics = metrics
         self.clock = clock
+        self.tiers = tiers  # the tier agent's inbox: a new request's prefix is read back before it queues
         self._gone: list[str] = []  # requests ended since the runner last heard, for its plugins
 
     async def handle(self, message: SchedulerMessage) -> None:
@@ -78,6 +83,9 @@ class SchedulerActor(Actor[SchedulerMessage]):
                     await self.detokenizer.send(NewTokens(request_id, (), finish_reason=reason))
             case StepOutput():
                 await self._on_step_output(message)
+            case TierReadDone(request_id=request_id, num_blocks=num_blocks):
+                if self.core.open_gate(request_id) and num_blocks:
+                    self.log.info("Prefix read back from a KV tier", request_id=request_id, blocks=num_blocks)
             case StepFailed(step_id=step_id, request_ids=request_ids, message=text):
                 self.core.finish_step(step_id)
                 for request in self.core.fail(request_ids):
@@ -103,11 +111,17 @@ class SchedulerActor(Actor[SchedulerMessage]):
             message.arrival_time,
             message.priority,
         )
+        gated = self.tiers is not None and request.num_prompt_tokens > self.core.block_size
         try:
-            self.core.add(request)
+            self.core.add(request, gated)
         except QueueFullError as exc:
             await self.detokenizer.send(RequestFailed(message.request_id, str(exc), "queue_full"))
             return
+        if gated:
+            try:
+                self.tiers.send_nowait(ReadBack(request.request_id, request.prompt_token_ids))
+            except (anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):  # compute rather than wait
+                self.core.open_gate(request.request_id)
         self.metrics.prompt_tokens += request.num_prompt_tokens
         self.log.info("Request admitted", request_id=request.request_id, prompt_tokens=request.num_prompt_tokens)
 
@@ -230,7 +244,7 @@ class SchedulerActor(Actor[SchedulerMessage]):
 
     def _report(self) -> None:
         self.metrics.num_running = len(self.core.running)
-        self.metrics.num_waiting = len(self.core.waiting)
+        self.metrics.num_waiting = len(self.core.waiting) + len(self.core.reading)
 
     async def fail_requests(self, request_ids: tuple[str, ...], message: str) -> None:
         for request_id in request_ids:

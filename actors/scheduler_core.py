@@ -86,6 +86,9 @@ class SchedulerCore:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # Gated: requests whose prefix is being read back from a tier below the KV budget; queued
+        # once the read ends (`open_gate`), so their admission finds it as a prefix hit.
+        self.reading: dict[str, Request] = {}
         self.in_flight: deque[StepPlan] = deque()  # steps sent to the runner, oldest first
         self.num_preemptions = 0
         self._step_ids = 0
@@ -99,16 +102,28 @@ class SchedulerCore:
     def can_schedule(self) -> bool:
         return self.has_work and len(self.in_flight) < self.max_in_flight
 
-    def add(self, request: Request) -> None:
-        """Queue a new request; `QueueFullError` past `max_waiting` (the queue's length is exact here)."""
-        if len(self.waiting) >= self.config.max_waiting:
-            raise QueueFullError(f"{len(self.waiting)} requests are waiting; try again later")
+    def add(self, request: Request, gated: bool = False) -> None:
+        """Queue a new request; `QueueFullError` past `max_waiting` (the queue's length is exact here).
+        `gated`: it waits outside the queue until `open_gate` (a tier read under way)."""
+        if len(self.waiting) + len(self.reading) >= self.config.max_waiting:
+            raise QueueFullError(f"{len(self.waiting) + len(self.reading)} requests are waiting; try again later")
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self._admissions += 1
         request.sequence_number = self._admissions
         self.requests[request.request_id] = request
+        if gated:
+            self.reading[request.request_id] = request
+        else:
+            self._enqueue(request)
+
+    def open_gate(self, request_id: str) -> bool:
+        """The gated request `request_id` joins the queue; False if it is not gated (gone since)."""
+        request = self.reading.pop(request_id, None)
+        if request is None:
+            return False
         self._enqueue(request)
+        return True
 
     def abort(self, request_id: str) -> Request | None:
         request = self.requests.pop(request_id, None)
@@ -118,6 +133,8 @@ class SchedulerCore:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        else:
+            self.reading.pop(request_id, None)
         return request
 
     # --- planning -------------------------------------------------------------------------------
@@ -187,7 +204,7 @@ class SchedulerCore:
         chunks = [self._chunk(plan, *entry) for entry in plan.chunks]
         if chunks:
             self.in_flight.append(plan)
-        elif not self.running and self.waiting:
+        elif not self.running and self.waiting and not self.reading:  # a read's blocks come back when it ends
             plan.unschedulable = self.abort(self.waiting[0].request_id)
         return chunks
 

@@ -89,6 +89,28 @@ class _EngineCollector:
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
         yield from _speculation_families(m)
+        yield from _tier_families(m)
+
+
+def _tier_families(m: EngineMetrics):
+    """The prefix cache's tiers below the KV budget (host, disk), by tier."""
+    families = {
+        stat: CounterMetricFamily(f"cadenza_kv_tier_{name}", doc, labels=["tier"])
+        for stat, name, doc in (
+            ("hits", "hits", "Blocks read back from a KV tier."),
+            ("bytes_read", "read_bytes", "Bytes read back from a KV tier."),
+            ("bytes_written", "written_bytes", "Bytes written to a KV tier."),
+            ("read_seconds", "read_seconds", "Time spent reading blocks back from a KV tier."),
+            ("corrupt", "corrupt_blocks", "Blocks that failed a check on read and were recomputed."),
+            ("write_errors", "write_errors", "Writes a KV tier refused."),
+        )
+    }
+    for tier, stats in sorted(m.kv_tiers.items()):
+        for stat, family in families.items():
+            family.add_metric([tier], getattr(stats, stat))
+    yield from families.values()
+    yield CounterMetricFamily("cadenza_kv_tier_writes_dropped", "Blocks not written behind: the queue was full, or evicted mid-copy.",
+                              value=m.kv_tier_writes_dropped)  # fmt: skip
 
 
 def _speculation_families(m: EngineMetrics):

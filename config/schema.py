@@ -203,6 +203,18 @@ class CacheConfig(_Section):
     enable_prefix_caching: bool = Field(
         True, description="Reuse KV blocks across requests that share a prompt prefix."
     )
+    host_size: str | int | None = Field(
+        None, description="Host memory for prefix-cache blocks below the KV budget (a tier for GPU "
+        "deployments): bytes, or a size such as '20GiB'. null: no host tier.",
+    )
+    disk_path: str | None = Field(
+        None, description="Directory for the disk tier of the prefix cache: full blocks are written "
+        "behind and read back for a later prompt with the same prefix, across restarts. null: off.",
+    )
+    disk_size: str | int = Field(
+        "10GiB", description="Most bytes the disk tier keeps (bytes, or a size such as '20GiB'); "
+        "least recently used blocks go first.",
+    )
 
     @field_validator("block_size")
     @classmethod
@@ -211,7 +223,7 @@ class CacheConfig(_Section):
             raise ValueError("must be a power of two")
         return value
 
-    @field_validator("memory_budget", mode="before")
+    @field_validator("memory_budget", "host_size", "disk_size", mode="before")
     @classmethod
     def _parseable_budget(cls, value: object) -> object:
         if isinstance(value, float) and value.is_integer():
@@ -233,6 +245,16 @@ class CacheConfig(_Section):
     def memory_budget_bytes(self) -> int | None:
         """`memory_budget` in bytes, or None when it is not set."""
         return None if self.memory_budget is None else parse_memory_size(self.memory_budget)
+
+    @property
+    def host_size_bytes(self) -> int | None:
+        """`host_size` in bytes, or None when there is no host tier."""
+        return None if self.host_size is None else parse_memory_size(self.host_size)
+
+    @property
+    def disk_size_bytes(self) -> int:
+        """`disk_size` in bytes."""
+        return parse_memory_size(self.disk_size)
 
 
 class SchedulerConfig(_Section):

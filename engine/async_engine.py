@@ -34,16 +34,20 @@ from cadenza.actors.messages import (
     SchedulerMessage,
     SubmitRequest,
     SyncCache,
+    TierMessage,
 )
 from cadenza.actors.runner import RunnerActor
 from cadenza.actors.scheduler import SchedulerActor
 from cadenza.actors.scheduler_core import SchedulerCore
+from cadenza.actors.tier_agent import TierAgent
 from cadenza.engine.streams import GenerationOutput, RequestStream
 from cadenza.kernels.cpu import loader as cpu_kernels
+from cadenza.kv_connectors.blocks import cache_tensors
 from cadenza.metrics import EngineMetrics
 from cadenza.outputs import TextDelta
 from cadenza.pooling_params import PoolingParams
 from cadenza.runtime.build import Runtime
+from cadenza.runtime.tiers import build_tiers
 from cadenza.sampling_params import SamplingParams
 from cadenza.speculative.setup import built_methods
 from cadenza.threads.binding import bind_compute_team, release_compute_team
@@ -94,6 +98,8 @@ class AsyncEngine:
             max_model_len=rt.max_model_len,
             speculative=cfg.speculative,
         )
+        tiers = build_tiers(rt)
+        tier_tx, tier_rx = channel(TierMessage, INBOX_CAPACITY) if tiers else (None, None)
         validator = PromptValidator(
             rt.tokenizer,
             vocab_size=rt.loaded.arch.vocab_size,
@@ -120,11 +126,16 @@ class AsyncEngine:
                 runner=runner_tx,
                 detokenizer=detok_tx.clone(),
                 metrics=self.metrics,
+                tiers=tier_tx.clone() if tier_tx else None,
             ),
-            CacheManagerActor(cache_rx, self.cache_core, self.metrics),
+            CacheManagerActor(cache_rx, self.cache_core, self.metrics, tier_tx.clone() if tier_tx else None),
             RunnerActor(runner_rx, rt.runner, scheduler_tx.clone(), self.metrics, governor=thread_governor(rt)),
             DetokenizerActor(detok_rx, IncrementalDetokenizer(rt.tokenizer), self._deliver, scheduler_tx.clone(), self.metrics),
         ]
+        if tiers:
+            self.actors.append(TierAgent(tier_rx, self.cache_core, cache_tensors(rt.runner.kv_caches), tiers,
+                                         scheduler=scheduler_tx.clone(), metrics=self.metrics))  # fmt: skip
+            tier_tx.close()
         detok_tx.close()  # only the clones held by actors stay open
 
     def _deliver(self, delta: TextDelta) -> None:

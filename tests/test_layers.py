@@ -34,7 +34,7 @@ FLOORS: tuple[tuple[str, frozenset[str]], ...] = tuple(
         ("tensor parallelism and the deployment's shape", "parallel"),
         ("speculative decoding", "speculative"),
         ("sampling", "samplers"),
-        ("eviction and context policies, KV connectors, output parsers", "policies kv_connectors parsers"),
+        ("eviction and context policies, KV connectors and tiers, output parsers", "policies kv_connectors kv_tiers parsers"),
         ("models", "models"),
         ("attention backends", "attention_backends"),
         ("the plugin hooks and their errors", "plugins"),

@@ -1,0 +1,240 @@
+"""The tier agent: the prefix cache's tiers below the KV budget (host memory, disk), kept beside it.
+
+Write-behind: each block the cache manager caches (`Offload`, sent without waiting) is queued here,
+at most `max_pending_writes` blocks (more are dropped and counted). The write loop takes a batch,
+notes each block's id and epoch, gathers their bytes in a worker thread, then keeps only the copies
+of blocks still cached under their hash with the same epoch (`KVCacheManager.block_epoch`: a block
+evicted and reused meanwhile may have been overwritten mid-copy), and writes each to every tier that
+lacks it, in a worker thread. A block already in every tier is not written again. The blocks are
+not pinned while copied: a pin takes blocks from admission, and with nothing running the scheduler
+would fail a request that did not fit beside the pins (seen in tests/test_kv_tiers.py).
+
+Read-back: a new request with more than one block of prompt waits outside the scheduler's queue
+(its gate) while this agent looks its prompt's chained hashes up: past the run cached in memory, the
+leading run found in a tier is read into fresh blocks (a worker thread reads and scatters them),
+which enter the prefix cache; then `TierReadDone` opens the gate, and the request's admission finds
+the blocks as prefix hits. So its TTFT counts the read, never a recompute. A read takes at most half
+the blocks available, so running requests keep room to grow. A block that is missing, unreadable or
+fails a check ends the run there: the rest is computed. Nothing here fails a request.
+
+The cache manager's core is called on the event loop's thread between its actor's messages (each
+call is synchronous), as cluster/kv_transfer.py does; only copies and file work run in threads.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Sequence
+
+import anyio
+import structlog
+import torch
+from anyio.abc import TaskGroup, TaskStatus
+from anyio.streams.memory import MemoryObjectSendStream
+
+from cadenza.actors.base import Actor
+from cadenza.actors.cache_manager import KVCacheManager, block_hash
+from cadenza.actors.messages import (
+    Offload,
+    ReadBack,
+    SchedulerMessage,
+    TierMessage,
+    TierReadDone,
+    UnexpectedMessageError,
+)
+from cadenza.kv_connectors.blocks import block_nbytes, gather_blocks, scatter_blocks
+from cadenza.kv_tiers.store import TierStore
+from cadenza.metrics import EngineMetrics
+
+log = structlog.get_logger(__name__)
+
+MAX_PENDING_WRITES = 4096  # blocks queued for write-behind; more are dropped
+WRITE_BATCH = 64  # blocks pinned and gathered at once
+
+
+def prompt_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """The chained hashes of the prompt's full blocks an admission may reuse (it keeps one token
+    to compute, as `KVCacheManager.admit` does)."""
+    hashes, parent = [], None
+    for start in range(0, (len(token_ids) - 1) // block_size * block_size, block_size):
+        parent = block_hash(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
+class TierAgent(Actor[TierMessage]):
+    name = "kv_tiers"
+
+    def __init__(
+        self,
+        inbox,
+        core: KVCacheManager,
+        tensors: Sequence[torch.Tensor],
+        tiers: Sequence[TierStore],
+        *,
+        scheduler: MemoryObjectSendStream[SchedulerMessage],
+        metrics: EngineMetrics,
+        max_pending_writes: int = MAX_PENDING_WRITES,
+    ) -> None:
+        super().__init__(inbox)
+        if not tiers:
+            raise ValueError("a tier agent needs at least one tier")
+        self.core = core
+        self.tensors = list(tensors)
+        self.block_bytes = block_nbytes(self.tensors)
+        self.tiers = list(tiers)  # fastest first: reads try them in order
+        self.scheduler = scheduler
+        self.metrics = metrics
+        self.max_pending_writes = max_pending_writes
+        self._writes: deque[bytes] = deque()
+        self._queued: set[bytes] = set()
+        self._write_ready: anyio.Event | None = None  # made on the event loop, in `run`
+        self._tg: TaskGroup | None = None
+        for tier in self.tiers:
+            metrics.kv_tiers[tier.name] = tier.stats
+
+    async def run(self, *, task_status: TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        self._write_ready = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            tg.start_soon(self._write_loop)
+            try:
+                await super().run(task_status=task_status)
+            finally:
+                tg.cancel_scope.cancel()  # the inbox closed or the engine stops: queued writes are dropped
+
+    async def handle(self, message: TierMessage) -> None:
+        match message:
+            case ReadBack(request_id=request_id, prompt_token_ids=token_ids):
+                self._tg.start_soon(self._read_back, request_id, token_ids)
+            case Offload(hashes=hashes):
+                self._queue_writes(hashes)
+            case _:
+                raise UnexpectedMessageError(self.name, message)
+
+    def requests_concerned(self, message: TierMessage) -> tuple[str, ...]:
+        return ()
+
+    # --- read-back -----------------------------------------------------------------------------
+
+    async def _read_back(self, request_id: str, token_ids: tuple[int, ...]) -> None:
+        """Read what the tiers have of the prompt's prefix into the cache, then open its gate."""
+        num_blocks = 0
+        try:
+            num_blocks = await self._read_prefix(request_id, token_ids)
+        except Exception as exc:  # a tier's fault never fails the request: it computes instead
+            log.warning("KV tier read failed; computing the prefix", request_id=request_id, error=repr(exc))
+        finally:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await self.scheduler.send(TierReadDone(request_id, num_blocks))
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    pass  # the engine is stopping: nobody waits for the gate
+
+    async def _read_prefix(self, request_id: str, token_ids: tuple[int, ...]) -> int:
+        hashes = prompt_hashes(token_ids, self.core.block_size)
+        if not hashes or not self.core.enable_prefix_caching:
+            return 0
+        holder = f"kv-tier-read:{request_id}"
+        # Hold the prefix cached in memory too: it must not be evicted while the rest is read.
+        in_memory = len(self.core.hold_cached(holder, hashes))
+        try:
+            wanted = []
+            for digest in hashes[in_memory:]:
+                if not any(digest in tier for tier in self.tiers):
+                    break
+                wanted.append(digest)
+            wanted = wanted[: self.core.num_available // 2]
+            if not wanted:
+                return 0
+            blocks = self.core.hold_fresh(holder, len(wanted))
+            started = time.perf_counter()
+            found = await anyio.to_thread.run_sync(self._read_blocks, wanted[: len(blocks)], blocks)
+            self.core.cache_held(holder, wanted[:found])
+            self.metrics.kv_tier_blocks_read += found
+            log.debug("Read back from KV tiers", request_id=request_id, in_memory=in_memory, blocks=found,
+                      wanted=len(wanted), seconds=round(time.perf_counter() - started, 4))  # fmt: skip
+            return found
+        finally:
+            self.core.free(holder)  # read blocks stay cached, unread ones go back to the free list
+
+    def _read_blocks(self, hashes: list[bytes], blocks: tuple[int, ...]) -> int:
+        """In a worker thread: read the leading run of `hashes` into `blocks`; how many were read."""
+        payloads = []
+        for digest in hashes:
+            payload = self._read_one(digest)
+            if payload is None:
+                break
+            payloads.append(payload)
+        # One block a call: a payload of several blocks lays them out tensor by tensor, not block by block.
+        for block, payload in zip(blocks, payloads):
+            scatter_blocks(self.tensors, [block], torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        return len(payloads)
+
+    def _read_one(self, digest: bytes) -> bytes | None:
+        """A block's payload from the first tier that has a valid one (copied up to the faster
+        tiers that lack it), or None."""
+        for i, tier in enumerate(self.tiers):
+            payload = tier.get(digest)
+            if payload is None:
+                continue
+            if len(payload) != self.block_bytes:  # the identity should make this impossible
+                log.warning("A KV tier block has the wrong size; computing it", tier=tier.name, bytes=len(payload),
+                            expected=self.block_bytes)  # fmt: skip
+                tier.stats.corrupt += 1
+                continue
+            for faster in self.tiers[:i]:
+                faster.put(digest, payload)
+            return payload
+        return None
+
+    # --- write-behind --------------------------------------------------------------------------
+
+    def _queue_writes(self, hashes: tuple[bytes, ...]) -> None:
+        for digest in hashes:
+            if digest in self._queued or all(digest in tier for tier in self.tiers):
+                continue
+            if len(self._writes) >= self.max_pending_writes:
+                self.metrics.kv_tier_writes_dropped += 1
+                continue
+            self._writes.append(digest)
+            self._queued.add(digest)
+        if self._writes and self._write_ready is not None:
+            self._write_ready.set()
+
+    async def _write_loop(self) -> None:
+        while True:
+            await self._write_ready.wait()
+            self._write_ready = anyio.Event()
+            while self._writes:
+                batch = [self._writes.popleft() for _ in range(min(WRITE_BATCH, len(self._writes)))]
+                try:
+                    await self._write_batch(batch)
+                except Exception as exc:
+                    log.warning("KV tier write-behind failed; blocks not written", blocks=len(batch), error=repr(exc))
+                finally:
+                    self._queued.difference_update(batch)
+
+    async def _write_batch(self, batch: list[bytes]) -> None:
+        core = self.core
+        live = [(d, b, core.block_epoch(b)) for d in batch if (b := core.cached_block(d)) is not None]
+        if not live:  # evicted before their turn: gone
+            return
+        payloads = await anyio.to_thread.run_sync(self._gather, tuple(b for _, b, _ in live))
+        intact = [(d, p) for (d, b, e), p in zip(live, payloads)
+                  if core.cached_block(d) == b and core.block_epoch(b) == e]  # fmt: skip
+        self.metrics.kv_tier_writes_dropped += len(live) - len(intact)
+        if intact:
+            await anyio.to_thread.run_sync(self._write_blocks, intact)
+
+    def _gather(self, blocks: tuple[int, ...]) -> list[bytes]:
+        """In a worker thread: each block's payload (one a call, as `_read_blocks` scatters them)."""
+        return [gather_blocks(self.tensors, [block]).cpu().numpy().tobytes() for block in blocks]
+
+    def _write_blocks(self, blocks: list[tuple[bytes, bytes]]) -> None:
+        """In a worker thread: each block's bytes (hash, payload) to every tier that lacks them."""
+        for digest, payload in blocks:
+            for tier in self.tiers:
+                if digest not in tier:
+                    tier.put(digest, payload)
