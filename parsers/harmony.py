@@ -183,12 +183,27 @@ class GptOssReasoningParser(ReasoningParser):
     end_tokens = (RETURN, CALL)
 
     def stream(self, prompt_text: str | None) -> ReasoningStream:
-        # The prompt ends with `<|start|>assistant`, the header to come; or, where it wrote a
-        # header too (a continued answer), inside that message's text.
+        return HarmonyReasoningStream(self._opened(prompt_text))
+
+    @staticmethod
+    def _opened(prompt_text: str | None) -> str | None:
+        """The header of the message the prompt leaves open, or None. The prompt ends with
+        `<|start|>assistant`, the header to come; or, where it wrote a header too (a continued
+        answer), inside that message's text."""
         tail = prompt_text.rpartition(START)[2] if prompt_text and START in prompt_text else ""
         header, opened, text = tail.partition(MESSAGE)
         inside = tail.startswith("assistant") and opened and not any(m in text for m in ENDS)
-        return HarmonyReasoningStream(START + header if inside else None)
+        return START + header if inside else None
+
+
+    def forced_call_reasoning(self, prompt_text: str | None, budget: int) -> str | None:
+        # An analysis message may come before the call, as gpt-oss writes one; its text holds no
+        # special token, so it ends at the message's end. A prompt inside a message already
+        # (a continued answer) has no room for one.
+        if self._opened(prompt_text) is not None:
+            return None
+        return (f'reasoning: ({CHANNEL} "analysis" {MESSAGE} reasoning_text {END} {START} "assistant")?\n'
+                f"reasoning_text[max_tokens={max(1, budget)}]: /(?s:.*)/\n")
 
 
 class HarmonyReasoningParser(GptOssReasoningParser):

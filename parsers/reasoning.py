@@ -14,6 +14,7 @@ exactly when the rendered prompt leaves a tag open (`starts_in_reasoning`).
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -47,6 +48,15 @@ class ReasoningParser(FormatTokens, ABC):
     def stream(self, prompt_text: str | None) -> ReasoningStream:
         """A stream for one output of the prompt rendered as `prompt_text` (None: a prompt that
         was not rendered from chat messages)."""
+
+    def forced_call_reasoning(self, prompt_text: str | None, budget: int) -> str | None:
+        """Lark rules (llguidance's dialect) for the reasoning the model may write before a call
+        that `tool_choice` forces, for the prompt rendered as `prompt_text`, in at most `budget`
+        tokens where the format can bound it (then it is closed, so the call has room): they
+        define a rule named `reasoning` (helpers named `reasoning_*`), which the forcing grammar
+        puts before the calls; the output then goes through `stream` as any other. None (the
+        default): the call comes first, with no reasoning."""
+        return None
 
     def split(self, text: str, prompt_text: str | None) -> tuple[str | None, str | None]:
         """A whole output as (reasoning or None when there is none, content or None when there is
@@ -118,6 +128,18 @@ class ThinkTagParser(ReasoningParser):
 
     def stream(self, prompt_text: str | None) -> ReasoningStream:
         return ThinkTagStream(self.open_tag, self.close_tag, self.starts_in_reasoning(prompt_text))
+
+    def forced_call_reasoning(self, prompt_text: str | None, budget: int) -> str | None:
+        # The thought ends at its first closing tag (a lazy rule: llguidance's lexer cannot both
+        # bound it and let the tag end it, so `budget` does not apply; max_tokens bounds it, as
+        # vLLM's reasoning before structured output is bounded), then the format's blank lines.
+        if prompt_text and prompt_text.rstrip().endswith(self.close_tag):
+            return None  # the template closed an empty thought: thinking is off (enable_thinking false)
+        close, blank = json.dumps(self.close_tag), r"/[ \t\r\n]+/?"
+        rules = f"reasoning_text[lazy]: /(?s:.*)/ {close}\n"
+        if self.starts_in_reasoning(prompt_text):  # the prompt opened it: the model closes it first
+            return f"reasoning: reasoning_text {blank}\n{rules}"
+        return f"reasoning: ({json.dumps(self.open_tag)} reasoning_text {blank})?\n{rules}"
 
 
 class Qwen3ReasoningParser(ThinkTagParser):

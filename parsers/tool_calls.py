@@ -427,6 +427,16 @@ def _parameter_schema(arguments: dict[str, Any], parameter: str) -> dict[str, An
             "$ref": f"#/$defs/arguments/properties/{pointer_token(parameter)}"}
 
 
+def forcing_grammar(calls: str, reasoning: str | None) -> str:
+    """The grammar a forced call runs under: `calls` (a `ToolParser.grammar`), after the
+    reasoning `reasoning` allows (a `ReasoningParser.forced_call_reasoning`; None: none)."""
+    if reasoning is None:
+        return calls
+    if not calls.startswith("start:"):
+        raise ValueError("a tool-call grammar must begin with its start rule")
+    return f"start: reasoning forced_calls\n{reasoning.rstrip()}\nforced_calls:{calls[len('start:'):]}"
+
+
 def _begins(text: str, marker: str) -> bool:
     """Whether `text` holds `marker`, or is (blanks aside) the start of it."""
     return marker in text or bool(text.strip()) and marker.startswith(text.strip())

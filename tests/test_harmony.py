@@ -360,3 +360,31 @@ def test_served_named_call(served):
                                                 tool_choice={"type": "function", "function": {"name": "get_time"}})  # fmt: skip
     (call,) = completion.choices[0].message.tool_calls
     assert call.function.name == "get_time" and json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
+
+
+def test_a_forced_call_may_follow_an_analysis_message():
+    """gpt-oss reasons before it calls: the forcing grammar lets an analysis message come first,
+    and the stream routes it to reasoning, the call to the tool parser."""
+    from cadenza.parsers.tool_calls import forcing_grammar
+    from cadenza.samplers.grammars import build_lltokenizer
+
+    backend = harmony_tokenizer()
+    tokenizer = build_lltokenizer(Tokenizer(backend=backend, eos_token_ids=(RETURN_ID, CALL_ID)), 300, (RETURN_ID, CALL_ID))
+    reasoning = GptOssReasoningParser()
+    before = reasoning.forced_call_reasoning("<|start|>user<|message|>hi<|end|><|start|>assistant", 64)
+    grammar = llguidance.LLMatcher.grammar_from_lark(forcing_grammar(HarmonyToolParser(TOOLS).grammar(TOOLS, False), before))
+    assert llguidance.LLMatcher.validate_grammar(grammar, tokenizer) == ""
+    thought = "<|channel|>analysis<|message|>The weather tool, for Paris.<|end|><|start|>assistant"
+
+    def accepts(text: str) -> bool:
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        return matcher.consume_tokens(backend.encode(text, add_special_tokens=False).ids) and matcher.is_stopped()
+
+    assert accepts(FORCED) and accepts(thought + FORCED)
+    assert not accepts("<|channel|>final<|message|>Sunny.<|end|><|start|>assistant" + FORCED)  # reasoning only
+    split = reasoning.stream(None).feed(thought + FORCED, final=True)
+    assert split.reasoning == "The weather tool, for Paris."
+    calls = HarmonyToolParser(TOOLS).parse_forced(split.content, NAMES)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [(NAMES[0], json.loads(FORCED.partition("<|message|>")[2].partition("<|call|>")[0]))]
+    # Inside a message the prompt opened, there is no room for one.
+    assert reasoning.forced_call_reasoning("<|start|>assistant<|channel|>final<|message|>Sun", 64) is None

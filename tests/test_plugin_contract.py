@@ -412,7 +412,7 @@ def test_a_kv_connector_plugin_registers_and_moves_blocks_by_the_contract():
 
 
 @covers("register_reasoning_parsers", "ReasoningParser.name", "ReasoningParser.stream", "ReasoningParser.split",
-        "ReasoningStream.feed")
+        "ReasoningStream.feed", "ReasoningParser.forced_call_reasoning")
 def test_a_reasoning_parser_plugin_written_from_the_contract_alone():
     """A format no built-in knows (reasoning on lines that start with '> '), written against the
     two abstract classes only: registered by its hook, it streams and splits by the contract."""
@@ -451,6 +451,21 @@ def test_a_reasoning_parser_plugin_written_from_the_contract_alone():
     assert "".join(d.reasoning for d in deltas) == "first\nsecond\n"
     assert "".join(d.content for d in deltas) == "answer\n"
     assert deltas[0] == ReasoningDelta()  # half a line: nothing yet
+    # By default a forced call comes first; a parser that says how its reasoning is written lets
+    # the forcing grammar take it before the calls.
+    assert parser.forced_call_reasoning(None, 64) is None
+
+    import llguidance
+
+    from cadenza.parsers.tool_calls import HermesToolParser, forcing_grammar
+
+    class QuotedFirst(QuotedParser):
+        def forced_call_reasoning(self, prompt_text, budget):
+            return f'reasoning: reasoning_line*\nreasoning_line[max_tokens={budget}]: "> " /[^\\n]*/ "\\n"\n'
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    grammar = forcing_grammar(HermesToolParser().grammar(tools, False), QuotedFirst().forced_call_reasoning(None, 32))
+    assert llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(grammar)) == ""
 
 
 # --- tool parsers (each built-in against its family's real template in test_tool_calls.py) --------

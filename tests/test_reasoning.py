@@ -207,3 +207,101 @@ def test_an_unknown_reasoning_parser_fails_start_up_naming_the_known_ones(qwen3_
     config = load_config(overrides={"model.path": str(qwen3_dir), "server.reasoning_parser": "no_such"})
     with pytest.raises(UnknownNameError, match="no_such.*deepseek_r1.*qwen3"):
         resolve_plugins(config)
+
+
+# --- reasoning before a forced call -------------------------------------------------------------
+
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"]}}}  # fmt: skip
+CALL = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+
+
+def _forcing(parser, prompt_text, budget=64):
+    import llguidance
+
+    from cadenza.parsers.tool_calls import HermesToolParser, forcing_grammar
+
+    text = forcing_grammar(HermesToolParser().grammar([TIME_TOOL], False), parser.forced_call_reasoning(prompt_text, budget))
+    grammar = llguidance.LLMatcher.grammar_from_lark(text)
+    assert llguidance.LLMatcher.validate_grammar(grammar) == ""
+
+    class Bytes:  # one token per byte, and EOS
+        is_tokenizer_wrapper = True
+        eos_token_id, bos_token_id, special_token_ids = 256, None, [256]
+        tokens = [bytes([b]) for b in range(256)] + [b"\xff<eos>"]
+
+        def __call__(self, s):
+            return list(s.encode())
+
+    tokenizer = llguidance.LLTokenizer(Bytes(), n_vocab=257, eos_token=256)
+
+    def accepts(output: str) -> bool:
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        return matcher.consume_tokens(list(output.encode())) and matcher.is_accepting()
+
+    return accepts
+
+
+def test_a_forced_call_may_follow_the_model_s_thought_within_its_budget():
+    accepts = _forcing(Qwen3ReasoningParser(), "<|im_start|>assistant\n")
+    assert accepts(CALL) and accepts("<think>\nThe time tool.\n</think>\n\n" + CALL)
+    assert accepts("<think>x < y</think>" + CALL)  # a '<' in the thought is no closing tag
+    assert not accepts("It is noon." + CALL)  # an answer is no thought
+    assert not accepts("<think>a</think>b</think>" + CALL)  # the first closing tag ends it
+    # Thinking turned off (the template closed an empty thought): the call comes first.
+    assert Qwen3ReasoningParser().forced_call_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n", 64) is None
+    # A prompt that opened the thought (DeepSeek-R1's): the model closes it before the call.
+    opened = _forcing(DeepSeekR1ReasoningParser(), "<｜Assistant｜><think>\n")
+    assert opened("Plan.</think>\n" + CALL) and not opened(CALL)
+
+
+@pytest.fixture(scope="module")
+def scripted(templates, tmp_path_factory):
+    """A tiny Qwen3 with Qwen3's template (its tool preamble is long: a longer context), its model
+    made to write one text that thinks, then calls."""
+    from tiny_models import build_tiny_model
+
+    from cadenza.config.schema import DEFAULT_LOGITS_PROCESSORS
+
+    qwen3_dir = build_tiny_model(tmp_path_factory.mktemp("qwen3-tools"), "qwen3", max_position_embeddings=2048)
+    (qwen3_dir / "chat_template.jinja").unlink(missing_ok=True)
+    shutil.copy(templates / "Qwen-Qwen3-0.6B.jinja", qwen3_dir / "chat_template.jinja")
+    config = json.loads((qwen3_dir / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (qwen3_dir / "tokenizer_config.json").write_text(json.dumps(config))
+
+    tests = __import__("pathlib").Path(__file__).parent
+    deployment = tmp_path_factory.mktemp("scripted") / "deploy.yaml"
+    deployment.write_text(json.dumps({
+        "plugins": ["anthropic_test_plugins"],
+        "sampling": {"logits_processors": [*DEFAULT_LOGITS_PROCESSORS, "scripted"]},
+        "plugin_options": {"scripted": {"text": "<think>\nThe time tool, in UTC.\n</think>\n\n" + CALL}}}))  # fmt: skip
+    with running_server(qwen3_dir, "--config", str(deployment), env={"PYTHONPATH": str(tests)}) as server:
+        with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as client:
+            yield client, client.models.list().data[0].id
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_required_call_after_reasoning_through_the_sdk(scripted, stream):
+    """tool_choice required on a model that reasons: its thought is reasoning_content, its call
+    a tool call, as vLLM gives them."""
+    client, model = scripted
+    kwargs = dict(model=model, messages=QUESTION, tools=[TIME_TOOL], tool_choice="required", max_tokens=120)
+    if stream:
+        reasoning, arguments, name = "", "", ""
+        for chunk in client.chat.completions.create(stream=True, **kwargs):
+            if not chunk.choices:
+                continue
+            delta = chunk.choices[0].delta
+            reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+            for call in delta.tool_calls or ():
+                name += call.function.name or ""
+                arguments += call.function.arguments or ""
+            assert not delta.content
+    else:
+        message = client.chat.completions.create(**kwargs).choices[0].message
+        reasoning, (call,) = message.reasoning_content, message.tool_calls
+        name, arguments = call.function.name, call.function.arguments
+        assert message.content is None
+    assert reasoning.strip() == "The time tool, in UTC."
+    assert (name, json.loads(arguments)) == ("get_time", {"zone": "UTC"})

@@ -32,7 +32,7 @@ from cadenza.models.tokenizer import ChatTemplateError
 from cadenza.outputs import TokenLogprob
 from cadenza.parsers.markers import format_params
 from cadenza.parsers.reasoning import ReasoningParser, ReasoningStream
-from cadenza.parsers.tool_calls import HermesToolParser, ToolCallStream, ToolParser
+from cadenza.parsers.tool_calls import HermesToolParser, ToolCallStream, ToolParser, forcing_grammar
 from cadenza.samplers.vocab import token_bytes_lookup
 from cadenza.sampling_params import SamplingParams, StructuredOutputs
 
@@ -115,20 +115,25 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
         await check_tool_schemas(offered, (state.tool_parser or HermesToolParser)(offered))
     forced = req.forced_tools()
     forced_names = None
-    if forced is not None and parser is not None:  # "required" or a named function: the grammar makes the call
-        structured, structured_param = StructuredOutputs(grammar=parser.grammar(*forced)), "tools"
-        forced_names = [t["function"]["name"] for t in forced[0]]
     template_kwargs = req.template_kwargs()
     chat = ChatPrompt(req.engine_messages(), tools, template_kwargs)
     prompt = chat if tools or template_kwargs else chat.messages
-    # A forced call is all the output is (the grammar allows no reasoning before it).
-    reasoning = state.reasoning_parser if forced_names is None else None
-    # A format written in special tokens (gpt-oss's harmony) reads them, and ends on its own.
-    formats = [f for f in (parser, reasoning) if f is not None]
+    reasoning = state.reasoning_parser
     rendered = None
     if reasoning is not None:  # the parser reads the rendered prompt: render it once, and send its tokens
         rendered, ids = _rendered(chat, tokenizer, state.engine.runtime.loaded.arch.vocab_size)
         prompt = ids if ids is not None else prompt
+    if forced is not None and parser is not None:  # "required" or a named function: the grammar makes the call
+        # The family's reasoning may come first, where its parser says how (else the call is all),
+        # in at most half of max_tokens, so that the call has the other half.
+        budget = max(16, max_tokens // 2)
+        before = reasoning.forced_call_reasoning(rendered, budget) if reasoning is not None else None
+        reasoning = reasoning if before is not None else None
+        grammar = forcing_grammar(parser.grammar(*forced), before)
+        structured, structured_param = StructuredOutputs(grammar=grammar), "tools"
+        forced_names = [t["function"]["name"] for t in forced[0]]
+    # A format written in special tokens (gpt-oss's harmony) reads them, and ends on its own.
+    formats = [f for f in (parser, reasoning) if f is not None]
     jobs = [
         (prompt, format_params(to_sampling_params(req, defaults, max_tokens=max_tokens, logprobs=logprobs, choice=j,
                                                   rename=rename, structured=structured,
@@ -408,7 +413,7 @@ class _ChatShape(_Shape):
             if self.forced is None:
                 text, calls = stream.feed(text, final=final)
             else:
-                text, calls = self._forced_calls(stream, out)
+                text, calls = self._forced_calls(stream, text, final)
         logprobs = self._logprobs(out.logprobs) if self.want_logprobs and out.logprobs else None
         if thought:  # the step's logprobs ride on its first delta
             bodies.append({"index": index, "delta": {"reasoning_content": thought}, "logprobs": logprobs, "finish_reason": None})
@@ -430,12 +435,13 @@ class _ChatShape(_Shape):
                            **_stop_reason(out)})
         return bodies
 
-    def _forced_calls(self, stream: ToolCallStream, out: GenerationOutput) -> tuple[str, list]:
-        """A forced call's streamed output: calls as they complete (what the grammar writes
-        between them is no content), and at the end whatever call was cut short."""
-        if out.finish_reason is None:
-            return "", stream.feed(out.text, final=False)[1]
-        calls = self.tool_parser.parse_forced(stream.pending + out.text, self.forced)
+    def _forced_calls(self, stream: ToolCallStream, text: str, final: bool) -> tuple[str, list]:
+        """A forced call's streamed output (`text`, after any reasoning): calls as they complete
+        (what the grammar writes between them is no content), and at the end whatever call was
+        cut short."""
+        if not final:
+            return "", stream.feed(text, final=False)[1]
+        calls = self.tool_parser.parse_forced(stream.pending + text, self.forced)
         stream.pending, stream.num_calls = "", stream.num_calls + len(calls)
         return "", calls
 
