@@ -263,6 +263,11 @@ class SamplingParams(BaseModel):
     pooling: PoolingParams | None = Field(
         None, description="Embed the prompt instead of generating (prefill only, nothing sampled): how to pool."
     )
+    cache_salt: str | None = Field(
+        None, min_length=1, max_length=256, description="vLLM's cache salt: it enters the prompt's prefix "
+        "hash chain, so cached prefixes (in memory and in the KV tiers) are shared only between requests "
+        "that give the same salt; a tenant's hits then reveal nothing of another's prompts.",
+    )
 
     @model_validator(mode="after")
     def _min_within_max(self) -> "SamplingParams":

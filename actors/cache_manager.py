@@ -45,11 +45,30 @@ def block_hash(parent: bytes | None, tokens: tuple[int, ...] | list[int]) -> byt
     return digest.digest()
 
 
+def salt_root(salt: str | None) -> bytes | None:
+    """Where a request's hash chain starts: nothing, or (a `cache_salt`) a digest of the salt, so
+    that requests with different salts never find each other's blocks."""
+    if salt is None:
+        return None
+    return hashlib.blake2b(b"cadenza cache salt\0" + salt.encode(), digest_size=16).digest()
+
+
+def prompt_hashes(token_ids: Sequence[int], block_size: int, salt: str | None = None) -> list[bytes]:
+    """The chained hash of each full block of `token_ids`, as the cache manager computes them for a
+    request with `salt`."""
+    hashes, parent = [], salt_root(salt)
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = block_hash(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
 @dataclass
 class _Table:
     blocks: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)  # tokens whose K/V are computed, in order
     hashes: list[bytes] = field(default_factory=list)  # of the leading full blocks
+    root: bytes | None = None  # where its hash chain starts (`salt_root` of its cache_salt)
     reserved: int = 0  # tokens the blocks were taken for (computed, or being computed this step)
 
 
@@ -136,7 +155,8 @@ class KVCacheManager:
         admitted: list[BlockGrant] = []
         if not preempted:
             for candidate in waiting:
-                grant = self.admit(candidate.request_id, candidate.token_ids, candidate.num_new_tokens, candidate.max_cached_tokens)
+                grant = self.admit(candidate.request_id, candidate.token_ids, candidate.num_new_tokens,
+                                   candidate.max_cached_tokens, candidate.cache_salt)
                 if grant is None:
                     break
                 admitted.append(grant)
@@ -164,18 +184,20 @@ class KVCacheManager:
         return kept
 
     def admit(
-        self, request_id: str, tokens: tuple[int, ...], num_new_tokens: int, max_cached_tokens: int | None = None
+        self, request_id: str, tokens: tuple[int, ...], num_new_tokens: int, max_cached_tokens: int | None = None,
+        salt: str | None = None,
     ) -> BlockGrant | None:
         """Reuse the longest cached prefix of `tokens` (at most `max_cached_tokens` of them: a
-        request owed prompt logprobs computes those positions itself), then cover `num_new_tokens`
-        more; None if no room."""
+        request owed prompt logprobs computes those positions itself) among the blocks of requests
+        with the same `salt` (their `cache_salt`), then cover `num_new_tokens` more; None if no room."""
         if request_id in self._tables:
             raise ValueError(f"request {request_id} already holds blocks")
         # Keep at least one token to compute, and never write into a shared block.
         limit = (len(tokens) - 1) // self.block_size
         if max_cached_tokens is not None:
             limit = min(limit, max_cached_tokens // self.block_size)
-        hits, hashes = self._match(tokens) if limit else ([], [])
+        root = salt_root(salt)
+        hits, hashes = self._match(tokens, root) if limit else ([], [])
         usable = min(len(hits), limit)
         hits, hashes = hits[:usable], hashes[:usable]
         cached_tokens = usable * self.block_size
@@ -184,7 +206,7 @@ class KVCacheManager:
         fresh = -(-target // self.block_size) - len(hits)
         if fresh + evictable_hits > self.num_available:
             return None
-        table = _Table(tokens=list(tokens[:cached_tokens]), hashes=list(hashes))
+        table = _Table(tokens=list(tokens[:cached_tokens]), hashes=list(hashes), root=root)
         for block in hits:
             self._acquire(block)
             table.blocks.append(block)
@@ -206,7 +228,7 @@ class KVCacheManager:
         size = self.block_size
         while len(table.hashes) < len(table.tokens) // size and len(table.hashes) < len(table.blocks):
             index = len(table.hashes)
-            parent = table.hashes[-1] if table.hashes else None
+            parent = table.hashes[-1] if table.hashes else table.root
             digest = block_hash(parent, table.tokens[index * size : (index + 1) * size])
             table.hashes.append(digest)
             block = table.blocks[index]
@@ -304,10 +326,10 @@ class KVCacheManager:
 
     # --- internals ------------------------------------------------------------------------------
 
-    def _match(self, tokens: tuple[int, ...]) -> tuple[list[int], list[bytes]]:
+    def _match(self, tokens: tuple[int, ...], root: bytes | None = None) -> tuple[list[int], list[bytes]]:
         if not self.enable_prefix_caching:
             return [], []
-        hits, hashes, parent = [], [], None
+        hits, hashes, parent = [], [], root
         size = self.block_size
         for start in range(0, len(tokens) - size + 1, size):
             digest = block_hash(parent, tokens[start : start + size])

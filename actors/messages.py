@@ -118,6 +118,7 @@ class Candidate:
     token_ids: tuple[int, ...]
     num_new_tokens: int
     max_cached_tokens: int | None = None
+    cache_salt: str | None = None  # its hash chain's salt: it shares cached blocks only with the same one
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +221,7 @@ class ReadBack:
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
+    cache_salt: str | None = None  # its hash chain's salt
 
 
 @dataclass(frozen=True, slots=True)

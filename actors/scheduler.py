@@ -119,7 +119,7 @@ class SchedulerActor(Actor[SchedulerMessage]):
             return
         if gated:
             try:
-                self.tiers.send_nowait(ReadBack(request.request_id, request.prompt_token_ids))
+                self.tiers.send_nowait(ReadBack(request.request_id, request.prompt_token_ids, request.params.cache_salt))
             except (anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):  # compute rather than wait
                 self.core.open_gate(request.request_id)
         self.metrics.prompt_tokens += request.num_prompt_tokens

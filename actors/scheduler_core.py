@@ -48,7 +48,8 @@ class StepPlan:
             BlockNeed(r.request_id, r.num_computed_tokens + n + r.num_draft_slots + self.speculative.get(r.request_id, 0))
             for r, n in self.running
         )
-        waiting = tuple(Candidate(r.request_id, r.all_tokens(), n, r.max_cached_tokens) for r, n in self.candidates)
+        waiting = tuple(Candidate(r.request_id, r.all_tokens(), n, r.max_cached_tokens, r.params.cache_salt)
+                        for r, n in self.candidates)
         return running, waiting
 
 

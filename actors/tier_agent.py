@@ -34,7 +34,7 @@ from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
 
 from cadenza.actors.base import Actor
-from cadenza.actors.cache_manager import KVCacheManager, block_hash
+from cadenza.actors.cache_manager import KVCacheManager, prompt_hashes
 from cadenza.actors.messages import (
     Offload,
     ReadBack,
@@ -53,14 +53,10 @@ MAX_PENDING_WRITES = 4096  # blocks queued for write-behind; more are dropped
 WRITE_BATCH = 64  # blocks pinned and gathered at once
 
 
-def prompt_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """The chained hashes of the prompt's full blocks an admission may reuse (it keeps one token
-    to compute, as `KVCacheManager.admit` does)."""
-    hashes, parent = [], None
-    for start in range(0, (len(token_ids) - 1) // block_size * block_size, block_size):
-        parent = block_hash(parent, token_ids[start : start + block_size])
-        hashes.append(parent)
-    return hashes
+def reusable_hashes(token_ids: Sequence[int], block_size: int, salt: str | None) -> list[bytes]:
+    """The chained hashes of the prompt's full blocks an admission may reuse: it keeps one token
+    to compute, as `KVCacheManager.admit` does."""
+    return prompt_hashes(token_ids, block_size, salt)[: max(0, len(token_ids) - 1) // block_size]
 
 
 class TierAgent(Actor[TierMessage]):
@@ -106,8 +102,8 @@ class TierAgent(Actor[TierMessage]):
 
     async def handle(self, message: TierMessage) -> None:
         match message:
-            case ReadBack(request_id=request_id, prompt_token_ids=token_ids):
-                self._tg.start_soon(self._read_back, request_id, token_ids)
+            case ReadBack(request_id=request_id, prompt_token_ids=token_ids, cache_salt=salt):
+                self._tg.start_soon(self._read_back, request_id, token_ids, salt)
             case Offload(hashes=hashes):
                 self._queue_writes(hashes)
             case _:
@@ -118,11 +114,11 @@ class TierAgent(Actor[TierMessage]):
 
     # --- read-back -----------------------------------------------------------------------------
 
-    async def _read_back(self, request_id: str, token_ids: tuple[int, ...]) -> None:
+    async def _read_back(self, request_id: str, token_ids: tuple[int, ...], salt: str | None) -> None:
         """Read what the tiers have of the prompt's prefix into the cache, then open its gate."""
         num_blocks = 0
         try:
-            num_blocks = await self._read_prefix(request_id, token_ids)
+            num_blocks = await self._read_prefix(request_id, token_ids, salt)
         except Exception as exc:  # a tier's fault never fails the request: it computes instead
             log.warning("KV tier read failed; computing the prefix", request_id=request_id, error=repr(exc))
         finally:
@@ -132,8 +128,8 @@ class TierAgent(Actor[TierMessage]):
                 except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                     pass  # the engine is stopping: nobody waits for the gate
 
-    async def _read_prefix(self, request_id: str, token_ids: tuple[int, ...]) -> int:
-        hashes = prompt_hashes(token_ids, self.core.block_size)
+    async def _read_prefix(self, request_id: str, token_ids: tuple[int, ...], salt: str | None) -> int:
+        hashes = reusable_hashes(token_ids, self.core.block_size, salt)
         if not hashes or not self.core.enable_prefix_caching:
             return 0
         holder = f"kv-tier-read:{request_id}"

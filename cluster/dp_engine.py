@@ -223,7 +223,7 @@ class DataParallelEngine:
         self, prompt: Any, params: SamplingParams | None = None, *, request_id: str | None = None, priority: int = 0
     ) -> AsyncIterator[GenerationOutput]:
         params, request_id, ids = self._accept(prompt, params, request_id)
-        async for output in self._relay(self.router.route(ids), request_id, prompt, params, priority):
+        async for output in self._relay(self.router.route(ids, salt=params.cache_salt), request_id, prompt, params, priority):
             yield output
 
     def _accept(self, prompt: Any, params: SamplingParams | None, request_id: str | None) -> tuple[SamplingParams, str, list[int]]:

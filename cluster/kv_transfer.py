@@ -4,8 +4,9 @@ router connection; each answers ("kv", request_id, kind, ...) or ("kv", request_
 
     ("kv_lookup", id, hashes)          decode side: hold the leading run of `hashes` cached here;
                                        answers "have" with those hashes
-    ("kv_prefill", id, tokens, hashes) prefill side: compute the prompt (one greedy token, thrown
-                                       away), then hold its cached blocks for `hashes`; answers
+    ("kv_prefill", id, tokens, hashes, salt)  prefill side: compute the prompt (one greedy token,
+                                       thrown away; hashed with the request's cache_salt), then hold
+                                       its cached blocks for `hashes`; answers
                                        "prefilled" with their block ids
     ("kv_reserve", id, count)          decode side: hold up to `count` empty blocks more; answers
                                        "reserved" with their ids
@@ -87,8 +88,8 @@ class KVTransferAgent:
                 await self.engine.settle()
                 have = self._hold(request_id).hold_cached(holder_id(request_id), hashes)
                 return ("have", tuple(hashes[: len(have)]))
-            case ("kv_prefill", request_id, token_ids, hashes):
-                await self._prefill(request_id, token_ids)
+            case ("kv_prefill", request_id, token_ids, hashes, salt):
+                await self._prefill(request_id, token_ids, salt)
                 await self.engine.settle()  # its blocks are committed and released before we look
                 return ("prefilled", self._hold(request_id).hold_cached(holder_id(request_id), hashes))
             case ("kv_reserve", request_id, count):
@@ -120,10 +121,11 @@ class KVTransferAgent:
             case _:
                 raise ValueError(f"unknown KV transfer message {message!r}")
 
-    async def _prefill(self, request_id: str, token_ids) -> None:
+    async def _prefill(self, request_id: str, token_ids, salt: str | None = None) -> None:
         """Compute the prompt's keys and values here: a one-token greedy request whose blocks stay
-        in the prefix cache when it ends (the token is thrown away: the decode side samples)."""
-        params = SamplingParams(max_tokens=1, temperature=0.0)
+        in the prefix cache when it ends (the token is thrown away: the decode side samples), under
+        the request's cache `salt`, so they are found by its salted hashes."""
+        params = SamplingParams(max_tokens=1, temperature=0.0, cache_salt=salt)
         with anyio.CancelScope() as scope:
             self._prefills[request_id] = scope
             try:

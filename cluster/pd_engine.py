@@ -40,9 +40,9 @@ from typing import Any, AsyncIterator
 import anyio
 import structlog
 
+from cadenza.actors.cache_manager import prompt_hashes
 from cadenza.cluster.dp_engine import DataParallelEngine
 from cadenza.cluster.replica_client import KVStepError, ReplicaClient
-from cadenza.cluster.router import prompt_hashes
 from cadenza.engine.streams import GenerationOutput
 from cadenza.kv_connectors.base import BlockTransfer
 from cadenza.parallel.errors import ReplicaFailedError
@@ -85,21 +85,22 @@ class DisaggregatedEngine(DataParallelEngine):
     ) -> AsyncIterator[GenerationOutput]:
         params, request_id, ids = self._accept(prompt, params, request_id)
         if params.pooling is not None:  # prefill only: a prefill replica's work, whole
-            index, prepare = self.router.route(ids, among=self.roles.prefill), None
+            index, prepare = self.router.route(ids, among=self.roles.prefill, salt=params.cache_salt), None
         else:
-            index = self.router.route(ids, among=self.roles.decode)
+            index = self.router.route(ids, among=self.roles.decode, salt=params.cache_salt)
             # Full blocks only, and never one that ends the prompt: the decode side computes the rest.
-            hashes = prompt_hashes(ids, self.router.block_size)[: max(0, len(ids) - 1) // self.router.block_size]
+            hashes = prompt_hashes(ids, self.router.block_size, params.cache_salt)[: max(0, len(ids) - 1) // self.router.block_size]
             prepare = None
             if hashes and params.prompt_logprobs is None:  # logprobs of every prompt position: computed where sampled
 
                 async def prepare() -> None:
-                    await self._bring_blocks(request_id, ids, hashes, index)
+                    await self._bring_blocks(request_id, ids, hashes, index, params.cache_salt)
 
         async for output in self._relay(index, request_id, prompt, params, priority, prepare):
             yield output
 
-    async def _bring_blocks(self, request_id: str, ids: list[int], hashes: list[bytes], decode: int) -> None:
+    async def _bring_blocks(self, request_id: str, ids: list[int], hashes: list[bytes], decode: int,
+                            salt: str | None = None) -> None:
         """Steps 1-4 of the module docstring. Raises `ReplicaFailedError` when a replica died;
         anything else leaves the decode replica to compute the prompt itself."""
         self.transfers.requests += 1
@@ -108,9 +109,9 @@ class DisaggregatedEngine(DataParallelEngine):
             (have,) = await target.call(("kv_lookup", request_id, hashes))
             sources = [p for p in self.roles.prefill if (p, decode) not in self._broken]
             if len(have) < len(hashes) and sources:
-                prefill = self.router.route(ids, among=sources)
+                prefill = self.router.route(ids, among=sources, salt=salt)
                 try:
-                    await self._prefill_and_send(request_id, ids, hashes, have, prefill, decode)
+                    await self._prefill_and_send(request_id, ids, hashes, have, prefill, decode, salt)
                 finally:
                     self.router.finished(prefill)
             self.transfers.blocks_skipped += len(have)
@@ -131,11 +132,11 @@ class DisaggregatedEngine(DataParallelEngine):
                     await _tell(self.clients[index], ("kv_release", request_id))
 
     async def _prefill_and_send(self, request_id: str, ids: list[int], hashes: list[bytes], have: tuple[bytes, ...],
-                                prefill: int, decode: int) -> None:  # fmt: skip
+                                prefill: int, decode: int, salt: str | None = None) -> None:  # fmt: skip
         """Steps 2-4: the prompt computed on `prefill`, the blocks `decode` lacks sent there."""
         source, target = self.clients[prefill], self.clients[decode]
         started = time.perf_counter()
-        (held,) = await source.call(("kv_prefill", request_id, ids, hashes))
+        (held,) = await source.call(("kv_prefill", request_id, ids, hashes, salt))
         self.transfers.prefill_seconds += time.perf_counter() - started
         missing = max(0, len(held) - len(have))  # blocks the prefill side evicted meanwhile are computed by the decode side
         (room,) = await target.call(("kv_reserve", request_id, missing))

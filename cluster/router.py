@@ -2,7 +2,7 @@
 
 `prefix` (the default) sends a request to the replica whose prefix cache most likely holds the
 longest part of its prompt: the router computes the chained block hashes the cache manager uses
-(`actors.cache_manager.block_hash`) on the prompt token ids and keeps, per replica, an approximate
+(`actors.cache_manager.prompt_hashes`) on the prompt token ids and keeps, per replica, an approximate
 index of the hashes it routed there (least recently routed dropped first past the replica's block
 count). So a session's or conversation's turns, each prompt extending the last, go where their
 history is cached. Without a match, or when the best match's replica is `max_imbalance` requests
@@ -18,7 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
-from cadenza.actors.cache_manager import block_hash
+from cadenza.actors.cache_manager import prompt_hashes
 
 POLICIES = ("prefix", "round_robin", "least_loaded")
 
@@ -32,15 +32,6 @@ class ReplicaStats:
     matched_blocks: int = 0  # prompt blocks the router expected to find in this replica's cache
     prompt_blocks: int = 0  # full prompt blocks routed here
     alive: bool = True
-
-
-def prompt_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """The chained hash of each full block of `token_ids`, as the cache manager computes them."""
-    hashes, parent = [], None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = block_hash(parent, token_ids[start : start + block_size])
-        hashes.append(parent)
-    return hashes
 
 
 class Router:
@@ -57,7 +48,7 @@ class Router:
         self._index: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(num_replicas)]
         self._next = itertools.cycle(range(num_replicas))
 
-    def route(self, token_ids: Sequence[int], among: Sequence[int] | None = None) -> int:
+    def route(self, token_ids: Sequence[int], among: Sequence[int] | None = None, salt: str | None = None) -> int:
         """Pick a live replica for a prompt (one of `among`, if given: the prefill or the decode
         replicas of a disaggregated deployment), and count the request as in flight there."""
         candidates = range(len(self.stats)) if among is None else among
@@ -65,7 +56,8 @@ class Router:
         if not alive:
             raise RuntimeError("no data-parallel replica is alive" if among is None else
                                f"none of data-parallel replicas {list(among)} is alive")
-        hashes = prompt_hashes(token_ids, self.block_size) if self.policy == "prefix" else []
+        # Salted as the replicas' caches hash it (a request's cache_salt), so it meets only its own.
+        hashes = prompt_hashes(token_ids, self.block_size, salt) if self.policy == "prefix" else []
         least = min(alive, key=lambda i: (self.stats[i].in_flight, self.stats[i].routed))
         matched = 0
         if self.policy == "round_robin":

@@ -477,3 +477,24 @@ def test_random_operations_keep_the_invariants(policy):
     check(manager)
     assert manager.num_available == manager.num_blocks
     assert hits > 50
+
+
+def test_a_cache_salt_shares_prefixes_only_with_the_same_salt():
+    """vLLM's cache_salt enters the hash chain: tenants with different salts (or none) never hit
+    each other's blocks, so a hit's timing reveals nothing of another tenant's prompt."""
+    from cadenza.actors.cache_manager import prompt_hashes, salt_root
+
+    manager = make_manager(num_blocks=16, block_size=4)
+    prompt = tokens_of(1, 13)
+    assert manager.admit("a", prompt, len(prompt), salt="tenant-a").num_cached_tokens == 0
+    manager.commit("a", prompt)
+    manager.free("a")
+    for salt, cached in (("tenant-b", 0), (None, 0), ("tenant-a", 12)):
+        grant = manager.admit(f"r-{salt}", prompt, len(prompt), salt=salt)
+        assert grant.num_cached_tokens == cached, salt
+        manager.commit(f"r-{salt}", prompt)
+        manager.free(f"r-{salt}")
+    check(manager)
+    # The hashes others compute (the router, the KV tiers, a prefill replica) chain the same way.
+    assert prompt_hashes(prompt, 4, "tenant-a") != prompt_hashes(prompt, 4, "tenant-b") != prompt_hashes(prompt, 4)
+    assert manager.hold_cached("h", prompt_hashes(prompt, 4, "tenant-a")) and salt_root(None) is None

@@ -8,10 +8,10 @@ import signal
 import anyio
 import pytest
 
-from cadenza.actors.cache_manager import block_hash
+from cadenza.actors.cache_manager import block_hash, prompt_hashes
 from cadenza.cluster.dp_engine import DataParallelEngine
 from cadenza.cluster.replicas import ReplicaFrontEnd, start_replicas
-from cadenza.cluster.router import Router, prompt_hashes
+from cadenza.cluster.router import Router
 from cadenza.config import load_config
 from cadenza.sampling_params import SamplingParams
 

@@ -15,9 +15,8 @@ import anyio
 import psutil
 import pytest
 
-from cadenza.actors.cache_manager import KVCacheManager
+from cadenza.actors.cache_manager import KVCacheManager, prompt_hashes
 from cadenza.cluster.replicas import start_replicas
-from cadenza.cluster.router import prompt_hashes
 from cadenza.config import ConfigError, load_config
 from cadenza.kv_connectors.blocks import block_nbytes, cache_tensors
 from cadenza.parallel.disaggregation import plan_disaggregation

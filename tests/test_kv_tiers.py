@@ -334,9 +334,9 @@ def test_a_bad_block_file_is_recomputed(model, reference, tmp_path, fault):
         llm.generate({"prompt_token_ids": PROMPT}, greedy())
         settle_writes(llm)
         tier = disk_of(llm)
-    from cadenza.actors.tier_agent import prompt_hashes
+    from cadenza.actors.tier_agent import reusable_hashes
 
-    hashes = prompt_hashes(PROMPT, BLOCK)
+    hashes = reusable_hashes(PROMPT, BLOCK, None)
     with make_llm(model, tmp_path) as llm:
         FAULTS[fault](tier.file_of(hashes[3]))  # the fourth block goes bad after the restart's scan
         out = llm.generate({"prompt_token_ids": PROMPT}, greedy())[0]
@@ -413,3 +413,23 @@ def test_tier_metrics_reach_prometheus(model, tmp_path):
         text = generate_latest(ServerMetrics(llm.engine.metrics).registry).decode()
     assert 'cadenza_kv_tier_written_bytes_total{tier="disk"}' in text
     assert 'cadenza_kv_tier_hits_total{tier="disk"} 0.0' in text
+
+
+def test_a_cache_salt_is_kept_apart_on_disk_too(model, reference, tmp_path):
+    """Blocks written behind under one tenant's cache_salt are read back for that salt only: after
+    a restart another salt (or none) computes its prompt, as it would in memory."""
+    def salted(salt):
+        return greedy().model_copy(update={"cache_salt": salt})
+
+    with make_llm(model, tmp_path) as llm:
+        llm.generate({"prompt_token_ids": PROMPT}, salted("tenant-a"))
+        settle_writes(llm)
+    with make_llm(model, tmp_path) as llm:
+        for salt in ("tenant-b", None):
+            out = llm.generate({"prompt_token_ids": PROMPT}, salted(salt))[0]
+            assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == reference, salt
+        assert llm.engine.metrics.kv_tier_blocks_read == 0
+        out = llm.generate({"prompt_token_ids": PROMPT}, salted("tenant-a"))[0]
+        assert out.num_cached_tokens == 8 * BLOCK and llm.engine.metrics.kv_tier_blocks_read == 8
+        assert out.outputs[0].token_ids == reference
+        audit(llm)

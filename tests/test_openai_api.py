@@ -408,3 +408,19 @@ def test_seed_minus_one_is_a_seed_like_any_other(server, client, model):
     assert any(text(seed) != first for seed in (0, 1, 2))
     seed_doc = httpx.get(server.url + "/openapi.json").json()["components"]["schemas"]["CompletionRequest"]["properties"]["seed"]
     assert "-1 is a seed like any other" in json.dumps(seed_doc)
+
+
+def test_cache_salt_shares_a_prefix_only_with_the_same_salt(client, model):
+    """vLLM's cache_salt: the second request of a tenant reuses its prompt's blocks; another
+    tenant's (another salt) computes the same prompt afresh."""
+    messages = [{"role": "user", "content": "A long shared system prompt, then a question, " * 6}]
+
+    def cached(salt: str) -> int:
+        answer = client.chat.completions.create(model=model, messages=messages, max_tokens=1, extra_body={"cache_salt": salt})
+        return answer.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") > 0
+    assert cached("tenant-b") == 0
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        cached("")

@@ -102,6 +102,10 @@ class _SamplingFields(SamplingOverrides):
     n: N = 1
     stream: bool = False
     stream_options: StreamOptions | None = Field(None, description="Only with stream: true, as OpenAI and vLLM require.")
+    cache_salt: str | None = Field(
+        None, min_length=1, max_length=256, description="vLLM's: prefix-cache hits only among requests with the "
+        "same salt (one tenant's prompts cannot be probed by another's timing).",
+    )
     # Accepted and ignored: they change nothing about how a local server generates.
     user: str | None = None
     metadata: dict[str, Any] | None = None
