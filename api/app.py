@@ -22,8 +22,8 @@ from cadenza.api.errors import APIError, error_responses, install_error_handlers
 from cadenza.api.http_streaming import parse_body
 from cadenza.api.metrics import ServerMetrics
 from cadenza.api.model_pool import ModelPool, ModelRouting
-from cadenza.api.openai.request_rules import API_DESCRIPTION, ServedLimits
-from cadenza.api.openai.schema import ModelList, openapi_schemas
+from cadenza.api.openai.request_rules import API_DESCRIPTION, Relation, ServedLimits, write_rules
+from cadenza.api.openai.schema import ModelList, openapi_request_body, openapi_schemas, prefixed_schemas
 from cadenza.api.protocols import ErrorWriters, select_protocols
 from cadenza.api.sessions.core import ContextPlugins, SessionCore
 from cadenza.api.state import (
@@ -60,6 +60,36 @@ class ModelAction(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field(min_length=1, description="A model the server serves (its `models` list).")
+
+
+class ModelUnload(ModelAction):
+    """The model to unload: not the first, nor a pinned one (they stay loaded: a 400, model_pinned)."""
+
+
+class ModelState(BaseModel):
+    id: str
+    status: Literal["unloaded", "loading", "loaded", "unloading"]
+    pinned: bool = Field(description="Never unloaded.")
+    in_flight: int = Field(description="Requests running on it now.")
+    memory_bytes: int = Field(description="Its weights and KV cache while loaded; 0 otherwise.")
+    error: str | None = Field(None, description="Why its last load failed, where it did.")
+
+
+_PINNED = Relation(("model",), "The first model and the pinned ones stay loaded: unloading one is a 400 (model_pinned).")
+
+
+def model_action_schemas(names: list[str]) -> dict[str, dict[str, Any]]:
+    """The load and unload bodies as OpenAPI components: `model` one of the served `names`."""
+    schemas = prefixed_schemas((ModelAction, ModelUnload), "")
+    for schema in schemas.values():
+        schema["properties"]["model"]["enum"] = names
+    write_rules(schemas, {}, {}, {"ModelUnload": [_PINNED]})
+    return schemas
+
+
+def _model_action(body: type[BaseModel], *statuses: int) -> dict[str, Any]:
+    return {"openapi_extra": {"requestBody": openapi_request_body(body)},
+            "responses": {200: {"model": ModelState}, **error_responses(*statuses)}}
 
 
 def create_app(runtime: Served, *, serve_engine: ServeEngine | None = None, shutdown_grace: float = 10.0) -> FastAPI:
@@ -133,7 +163,12 @@ def create_app(runtime: Served, *, serve_engine: ServeEngine | None = None, shut
             from cadenza.api.openai_ws.responses_protocol import ResponseCreateRequest
             from cadenza.api.tokenizer import REQUEST_MODELS as TOKENIZER_MODELS
 
-            schemas = openapi_schemas(served_model_name(config), limits, (*TOKENIZER_MODELS, ResponseCreateRequest))
+            name = served_model_name(config)
+            schemas = openapi_schemas(name, limits, (*TOKENIZER_MODELS, ResponseCreateRequest))
+            for protocol in protocols:
+                schemas.update(protocol.openapi_schemas(name, limits))
+            pool = getattr(app.state, "model_pool", None)
+            schemas.update(model_action_schemas(list(pool.models) if pool is not None else [name]))
             document.setdefault("components", {}).setdefault("schemas", {}).update(schemas)
             document["info"]["description"] = API_DESCRIPTION
             # FastAPI documents a 422 for routes with path parameters; this server answers its
@@ -194,19 +229,17 @@ def create_app(runtime: Served, *, serve_engine: ServeEngine | None = None, shut
             data.append(entry)
         return {"object": "list", "data": data}
 
-    # Not in the OpenAPI document yet, as the Anthropic and Ollama routes: its contract test knows
-    # OpenAI's error shape and the served model's name only.
-    @app.post("/models/load", include_in_schema=False)
+    @app.post("/models/load", **_model_action(ModelAction, 400, 401, 404, 413, 503))
     async def load_model(request: Request):
         """Load a model of the deployment's `models` now (llama.cpp's router mode)."""
         body = await parse_body(request, ModelAction)
         model = await request.app.state.model_pool.load(body.model)
         return {"id": model.name, **model.describe()}
 
-    @app.post("/models/unload", include_in_schema=False)
+    @app.post("/models/unload", **_model_action(ModelUnload, 400, 401, 404, 413, 503))
     async def unload_model(request: Request):
         """Unload a model now, once its running requests have ended."""
-        body = await parse_body(request, ModelAction)
+        body = await parse_body(request, ModelUnload)
         model = await request.app.state.model_pool.unload(body.model)
         return {"id": model.name, **model.describe()}
 

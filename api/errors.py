@@ -53,6 +53,14 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
 
+    def message_naming_param(self) -> str:
+        """The message, beginning with the field at fault (`param: ...`) where one is: how the
+        error shapes that have no `param` (Anthropic's, Ollama's) name it, for clients and the
+        OpenAPI document's relations to read."""
+        if self.param is None or self.message.startswith(f"{self.param}:"):
+            return self.message
+        return f"{self.param}: {self.message}"
+
 
 ErrorType = Literal[
     "invalid_request_error", "authentication_error", "not_found_error", "rate_limit_error", "server_error"
@@ -84,9 +92,12 @@ _STATUS_MEANING = {
 }
 
 
-def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI `responses` for these error statuses, each with the `ErrorResponse` body."""
-    return {status: {"model": ErrorResponse, "description": _STATUS_MEANING[status]} for status in statuses}
+def error_responses(*statuses: int, model: type[BaseModel] = ErrorResponse,
+                    meaning: dict[int, str] | None = None) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` for these error statuses, each with the `model` body (OpenAI's
+    `ErrorResponse` unless another protocol's); `meaning` says what a status means where it differs."""
+    said = {**_STATUS_MEANING, **(meaning or {})}
+    return {status: {"model": model, "description": said[status]} for status in statuses}
 
 
 def engine_error(code: str | None, message: str | None) -> APIError:

@@ -12,13 +12,16 @@ are the app's own.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable, Sequence
 
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 
 from cadenza.api.errors import APIError
 from cadenza.plugins.errors import PluginError, UnknownNameError
+
+if TYPE_CHECKING:
+    from cadenza.api.openai.request_rules import ServedLimits
 
 
 class Protocol(ABC):
@@ -40,6 +43,11 @@ class Protocol(ABC):
     def error_response(self, error: APIError) -> Response:
         """How this protocol writes `error` (status, body, headers); OpenAI's shape by default."""
         return JSONResponse(error.body(), status_code=error.status)
+
+    def openapi_schemas(self, model_name: str, limits: ServedLimits) -> dict[str, dict[str, Any]]:
+        """The OpenAPI components its routes' documented request bodies refer to (models the
+        routes parse themselves, which FastAPI cannot see), for the served model; none by default."""
+        return {}
 
 
 def select_protocols(builtins: Sequence[type[Protocol]], plugins: Iterable[tuple[str, type, str]],

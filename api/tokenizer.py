@@ -71,7 +71,8 @@ class TokenizeResponse(_Strict):
 
 
 class DetokenizeRequest(_ModelField):
-    tokens: list[Annotated[StrictInt, Field(ge=0)]] = Field(description="Token ids, each below the vocabulary's size.")
+    tokens: list[Annotated[StrictInt, Field(ge=0)]] = Field(
+        description="Token ids, each below the vocabulary's size, written as JSON integers (648, not 648.0: a 400).")
 
 
 class DetokenizeResponse(_Strict):

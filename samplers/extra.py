@@ -79,6 +79,9 @@ class ExtraParams:
                     f"extra.{name}: no sampler or logits processor named {name!r} runs here; "
                     f"known: {', '.join(self.names) or '(none)'}"
                 )
+            if is_on(value) and getattr(cls, "request_field", None):
+                raise ExtraParamsError(f"extra.{name}: this plugin is asked for through the request's "
+                                       f"{cls.request_field} field, not extra")
             if is_on(value):
                 parsed[name] = self._parse(name, cls.params_model, value)
         return parsed

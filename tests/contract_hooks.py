@@ -6,14 +6,18 @@ schemathesis' own.
   description: JSON Schema counts 2.0 as an integer, cadenza refuses it as OpenAI does).
 - `documented_refusal`, a check: a body the document allows that the server refuses (400) must
   break one of the relations the document lists for the operation (`x-cadenza-relations`): the
-  error's `param` is one of that relation's params. It stands in for schemathesis'
-  `positive_data_acceptance`, which knows no relations.
+  field the error names is one of that relation's params. It stands in for schemathesis'
+  `positive_data_acceptance`, which knows no relations. Each protocol's error shape names the
+  field its own way (`field_named`): OpenAI's in `error.param`; Anthropic's
+  (`{"type": "error", "error": {"type", "message"}}`) and Ollama's (`{"error": "..."}`) have no
+  `param`, so their messages begin with it (`messages.0.content: ...`).
 """
 
 from __future__ import annotations
 
 import fnmatch
 import json
+import re
 from typing import Any
 
 import schemathesis
@@ -45,6 +49,28 @@ def relations_of(document: dict, path: str, method: str) -> list[dict]:
     return document["components"]["schemas"][ref.rpartition("/")[2]].get("x-cadenza-relations", [])
 
 
+_FIELD = re.compile(r"([A-Za-z_][A-Za-z0-9_.]*): ")
+
+
+def field_named(body: Any) -> tuple[str, str | None]:
+    """(which error shape `body` is in, the field it names or None); AssertionError when it is in
+    none of the protocols' shapes."""
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict) and body.get("type") == "error" and isinstance(error.get("message"), str):
+        return "anthropic", _prefix(error["message"])
+    if isinstance(error, dict) and "param" in error and isinstance(error.get("message"), str):
+        return "openai", error["param"]
+    if isinstance(error, str):
+        return "ollama", _prefix(error)
+    raise AssertionError(f"an error in no protocol's shape: {body!r}")
+
+
+def _prefix(message: str) -> str | None:
+    """The field a message begins with (`messages.0.content: ...`), if it begins with one."""
+    found = _FIELD.match(message)
+    return found.group(1) if found else None
+
+
 @schemathesis.check
 def documented_refusal(ctx, response, case) -> bool | None:
     meta = case.meta
@@ -52,19 +78,24 @@ def documented_refusal(ctx, response, case) -> bool | None:
         return None
     if case.method.upper() != case.operation.method.upper():
         return None  # an undeclared method: the 405 checks judge it
-    try:
-        error = json.loads(response.content)["error"]
-    except (ValueError, KeyError, TypeError):
-        raise AssertionError(f"a {response.status_code} without OpenAI's error shape") from None
-    status, param = response.status_code, error.get("param")
+    status = response.status_code
     if status == 429:  # the queue was full: a valid body may wait its turn
         return None
-    if status == 404:  # a stored response that does not exist (the path's id or previous_response_id)
-        assert param in ("response_id", "previous_response_id"), f"404 for a body the document allows: {error}"
+    document = case.operation.schema.raw_schema
+    if status == 501 and "501" in document["paths"][case.operation.path][case.method.lower()]["responses"]:
+        return None  # an operation documented as not supported (Ollama's model management)
+    try:
+        body = json.loads(response.content)
+    except ValueError:
+        body = None
+    shape, param = field_named(body)
+    # A stored response that does not exist (the path's id or previous_response_id).
+    if status == 404 and shape == "openai":
+        assert param in ("response_id", "previous_response_id"), f"404 for a body the document allows: {body}"
         return None
-    assert status == 400, f"{status} for a body the document allows: {error}"
-    params = [p for r in relations_of(case.operation.schema.raw_schema, case.operation.path, case.method) for p in r["params"]]
+    assert status == 400, f"{status} for a body the document allows: {body}"
+    params = [p for r in relations_of(document, case.operation.path, case.method) for p in r["params"]]
     assert param is not None and any(fnmatch.fnmatchcase(param, p) for p in params), (
-        f"a body the document allows was refused for no relation it documents: {error}"
+        f"a body the document allows was refused for no relation it documents: {body}"
     )
     return None

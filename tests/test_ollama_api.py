@@ -238,8 +238,10 @@ def test_tags_show_ps_version(client, model, server):
     running = client.ps().models
     assert running[0].model == model and running[0].size_vram == 0 and running[0].expires_at.year > 2100
     assert httpx.get(server.url + "/api/version").json()["version"]
-    # The OpenAPI document describes the OpenAI-shaped API only.
-    assert not [path for path in httpx.get(server.url + "/openapi.json").json()["paths"] if path.startswith("/api/")]
+    # The OpenAPI document describes these routes too, the model by both its names.
+    document = httpx.get(server.url + "/openapi.json").json()
+    assert {"/api/chat", "/api/tags", "/api/show", "/api/ps", "/api/version"} <= set(document["paths"])
+    assert model in document["components"]["schemas"]["OllamaChatRequest"]["properties"]["model"]["enum"]
 
 
 def test_embed_and_the_older_embeddings(client, model):

@@ -123,3 +123,28 @@ def test_a_registration_that_is_not_a_protocol_or_is_twice_fails_naming_the_plug
     assert "some_plugin" in str(caught.value)
     with pytest.raises(PluginError, match="registered twice: by 'cadenza' and by 'other'"):
         select_protocols(BUILTIN_PROTOCOLS, [("openai", Twice, "other")], None)
+
+
+@covers("Protocol.openapi_schemas")
+def test_a_protocol_hands_the_document_the_components_its_routes_refer_to():
+    """None by default; Anthropic's and Ollama's their request models, under their own prefixes,
+    with the served model's names."""
+    from cadenza.api.anthropic import AnthropicProtocol
+    from cadenza.api.ollama import OllamaProtocol
+    from cadenza.api.openai.request_rules import ServedLimits
+    from cadenza.api.protocols import Protocol
+
+    class Bare(Protocol):
+        name = "bare_test"
+
+        def router(self):
+            raise AssertionError("not needed")
+
+    limits = ServedLimits(vocab_size=320, hidden_size=64)
+    assert Bare().openapi_schemas("tiny", limits) == {}
+    anthropic = AnthropicProtocol().openapi_schemas("tiny", limits)
+    assert anthropic["AnthropicMessagesRequest"]["properties"]["model"]["enum"] == ["tiny"]
+    assert "Message" not in anthropic and "AnthropicMessage" in anthropic
+    ollama = OllamaProtocol().openapi_schemas("tiny", limits)
+    assert ollama["OllamaChatRequest"]["properties"]["model"]["enum"] == ["tiny", "tiny:latest"]
+    assert ollama["OllamaEmbedRequest"]["properties"]["dimensions"]["anyOf"][0]["maximum"] == 64

@@ -6,13 +6,14 @@ Each request is translated into the chat core's (`translate.py`) and run by it (
 `whole_answer`, `streamed_chunks`), so tools, reasoning, sampling and every refusal behave as they
 do on /v1/chat/completions. Every error under /v1/messages, bad JSON, an unknown field, a wrong
 model or API key included, is written in Anthropic's shape. `anthropic-version` and
-`anthropic-beta` headers are accepted and not read. The routes are left out of the OpenAPI
-document (it describes OpenAI's API); docs/anthropic-api.md describes them.
+`anthropic-beta` headers are accepted and not read. The routes are in the OpenAPI document
+(`schema.py`); docs/anthropic-api.md describes them.
 """
 
 from __future__ import annotations
 
 from contextlib import aclosing
+from typing import Any
 
 import anyio
 from fastapi import APIRouter, Request
@@ -20,10 +21,17 @@ from fastapi.responses import JSONResponse, Response
 
 from cadenza.api.anthropic.events import MessageEvents, failure
 from cadenza.api.anthropic.protocol import CountTokensRequest, MessagesRequest
+from cadenza.api.anthropic.schema import (
+    AnthropicMessageResponse,
+    AnthropicTokenCount,
+    anthropic_schemas,
+    documented,
+)
 from cadenza.api.anthropic.translate import chat_request, error_body, renamed, whole_message
 from cadenza.api.errors import APIError
 from cadenza.api.http_streaming import Emit, EventStreamResponse, parse_body
 from cadenza.api.openai.completions import prepare_chat, streamed_chunks, whole_answer
+from cadenza.api.openai.request_rules import ServedLimits
 from cadenza.api.protocols import Protocol
 from cadenza.api.state import server_state
 from cadenza.models.prompts import ChatPrompt, PromptError, tokenize_prompt
@@ -32,7 +40,7 @@ from cadenza.models.tokenizer import ChatTemplateError
 router = APIRouter()
 
 
-@router.post("/v1/messages", include_in_schema=False)
+@router.post("/v1/messages", **documented(MessagesRequest, AnthropicMessageResponse, streams=True))
 async def messages(request: Request) -> Response:
     state = server_state(request)
     req = await parse_body(request, MessagesRequest)
@@ -64,7 +72,7 @@ async def messages(request: Request) -> Response:
                                completion_id=message_id)
 
 
-@router.post("/v1/messages/count_tokens", include_in_schema=False)
+@router.post("/v1/messages/count_tokens", **documented(CountTokensRequest, AnthropicTokenCount, streams=False))
 async def count_tokens(request: Request) -> Response:
     state = server_state(request)
     req = await parse_body(request, CountTokensRequest)
@@ -97,3 +105,6 @@ class AnthropicProtocol(Protocol):
 
     def error_response(self, error: APIError) -> Response:
         return JSONResponse(error_body(error), status_code=error.status)
+
+    def openapi_schemas(self, model_name: str, limits: ServedLimits) -> dict[str, dict[str, Any]]:
+        return anthropic_schemas(model_name, limits)

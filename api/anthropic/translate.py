@@ -10,6 +10,7 @@ each call a `tool_use` block. Errors take Anthropic's shape (`error_body`).
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from pydantic import ValidationError
@@ -39,6 +40,8 @@ STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_
 # The chat core's field names, in its errors, -> this API's.
 _PARAMS = {"stop": "stop_sequences", "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
            "chat_template_kwargs": "thinking", "max_completion_tokens": "max_tokens"}
+_NESTED_PARAMS = ((r"^tools\.(\d+)\.function\.parameters", r"tools.\1.input_schema"),
+                  (r"^tools\.(\d+)\.function\.", r"tools.\1."), (r"^tool_choice\.function\.", "tool_choice."))
 
 
 def _unsupported(param: str, what: str) -> APIError:
@@ -174,10 +177,17 @@ def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
 
 
 def renamed(error: APIError) -> APIError:
-    """An error from the chat core, naming this API's field where the two differ."""
-    if error.param is not None:
-        head, dot, rest = error.param.partition(".")
-        error.param = _PARAMS.get(head, head) + dot + rest
+    """An error from the chat core, naming this API's field where the two differ (in `param`
+    and where the message begins with it)."""
+    if error.param is None:
+        return error
+    head, dot, rest = error.param.partition(".")
+    param = _PARAMS.get(head, head) + dot + rest
+    for ours, theirs in _NESTED_PARAMS:
+        param = re.sub(ours, theirs, param)
+    if error.message.startswith(f"{error.param}:"):
+        error.message = param + error.message[len(error.param):]
+    error.param = param
     return error
 
 
@@ -243,9 +253,10 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
 
 
 def error_body(error: APIError) -> dict[str, Any]:
-    """Anthropic's error shape; any other 4xx is an invalid request, any other 5xx an api_error."""
+    """Anthropic's error shape; any other 4xx is an invalid request, any other 5xx an api_error.
+    The shape has no `param`: the message begins with the field at fault."""
     kind = _ERROR_TYPES.get(error.status, "invalid_request_error" if error.status < 500 else "api_error")
-    message = error.message
+    message = error.message_naming_param()
     if error.code == "invalid_api_key":
         message = "a valid API key is required: send it as 'x-api-key: <key>'"
     return {"type": "error", "error": {"type": kind, "message": message}}

@@ -13,9 +13,10 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema, field_validator
 
 from cadenza.api.errors import APIError
+from cadenza.api.openai.protocol import FunctionName
 from cadenza.sampling_params import (
     FrequencyPenalty,
     MinP,
@@ -38,7 +39,8 @@ class Options(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     num_ctx: int | None = Field(None, ge=1, description="The context window; above max_model_len it is capped.")
-    num_predict: int | None = Field(None, ge=-2, description="Most tokens to generate; -1 or -2: until the end.")
+    num_predict: int | None = Field(None, ge=-2, json_schema_extra={"not": {"const": 0}},
+                                    description="Most tokens to generate; -1 or -2: until the end; not 0.")
     temperature: Temperature | None = None
     top_k: TopK | None = None
     top_p: TopP | None = None
@@ -49,13 +51,20 @@ class Options(BaseModel):
     presence_penalty: PresencePenalty | None = None
     frequency_penalty: FrequencyPenalty | None = None
 
+    @field_validator("num_predict")
+    @classmethod
+    def _generates_something(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("0 generates nothing; give a positive number, or -1 for until the end")
+        return value
+
     def ignored(self) -> list[str]:
         """The options given that cadenza does not map."""
         return sorted(self.model_extra or ())
 
 
 class ToolCallFunction(_Lenient):
-    name: str = Field(min_length=1)
+    name: FunctionName
     arguments: dict[str, Any] = Field(default_factory=dict, description="The arguments, as an object.")
 
 
@@ -73,7 +82,7 @@ class Message(_Lenient):
 
 
 class ToolFunction(_Lenient):
-    name: str = Field(min_length=1)
+    name: FunctionName
     description: str | None = None
     parameters: dict[str, Any] | None = None
 
@@ -101,10 +110,17 @@ def _keep_alive(value: Any) -> Any:
     raise ValueError('must be a duration: seconds, or text such as "5m" (negative: forever)')
 
 
-# One message each for what a union of types would answer with one per member.
-Format = Annotated[str | dict[str, Any], PlainValidator(_format), WithJsonSchema({})]
-Think = Annotated[bool | str, PlainValidator(_think), WithJsonSchema({})]
-KeepAlive = Annotated[float | str, PlainValidator(_keep_alive), WithJsonSchema({})]
+# One message each for what a union of types would answer with one per member; the document
+# states what each validator (and `keep_alive_seconds`) accepts.
+_DURATION = r"^[+-]?(?:(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:ns|us|µs|ms|s|m|h))+$|^[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)$"
+Format = Annotated[str | dict[str, Any], PlainValidator(_format),
+                   WithJsonSchema({"anyOf": [{"enum": ["", "json"]}, {"type": "object"}]})]
+Think = Annotated[bool | str, PlainValidator(_think),
+                  WithJsonSchema({"anyOf": [{"type": "boolean"}, {"enum": ["low", "medium", "high"]}]})]
+KeepAlive = Annotated[float | str, PlainValidator(_keep_alive),
+                      WithJsonSchema({"anyOf": [{"type": "number"}, {"type": "string", "pattern": _DURATION}],
+                                      "description": 'Seconds, or a duration such as "5m" or "1h30m"; negative: '
+                                                     "forever."})]
 
 
 class _Generating(_Lenient):

@@ -6,7 +6,7 @@ Generation answers stream as NDJSON unless `stream: false` (Ollama's default is 
 last line has `done: true` and the counts. Every error under /api/ is `{"error": "..."}` with its
 HTTP status, and a stream that fails once begun ends with such a line. A chat without messages or
 a generate without a prompt is Ollama's way to load a model: it is loaded, and the answer says so.
-The routes stay out of the OpenAPI document, which describes the OpenAI-shaped API.
+The routes are in the OpenAPI document (`schema.py`).
 """
 
 from __future__ import annotations
@@ -33,6 +33,20 @@ from cadenza.api.ollama.protocol import (
     ShowRequest,
     keep_alive_seconds,
 )
+from cadenza.api.ollama.schema import (
+    OllamaChatResponse,
+    OllamaEmbeddingResponse,
+    OllamaEmbedResponse,
+    OllamaGenerateResponse,
+    OllamaProcesses,
+    OllamaShowResponse,
+    OllamaStatus,
+    OllamaTags,
+    OllamaVersion,
+    documented,
+    ollama_schemas,
+    unsupported_route,
+)
 from cadenza.api.ollama.translate import (
     chat_request,
     check_generate,
@@ -43,6 +57,7 @@ from cadenza.api.ollama.translate import (
     raw_completion,
 )
 from cadenza.api.openai.completions import PreparedRun, _check_finish, prepare_chat, prepare_completion, streamed_chunks
+from cadenza.api.openai.request_rules import ServedLimits
 from cadenza.api.protocols import Protocol
 from cadenza.api.state import ServerState, server_state
 from cadenza.models.prompts import tokenize_prompt
@@ -50,8 +65,11 @@ from cadenza.pooling_params import PoolingParams
 from cadenza.sampling_params import SamplingParams
 
 log = structlog.get_logger("cadenza.api")
-router = APIRouter(include_in_schema=False)
+router = APIRouter()
 
+# The statuses each kind of route answers with (besides 200), in the OpenAPI document.
+_GENERATING = (400, 401, 404, 408, 413, 429, 500, 503)
+_EMBEDDING = (400, 401, 404, 413, 429, 500, 503)
 API_VERSION = "0.9.0"  # the Ollama release whose API this serves (think, tools, structured outputs)
 FOREVER = "2318-08-04T00:00:00Z"  # /api/ps' expires_at: the model is never unloaded
 
@@ -64,7 +82,10 @@ class OllamaProtocol(Protocol):
         return router
 
     def error_response(self, error: APIError) -> Response:
-        return JSONResponse({"error": in_ollama_terms(error).message}, status_code=error.status)
+        return JSONResponse({"error": in_ollama_terms(error).message_naming_param()}, status_code=error.status)
+
+    def openapi_schemas(self, model_name: str, limits: ServedLimits) -> dict[str, dict[str, Any]]:
+        return ollama_schemas(model_name, limits)
 
 
 def _line(body: dict[str, Any]) -> bytes:
@@ -73,7 +94,7 @@ def _line(body: dict[str, Any]) -> bytes:
 
 def _failure(error: APIError) -> bytes:
     """How a stream that fails once begun ends: Ollama's error line."""
-    return _line({"error": in_ollama_terms(error).message})
+    return _line({"error": in_ollama_terms(error).message_naming_param()})
 
 
 def _admit(request: Request, state: ServerState, model: str, keep_alive: KeepAlive | None) -> float | None:
@@ -95,7 +116,7 @@ def _loaded(state: ServerState, keep_alive: float | None, fields: dict[str, Any]
                          "done": True, "done_reason": reason})
 
 
-@router.post("/api/chat")
+@router.post("/api/chat", **documented(OllamaChatResponse, ChatRequest, streams=True, errors=_GENERATING))
 async def chat(request: Request) -> Response:
     clock = Clock()
     state = server_state(request)
@@ -107,7 +128,7 @@ async def chat(request: Request) -> Response:
     return await _respond(request, state, run, Answer("chat"), req.stream, clock)
 
 
-@router.post("/api/generate")
+@router.post("/api/generate", **documented(OllamaGenerateResponse, GenerateRequest, streams=True, errors=_GENERATING))
 async def generate(request: Request) -> Response:
     clock = Clock()
     state = server_state(request)
@@ -157,7 +178,7 @@ async def _respond(request: Request, state: ServerState, run: PreparedRun, answe
 # --- embeddings ------------------------------------------------------------------------------------
 
 
-@router.post("/api/embed")
+@router.post("/api/embed", **documented(OllamaEmbedResponse, EmbedRequest, errors=_EMBEDDING))
 async def embed(request: Request) -> Response:
     clock = Clock()
     state = server_state(request)
@@ -174,7 +195,7 @@ async def embed(request: Request) -> Response:
                          "total_duration": clock.last - clock.arrived, "load_duration": 0, "prompt_eval_count": tokens})
 
 
-@router.post("/api/embeddings")
+@router.post("/api/embeddings", **documented(OllamaEmbeddingResponse, EmbeddingsRequest, errors=_EMBEDDING))
 async def embeddings(request: Request) -> Response:
     """The older route: one prompt, one `embedding`."""
     state = server_state(request)
@@ -227,7 +248,7 @@ def _truncated(state: ServerState, text: str) -> str | list[int]:
 # --- the model -------------------------------------------------------------------------------------
 
 
-@router.get("/api/version")
+@router.get("/api/version", **documented(OllamaVersion, errors=()))
 async def version() -> dict[str, str]:
     return {"version": API_VERSION}
 
@@ -238,7 +259,7 @@ def _pooled(request: Request) -> list:
     return list(pool.models.values()) if pool is not None else []
 
 
-@router.get("/api/tags")
+@router.get("/api/tags", **documented(OllamaTags, errors=(401, 503)))
 async def tags(request: Request) -> dict[str, Any]:
     state = server_state(request)
     listed = []
@@ -250,7 +271,7 @@ async def tags(request: Request) -> dict[str, Any]:
     return {"models": listed}
 
 
-@router.get("/api/ps")
+@router.get("/api/ps", **documented(OllamaProcesses, errors=(401, 503)))
 async def ps(request: Request) -> dict[str, Any]:
     default = server_state(request)
     running = []
@@ -267,7 +288,7 @@ async def ps(request: Request) -> dict[str, Any]:
     return {"models": running}
 
 
-@router.post("/api/show")
+@router.post("/api/show", **documented(OllamaShowResponse, ShowRequest))
 async def show(request: Request) -> dict[str, Any]:
     state = server_state(request)
     req = await parse_body(request, ShowRequest)
@@ -280,7 +301,7 @@ async def show(request: Request) -> dict[str, Any]:
     }  # fmt: skip
 
 
-@router.post("/api/pull")
+@router.post("/api/pull", **documented(OllamaStatus, ShowRequest))
 async def pull(request: Request) -> Response:
     """Pulling the served model succeeds at once (it is here); any other is not found."""
     state = server_state(request)
@@ -295,6 +316,8 @@ async def _unsupported(request: Request) -> Response:
                    "it was started with")
 
 
-for _path, _methods in (("/api/push", ["POST"]), ("/api/create", ["POST"]), ("/api/copy", ["POST"]),
-                        ("/api/delete", ["DELETE"]), ("/api/blobs/{digest}", ["HEAD", "POST"])):
-    router.add_api_route(_path, _unsupported, methods=_methods)
+for _path, _method in (("/api/push", "POST"), ("/api/create", "POST"), ("/api/copy", "POST"),
+                       ("/api/delete", "DELETE"), ("/api/blobs/{digest}", "HEAD"), ("/api/blobs/{digest}", "POST")):
+    _name = f"ollama_{_path.split('/')[2]}_{_method.lower()}"
+    router.add_api_route(_path, _unsupported, methods=[_method], status_code=501, operation_id=_name,
+                         summary=f"{_method} {_path} (not supported)", **unsupported_route(_path))

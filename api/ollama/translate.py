@@ -82,9 +82,6 @@ def sampling(state: ServerState, options: Options | None, *, raw: bool = False) 
     given = {ours: getattr(options, theirs) for theirs, ours in _SAMPLING.items()}
     fields = {name: value for name, value in given.items() if value is not None}
     limit = state.engine.runtime.max_model_len
-    if options.num_predict == 0:
-        raise APIError(400, "invalid_value", "options.num_predict: 0 generates nothing; give a positive number, "
-                       "or -1 for until the end", "options.num_predict")
     if options.num_predict is not None:
         # -1 (until the end) and -2 (fill the context): the engine stops at max_model_len.
         fields["max_tokens"] = limit if options.num_predict < 0 else options.num_predict

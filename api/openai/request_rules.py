@@ -26,13 +26,17 @@ from dataclasses import dataclass
 from typing import Any
 
 API_DESCRIPTION = (
-    "cadenza's OpenAI-compatible API. Integers are written as JSON integers: 2.0 where an integer "
+    "cadenza's API: OpenAI's (/v1/...), Anthropic's Messages (/v1/messages), Ollama's (/api/...) and "
+    "model management (/models/...). Integers are written as JSON integers: 2.0 where an integer "
     "is expected is a 400 naming the field, as OpenAI answers (JSON Schema counts 2.0 as an "
     "integer, so the schemas below cannot say it). A request schema's `x-cadenza-relations` lists "
     "the rules across fields, or against the model and deployment, that a JSON Schema cannot say; "
-    "each is also in its fields' descriptions, and a body that breaks one is a 400 whose "
-    "`error.param` is one of the rule's `params`. The WebSocket APIs (`/v1/sessions`, "
-    "`/v1/responses` and `/v1/realtime` upgraded) are described in docs/websocket.md."
+    "each is also in its fields' descriptions, and a body that breaks one is a 400 naming one of "
+    "the rule's `params`: in OpenAI's error shape as `error.param`; Anthropic's "
+    "(`{\"type\": \"error\", \"error\": {\"type\", \"message\"}}`) and Ollama's (`{\"error\": \"...\"}`) "
+    "have no param, so their messages begin with the field at fault (`messages.0.content: ...`). "
+    "The WebSocket APIs (`/v1/sessions`, `/v1/responses` and `/v1/realtime` upgraded) are described "
+    "in docs/websocket.md."
 )
 
 
@@ -139,7 +143,8 @@ _SAMPLING_RELATIONS = [
     Relation(("min_tokens", "ignore_eos"), "An output constraint (response_format, guided_*, structured_outputs, a forced "
              "tool call) goes with neither min_tokens nor ignore_eos: the grammar decides where the output ends."),
     Relation(("extra", "extra.*"), "extra's keys name the deployment's sampler and logits-processor plugins; each value "
-             "(true, false, null or an object) must be what that plugin's parameters allow."),
+             "(true, false, null or an object) must be what that plugin's parameters allow; a plugin asked for through a request "
+             "field (structured_output: structured_outputs) takes only false or null here."),
     Relation(("speculative.method",), "speculative.method names a proposer this deployment built."),
     Relation(("structured_outputs", "structured_outputs.*"), "The constraint must compile (llguidance): a JSON schema it "
              "supports, a regular expression or grammar it parses, that something can satisfy."),
@@ -188,42 +193,51 @@ RELATIONS: dict[str, list[Relation]] = {
 
 def document_rules(schemas: dict[str, dict[str, Any]], limits: ServedLimits) -> None:
     """Write the rules into the request models' component schemas, in place."""
-    for name, conditions in CONDITIONS.items():
-        if name in schemas:
-            schemas[name].setdefault("allOf", []).extend(conditions)
-    for name, fields in REQUIRED.items():
-        if name in schemas:
-            schemas[name]["required"] = sorted({*schemas[name].get("required", ()), *fields})
-    for name, fields in FIELD_SCHEMAS.items():
-        for field, schema in fields.items():
-            if name in schemas:
-                required = field in schemas[name].get("required", ())
-                schemas[name]["properties"][field] = schema if required else {**schema, "default": None}
+    write_rules(schemas, CONDITIONS, FIELD_SCHEMAS, RELATIONS, REQUIRED)
     if "ResponseFormat" in schemas:
         schemas["ResponseFormat"]["anyOf"] = [
             {"properties": {"type": {"enum": ["text", "json_object"]}}},
             {"required": ["json_schema"], "properties": {"json_schema": {"required": ["schema"], "properties": {"schema": {"type": "object"}}}}},
         ]  # fmt: skip
         schemas["ResponseFormat"]["description"] = "json_schema (with its schema) is required with type json_schema."
-    for name, relations in RELATIONS.items():
+    for schema in schemas.values():
+        bound_fields(schema, limits)
+
+
+def write_rules(schemas: dict[str, dict[str, Any]], conditions: dict[str, list[dict[str, Any]]],
+                field_schemas: dict[str, dict[str, dict[str, Any]]], relations: dict[str, list[Relation]],
+                required: dict[str, list[str]] | None = None) -> None:
+    """Write rule tables (this module's, or another protocol's in its own terms) into the component
+    schemas they name, in place: `conditions` under `allOf`, `field_schemas` over the fields'
+    own, `relations` under `x-cadenza-relations` and into their fields' descriptions."""
+    for name, more in conditions.items():
+        if name in schemas:
+            schemas[name].setdefault("allOf", []).extend(more)
+    for name, fields in (required or {}).items():
+        if name in schemas:
+            schemas[name]["required"] = sorted({*schemas[name].get("required", ()), *fields})
+    for name, fields in field_schemas.items():
+        for field, schema in fields.items():
+            if name in schemas:
+                is_required = field in schemas[name].get("required", ())
+                schemas[name]["properties"][field] = schema if is_required else {**schema, "default": None}
+    for name, listed in relations.items():
         schema = schemas.get(name)
         if schema is None:
             continue
-        schema["x-cadenza-relations"] = [{"params": list(r.params), "rule": r.rule} for r in relations]
-        for relation in relations:
+        schema["x-cadenza-relations"] = [{"params": list(r.params), "rule": r.rule} for r in listed]
+        for relation in listed:
             for param in relation.params:
                 field = schema["properties"].get(param.partition(".")[0])
                 if field is not None and relation.rule not in field.get("description", ""):
                     field["description"] = f"{field.get('description', '')} {relation.rule}".strip()
-    for schema in schemas.values():
-        _bound(schema, limits)
 
 
 # One stop string is a list of one (`sampling_params.StopStrings`); the model's schema shows the list only.
 _STOP = {"anyOf": [{"type": "string", "minLength": 1}, {"type": "array", "items": {"type": "string", "minLength": 1}}, _NULL]}
 
 
-def _bound(schema: dict[str, Any], limits: ServedLimits) -> None:
+def bound_fields(schema: dict[str, Any], limits: ServedLimits) -> None:
     """The served model's bounds on the fields that name tokens, vectors and plugins."""
     properties = schema.get("properties", {})
     if "stop" in properties:

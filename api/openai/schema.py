@@ -15,9 +15,11 @@ _REF = "#/components/schemas/{model}"
 REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, EmbeddingRequest)
 
 
-def openapi_request_body(model: type[BaseModel]) -> dict[str, Any]:
-    """A route's `requestBody` (through `openapi_extra`): `model` as JSON, required."""
-    return {"required": True, "content": {"application/json": {"schema": {"$ref": _REF.format(model=model.__name__)}}}}
+def openapi_request_body(model: type[BaseModel], prefix: str = "") -> dict[str, Any]:
+    """A route's `requestBody` (through `openapi_extra`): `model` as JSON, required; `prefix`: the
+    one its protocol's components are named with (`prefixed_schemas`)."""
+    ref = _REF.format(model=prefix + model.__name__)
+    return {"required": True, "content": {"application/json": {"schema": {"$ref": ref}}}}
 
 
 class _OpenAPIJsonSchema(GenerateJsonSchema):
@@ -48,6 +50,15 @@ def openapi_schemas(model_name: str, limits: ServedLimits,
         schemas[model.__name__]["properties"]["model"]["anyOf"] = [{"enum": [model_name]}, {"type": "null"}]
     document_rules(schemas, limits)
     return schemas
+
+
+def prefixed_schemas(models: tuple[type[BaseModel], ...], prefix: str) -> dict[str, dict[str, Any]]:
+    """Another protocol's request models and every model they use, as components named
+    `prefix + name`, so that its `Message` or `Tool` is not OpenAI's."""
+    pairs = [(m, "validation") for m in models]
+    template = _REF.replace("{model}", prefix + "{model}")
+    _, document = models_json_schema(pairs, ref_template=template, schema_generator=_OpenAPIJsonSchema)
+    return {prefix + name: schema for name, schema in document["$defs"].items()}
 
 
 class PromptTokensDetails(BaseModel):
