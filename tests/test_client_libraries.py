@@ -1,6 +1,8 @@
 """The client libraries people point at an OpenAI-compatible server, each as its documentation
 shows it, against a served tiny model on loopback: instructor (a nested model in TOOLS mode),
-langchain-openai (tools bound and structured output) and litellm (chat and a forced tool call).
+langchain-openai (tools bound and structured output), litellm (chat and a forced tool call) and
+pydantic-ai's chat model (a nested output type). The Responses API's clients (OpenAI's agents SDK,
+pydantic-ai's Responses model) are in test_responses_tools.py.
 
 The tiny model is random, so what is asserted is what the server guarantees: the shape each
 library parses, and arguments that validate, since a forced call is written under a grammar.
@@ -94,3 +96,16 @@ def test_openai_pydantic_function_tool_with_a_nested_model(client, model, stream
         final = client.chat.completions.parse(**kwargs)
     (call,) = final.choices[0].message.tool_calls
     assert isinstance(call.function.parsed_arguments, Person)
+
+
+def test_pydantic_ai_chat_model_with_a_nested_output_type(server, model):
+    """pydantic-ai's chat model (Chat Completions): its output tool carries the nested model's
+    `$defs`, and it is forced, so the run's output validates."""
+    import pydantic_ai
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    provider = OpenAIProvider(base_url=server.url + "/v1", api_key="x")
+    agent = pydantic_ai.Agent(OpenAIChatModel(model, provider=provider), output_type=Person)
+    result = agent.run_sync("Who lives where?", model_settings={"max_tokens": 300})
+    assert isinstance(result.output, Person) and isinstance(result.output.home, Address)
