@@ -66,5 +66,4 @@ def register_reasoning_parsers(register: Register) -> None:
 
 @hookspec
 def register_protocols(register: Register) -> None:
-    """Register wire protocols the HTTP server speaks: `register(name, cls)`, cls an
-    `api.protocols.Protocol` subclass (its routes, and the shape of its errors)."""
+    """Register wire protocols the HTTP server speaks: `register(name, cls)`, cls an `api.protocols.Protocol`."""

@@ -19,9 +19,6 @@ import pytest
 from openai_fixtures import client, model, server  # noqa: F401 (fixtures)
 from pydantic import BaseModel, Field
 
-# litellm fetches a price list from GitHub when imported; the local copy it ships does.
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-
 
 class Address(BaseModel):
     city: Literal["Oslo", "Rome"]
@@ -69,18 +66,37 @@ def test_langchain_openai_bind_tools_and_structured_output(server, model):
         assert isinstance(person, Person), method
 
 
-def test_litellm_chat_and_a_forced_tool_call(server, model):
-    import litellm
+LITELLM_SCRIPT = """
+import json, sys
+import litellm
 
-    common = dict(model=f"openai/{model}", api_base=server.url + "/v1", api_key="x", max_tokens=8)
-    answer = litellm.completion(messages=[{"role": "user", "content": "hi"}], **common)
-    assert answer.choices[0].finish_reason in ("stop", "length") and answer.usage.completion_tokens > 0
-    forced = litellm.completion(messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER],
-                                tool_choice="required", **{**common, "max_tokens": 300})  # fmt: skip
-    (call,) = forced.choices[0].message.tool_calls
-    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Tokyo")
-    streamed = litellm.completion(messages=[{"role": "user", "content": "hi"}], stream=True, **common)
-    assert "".join(chunk.choices[0].delta.content or "" for chunk in streamed) is not None
+url, model, tool = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+common = dict(model=f"openai/{model}", api_base=url + "/v1", api_key="x", max_tokens=8)
+answer = litellm.completion(messages=[{"role": "user", "content": "hi"}], **common)
+forced = litellm.completion(messages=[{"role": "user", "content": "Weather?"}], tools=[tool], tool_choice="required",
+                            **{**common, "max_tokens": 300})
+(call,) = forced.choices[0].message.tool_calls
+streamed = litellm.completion(messages=[{"role": "user", "content": "hi"}], stream=True, **common)
+text = "".join(chunk.choices[0].delta.content or "" for chunk in streamed)
+print(json.dumps({"finish": answer.choices[0].finish_reason, "tokens": answer.usage.completion_tokens,
+                  "name": call.function.name, "arguments": call.function.arguments, "streamed": text}))
+"""
+
+
+def test_litellm_chat_and_a_forced_tool_call(server, model):
+    """litellm as its documentation shows it, in a process of its own: importing it installs a
+    process-wide logging filter of its own that would rewrite every other test's log lines."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", LITELLM_SCRIPT, server.url, model, json.dumps(WEATHER)],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"})  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["finish"] in ("stop", "length") and result["tokens"] > 0
+    assert result["name"] == "get_weather" and json.loads(result["arguments"])["city"] in ("Paris", "Tokyo")
+    assert isinstance(result["streamed"], str)
 
 
 @pytest.mark.parametrize("stream", [False, True])

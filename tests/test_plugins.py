@@ -492,6 +492,7 @@ def test_registries_hold_no_plugin_manager():
         "kv_connectors",
         "reasoning_parsers",
         "tool_parsers",
+        "protocols",
         "plugin_names",
     ]
     assert all(isinstance(name, str) for name in registries.plugin_names)
@@ -703,6 +704,41 @@ def test_tool_parsers_register_beside_the_builtins_and_must_be_parsers():
         load(Wrong())
 
 
+def test_protocols_register_by_name_and_the_app_checks_their_kind():
+    """A protocol registers like any plugin; the registry keeps its source, and the app (which owns
+    the Protocol contract, above this layer) refuses a class that is not one, naming the plugin."""
+    from fastapi import APIRouter
+
+    from cadenza.api.builtin_protocols import BUILTIN_PROTOCOLS
+    from cadenza.api.protocols import Protocol, select_protocols
+
+    class Echo(Protocol):
+        name = "echo_registry_test"
+
+        def router(self):
+            return APIRouter()
+
+    class Plugin:
+        @hookimpl
+        def register_protocols(self, register):
+            register(Echo.name, Echo)
+
+    registries = load(Plugin())
+    assert registries.protocols.names() == ["echo_registry_test"]
+    plugins = [(n, registries.protocols.get(n), registries.protocols.source_of(n)) for n in registries.protocols.names()]
+    served = select_protocols(BUILTIN_PROTOCOLS, plugins, None)
+    assert [p.name for p in served][-1] == "echo_registry_test" and "anthropic" in [p.name for p in served]
+
+    class Wrong:
+        @hookimpl
+        def register_protocols(self, register):
+            register("wrong_test", MRUPolicy)
+
+    wrong = load(Wrong()).protocols
+    with pytest.raises(PluginError, match="protocol 'wrong_test'.*not a subclass of Protocol"):
+        select_protocols(BUILTIN_PROTOCOLS, [("wrong_test", wrong.get("wrong_test"), "Wrong")], None)
+
+
 # --- meta: every hook is tested and documented ---------------------------------------------------
 
 
@@ -726,6 +762,7 @@ def test_hookspecs_are_found():
         "register_kv_connectors",
         "register_reasoning_parsers",
         "register_tool_parsers",
+        "register_protocols",
     }
 
 
