@@ -30,7 +30,8 @@ class EngineMetrics:
     kv_blocks_used: int = 0
     kv_blocks_cached: int = 0
     prefix_hit_rate: float = 0.0
-    prefix_cached_tokens: int = 0
+    prefix_cached_tokens: int = 0  # prompt tokens found in the prefix cache (tier read-backs included)
+    prefix_queried_tokens: int = 0  # prompt tokens looked up in it
     kv_slots_allocated_peak: int = 0  # most token slots requests held at once
     kv_slots_filled_at_peak: int = 0  # of which holding (or about to hold) a token
     # tier agent: the tiers below the KV budget, by name -> their live counters (kv_tiers' TierStats:

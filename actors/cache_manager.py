@@ -457,6 +457,7 @@ class CacheManagerActor(Actor[CacheMessage]):
         self.metrics.kv_blocks_cached = core.num_cached_blocks
         self.metrics.prefix_hit_rate = core.prefix_hit_rate
         self.metrics.prefix_cached_tokens = core.prefix_hits
+        self.metrics.prefix_queried_tokens = core.prefix_queries
         allocated, filled = core.slot_usage()
         if allocated and allocated >= self.metrics.kv_slots_allocated_peak:
             self.metrics.kv_slots_allocated_peak = allocated

@@ -85,6 +85,9 @@ class _EngineCollector:
             "cadenza_preemptions": ("Requests preempted for lack of KV blocks.", m.num_preemptions),
             "cadenza_engine_steps": ("Engine steps run.", m.num_steps),
             "cadenza_prefill_tokens_computed": ("Prompt tokens run through the model.", m.prefill_tokens_computed),
+            "cadenza_prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", m.prefix_queried_tokens),
+            "cadenza_prefix_cache_hits": ("Prompt tokens found in the prefix cache (tier read-backs included).",
+                                          m.prefix_cached_tokens),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)

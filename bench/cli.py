@@ -18,8 +18,14 @@ PEERS = ("hf", "llamacpp")
 HF_VARIANTS = ("generate", "compiled", "continuous")  # what --compare hf runs
 SERVE_PROTOCOLS = ("ws", "http")
 WORKLOADS = ("nano-vllm",)
-SERVE_WORKLOADS = ("random", "multi-turn", "disaggregation")
+SERVE_WORKLOADS = ("random", "multi-turn", "disaggregation", "kv-tiers")
 ROUTERS = ("prefix", "round_robin", "least_loaded")  # parallel.router's choices (cluster/router.py)
+# The conversation flags' defaults per workload: kv-tiers' make a working set about 4x its --kv-blocks 176.
+CONVERSATION_DEFAULTS = {
+    "multi-turn": {"conversations": 16, "system_prompts": 4, "system_len": 256, "turns": 4, "user_len": (24, 40)},
+    "kv-tiers": {"conversations": 16, "system_prompts": 4, "system_len": 640, "turns": 6, "user_len": (64, 96),
+                 "output_len": (16, 16)},
+}
 
 
 def _add_common(parser: argparse.ArgumentParser, peers: bool = True) -> None:
@@ -120,29 +126,31 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                      help="ws: WebSocket sessions at /v1/sessions; http: streaming /v1/completions (default: both)")
     srv.add_argument("--request-rates", type=float, nargs="+", metavar="RATE",
                      help="Poisson arrival rates in requests/s, one run each; inf sends all at once (default: 1 4 inf; "
-                          "multi-turn: one rate, default 2)")
+                          "multi-turn: one rate, default 2; kv-tiers: one, default 8)")
     srv.add_argument("--max-concurrency", type=int, nargs="+", metavar="N",
                      help="run each rate once per N, at most N requests in flight (at rate inf: N streams back to "
                           "back, guidellm's concurrent profile); default: no cap")
     srv.add_argument("--num-requests", type=int, default=32)
     srv.add_argument("--prompt-len", type=int, nargs=2, default=(32, 256), metavar=("A", "B"), help="prompt lengths uniform in [A, B]")
     srv.add_argument("--output-len", type=int, nargs=2, metavar=("C", "D"),
-                     help="output lengths uniform in [C, D] (default 32 128; multi-turn: 32 32)")
+                     help="output lengths uniform in [C, D] (default 32 128; multi-turn: 32 32; kv-tiers: 16 16)")
     mt = srv.add_argument_group("multi-turn", "--workload multi-turn: chats over shared system prompts against "
                                 "`cadenza serve --data-parallel-size N`, one launched server per router (WebSocket, token ids)")
     mt.add_argument("--workload", choices=SERVE_WORKLOADS, default="random",
                     help="random: independent random prompts (default); multi-turn: the router bench; "
-                         "disaggregation: 1 prefill + 1 decode replica against 2 colocated ones")
+                         "disaggregation: 1 prefill + 1 decode replica against 2 colocated ones; kv-tiers: the KV "
+                         "budget alone against it over a disk tier, multi-turn (the conversation flags) with a "
+                         "working set several times the budget")
     mt.add_argument("--routers", nargs="+", default=["prefix", "round_robin"], choices=ROUTERS, metavar="ROUTER",
                     help=f"parallel.router of each arm: {', '.join(ROUTERS)}; ratios are the first over the second "
                          "(default: prefix round_robin)")
     mt.add_argument("--data-parallel-size", type=int, default=2, help="replicas of each arm's server (default 2)")
-    mt.add_argument("--conversations", type=int, default=16, help="default 16")
-    mt.add_argument("--system-prompts", type=int, default=4, help="shared system prompts; conversation c has c mod K (default 4)")
-    mt.add_argument("--system-len", type=int, default=256, help="tokens of each system prompt (default 256)")
-    mt.add_argument("--turns", type=int, default=4, help="turns per conversation (default 4)")
-    mt.add_argument("--user-len", type=int, nargs=2, default=(24, 40), metavar=("A", "B"),
-                    help="user message lengths uniform in [A, B] (default 24 40)")
+    mt.add_argument("--conversations", type=int, help="default 16")
+    mt.add_argument("--system-prompts", type=int, help="shared system prompts; conversation c has c mod K (default 4)")
+    mt.add_argument("--system-len", type=int, help="tokens of each system prompt (default 256; kv-tiers: 640)")
+    mt.add_argument("--turns", type=int, help="turns per conversation (default 4; kv-tiers: 6)")
+    mt.add_argument("--user-len", type=int, nargs=2, metavar=("A", "B"),
+                    help="user message lengths uniform in [A, B] (default 24 40; kv-tiers: 64 96)")
     mt.add_argument("--repeats", type=int, default=1, help="runs per router (or disaggregation arm), order reversed "
                                                             "every other repeat (default 1)")
     pd = srv.add_argument_group("disaggregation", "--workload disaggregation: running decodes while long prompts "
@@ -157,6 +165,18 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     pd.add_argument("--long-tokens", type=int, default=16, help="their max_tokens (default 16)")
     pd.add_argument("--connector", default="torch_distributed",
                     help="parallel.disaggregation.connector of the disaggregated arm (default torch_distributed)")
+    kv = srv.add_argument_group("kv-tiers", "--workload kv-tiers: the KV budget alone and over a disk tier (a fresh "
+                                "temporary directory), each on a launched `cadenza serve` (bench/serving/tiers_bench.py); "
+                                "one rate, default 8; the conversation flags above size the load")
+    kv.add_argument("--kv-blocks", type=int, default=176,
+                    help="cache.num_blocks of every server: the KV budget both arms share (default 176: 2,816 tokens "
+                         "at 16-token blocks)")
+    kv.add_argument("--restart", action="store_true",
+                    help="also restart a disk-tier server halfway through the conversations, and time the next turns "
+                         "against a cold server without a tier")
+    kv.add_argument("--restart-requests", type=int, default=8,
+                    help="--restart: requests timed after it, one at a time (the next turn of the first N "
+                         "conversations; default 8)")
     srv.add_argument("--max-duration", type=float, default=300.0,
                      help="seconds per run; requests unfinished by then are cancelled and counted (default 300)")
     srv.add_argument("--vocab-size", type=int, help="draw prompt token ids below this (default: the model's vocabulary, "
@@ -180,6 +200,14 @@ def run_bench(args: argparse.Namespace) -> int:
             from cadenza.bench.serving.router_bench import serve_multi_turn
 
             return serve_multi_turn(args)
+        if args.bench_command == "serve":
+            for name, value in CONVERSATION_DEFAULTS.get(args.workload, {}).items():
+                if getattr(args, name) is None:
+                    setattr(args, name, value)
+        if args.bench_command == "serve" and args.workload == "kv-tiers":
+            from cadenza.bench.serving.tiers_bench import serve_kv_tiers
+
+            return serve_kv_tiers(args)
         if args.bench_command == "serve" and args.workload == "disaggregation":
             from cadenza.bench.serving.disagg_bench import serve_disaggregation
 

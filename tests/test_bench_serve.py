@@ -11,6 +11,7 @@ from server_process import running_server
 
 from cadenza.bench.cli import main
 from cadenza.bench.common.workload import make_workload
+from cadenza.bench.serving.router_bench import make_multi_turn
 from cadenza.bench.serving.serve import arrival_offsets, with_fresh_prompts
 from cadenza.bench.serving.serve_clients import RequestRecord
 from cadenza.bench.serving.serve_process import check_loopback
@@ -205,3 +206,50 @@ def test_a_request_is_complete_only_with_its_exact_token_count():
     for r, finish, usage, streamed, reason in cases:
         r.complete(3.0, finish, usage, streamed)
         assert r.status == "failed" and reason in r.error and r.tpot is None
+
+
+# --- --workload kv-tiers ------------------------------------------------------------------------
+
+
+def test_kv_tiers_bench_runs_both_arms_and_a_restart(tiny_model_dir, tmp_path, capsys):
+    """Both arms on servers of their own with the same KV budget, the disk arm's tier in use, and a
+    restart over the disk tier against a cold server: every request completes, the report has its fields."""
+    out = tmp_path / "tiers.json"
+    sizes = ["--conversations", "3", "--system-prompts", "1", "--system-len", "48", "--turns", "2", "--user-len", "8", "12",
+             "--output-len", "4", "4", "--kv-blocks", "16"]
+    code = main(["serve", "--workload", "kv-tiers", "--model", str(tiny_model_dir("llama3")), "--dtype", "float32",
+                 "--vocab-size", str(VOCAB), *sizes, "--request-rates", "50", "--max-duration", "60", "--restart",
+                 "--restart-requests", "2", "--no-quiet-check", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    result = json.loads(out.read_text())
+    assert [r["arm"] for r in result["runs"]] == ["budget", "disk"]
+    workload = make_multi_turn(3, 1, 2, 48, (8, 12), (4, 4), seed=0, salt="0", vocab_size=VOCAB)
+    assert result["budget_tokens"] == 16 * 16  # 16 blocks of 16 tokens, read back from /metrics
+    assert result["working_set_tokens"] == 48 + sum(len(m) + 4 for turns in workload.user_messages for m in turns)
+    pids = set()
+    for run in result["runs"]:
+        assert run["completed"] == run["num_requests"] == 6 and run["failed"] == run["cancelled"] == 0, run["failures"]
+        for key in ("ttft_p50_ms", "ttft_p99_ms", "output_tokens_per_s"):
+            assert run[key] > 0, key
+        assert run["ttft_p50_ms"] <= run["ttft_p99_ms"] and 0 <= run["prefix_hit_rate"] <= 1
+        metrics = run["metrics"]
+        assert metrics["budget_tokens"] == 256 and metrics["prefix_queried_tokens"] >= run["prompt_tokens"]
+        assert 0 <= metrics["prefix_hit_rate"] <= 1
+        pids.add(run["server_pid"])
+    budget, disk = (r["metrics"] for r in result["runs"])
+    assert budget["disk_written_mb"] == budget["disk_hit_blocks"] == 0 and disk["disk_written_mb"] > 0
+    assert set(result["ratios"]) == {"ttft_p50_ms", "ttft_p99_ms", "output_tokens_per_s", "prefix_hit_rate"}
+    assert set(result["targets"]) == {"output_tokens_per_s", "ttft_p99_ms"}
+    restart = result["restart"]
+    assert len(restart["ttft_after_restart_ms"]) == len(restart["ttft_cold_ms"]) == 2 and not restart["failed"]
+    assert all(t > 0 for t in restart["ttft_after_restart_ms"] + restart["ttft_cold_ms"])
+    # The restarted server found the first half's blocks on disk: the prompts' leading blocks came back.
+    assert restart["metrics_after_restart"]["disk_hit_blocks"] > 0 and min(restart["cached_tokens_after_restart"]) > 0
+    assert len(pids) == 2 and os.getpid() not in pids
+    for pid in pids:  # each arm's server stopped and reaped
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    for column in ("arm", "TTFT p99 ms", "output tok/s", "hit rate /metrics", "disk hits", "disk / budget", "targets",
+                   "restart:", "working set"):
+        assert column in printed
