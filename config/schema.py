@@ -53,6 +53,16 @@ def parse_memory_size(value: str | int) -> int:
     return size
 
 
+def checked_size(value: object) -> object:
+    """A size field's value as given (None, bytes or a size string), once `parse_memory_size`
+    accepts it: it raises with the reason, and the original spelling is kept."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # YAML reads 1e9 as a float
+    if value is not None:
+        parse_memory_size(value)
+    return value
+
+
 MAX_CPUS = 1024  # glibc's CPU_SETSIZE: the most CPUs one affinity mask names
 
 
@@ -226,11 +236,7 @@ class CacheConfig(_Section):
     @field_validator("memory_budget", "host_size", "disk_size", mode="before")
     @classmethod
     def _parseable_budget(cls, value: object) -> object:
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)  # YAML reads 1e9 as a float
-        if value is not None:
-            parse_memory_size(value)  # raises with the reason; the original spelling is kept
-        return value
+        return checked_size(value)
 
     @model_validator(mode="after")
     def _one_size(self) -> CacheConfig:
@@ -398,11 +404,7 @@ class ServerConfig(_Section):
     @field_validator("models_memory_budget", mode="before")
     @classmethod
     def _parseable_models_budget(cls, value: object) -> object:
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)  # YAML reads 1e10 as a float
-        if value is not None:
-            parse_memory_size(value)  # raises with the reason; the original spelling is kept
-        return value
+        return checked_size(value)
 
     @property
     def models_memory_budget_bytes(self) -> int | None:
