@@ -21,16 +21,34 @@ class ChatPrompt:
     messages: Sequence[dict[str, Any]]
     tools: Sequence[dict[str, Any]] | None = None
     template_kwargs: Mapping[str, Any] | None = None
+    # vLLM's: the model goes on with the last (assistant) message, rather than answering it: the
+    # prompt ends inside that message (Anthropic's "prefill"). `add_generation_prompt` False: the
+    # prompt ends where the messages do, with no new turn opened.
+    continue_final_message: bool = False
+    add_generation_prompt: bool = True
 
     def render(self, tokenizer: Tokenizer) -> str:
-        """The prompt text the chat template makes of it, with the generation prompt."""
+        """The prompt text the chat template makes of it: with the generation prompt, or (continue
+        the final message) cut right after the last message's text."""
         reserved = sorted(set(self.template_kwargs or ()) & set(RESERVED_TEMPLATE_VARIABLES))
         if reserved:
             raise PromptError(f"chat template variables {', '.join(reserved)} are set by the renderer, not the caller")
         kwargs = dict(self.template_kwargs or {})
         if self.tools:
             kwargs["tools"] = list(self.tools)
-        return tokenizer.apply_chat_template(self.messages, add_generation_prompt=True, **kwargs)
+        if not self.continue_final_message:
+            return tokenizer.apply_chat_template(self.messages, add_generation_prompt=self.add_generation_prompt, **kwargs)
+        last = self.messages[-1] if self.messages else {}
+        text = last.get("content") if isinstance(last.get("content"), str) else ""
+        if last.get("role") != "assistant" or not text.strip():
+            raise PromptError("continue_final_message needs a last message from the assistant, with text to go on from")
+        rendered = tokenizer.apply_chat_template(self.messages, add_generation_prompt=False, **kwargs)
+        # The template closes the message after its text (an end-of-turn token, a newline): the
+        # prompt stops where the text does, as transformers' continue_final_message cuts it.
+        end = rendered.rfind(text.strip())
+        if end < 0:
+            raise PromptError("continue_final_message: the chat template does not write the last message's text as given")
+        return rendered[: end + len(text.strip())]
 
 
 Prompt = Union[str, Sequence[int], Sequence[dict[str, Any]], ChatPrompt, Mapping[str, Any]]

@@ -192,6 +192,19 @@ def test_count_tokens_is_what_the_message_uses(client, model):
 # --- errors ---------------------------------------------------------------------------------------
 
 
+def test_a_prefill_is_continued_not_answered(client, model):
+    """A last assistant turn with text is a prefill: the prompt ends inside it (no end of turn, no
+    new header), and the answer is what the model writes after it."""
+    turns = [{"role": "user", "content": "Count to five."}]
+    prefilled = [*turns, {"role": "assistant", "content": "One, two,"}]
+    answered = [*prefilled, {"role": "user", "content": "Go on."}]
+    counts = {name: client.messages.count_tokens(model=model, messages=m).input_tokens
+              for name, m in (("turns", turns), ("prefilled", prefilled), ("answered", answered))}  # fmt: skip
+    assert counts["turns"] < counts["prefilled"] < counts["answered"]
+    message = client.messages.create(model=model, max_tokens=3, messages=prefilled)
+    assert message.stop_reason == "max_tokens" and message.usage.input_tokens + message.usage.cache_read_input_tokens == counts["prefilled"]
+
+
 def test_errors_come_in_anthropic_shape_through_the_sdk(server, client, model):
     with pytest.raises(anthropic.NotFoundError) as caught:
         client.messages.create(model="claude-nope", max_tokens=5, messages=HELLO)

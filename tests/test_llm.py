@@ -321,3 +321,17 @@ def test_stop_reason_names_the_stop_string_or_token_that_ended_a_completion(llm)
     by_token = llm.generate(["stop here"], greedy(16, stop_token_ids=[token]))[0].outputs[0]
     assert (by_token.finish_reason, by_token.stop_reason) == ("stop", token)
     assert llm.generate(["stop here"], greedy(4))[0].outputs[0].stop_reason is None  # length
+
+
+def test_continue_final_message_ends_the_prompt_inside_the_assistant_s_text(llm):
+    """vLLM's continue_final_message (Anthropic's prefill): the model goes on from the last
+    (assistant) message's text instead of answering it in a new turn."""
+    from cadenza.models.prompts import ChatPrompt
+
+    messages = [{"role": "user", "content": "Count."}, {"role": "assistant", "content": "One, two,"}]
+    (went_on,) = llm.generate(ChatPrompt(messages, continue_final_message=True, add_generation_prompt=False), greedy(2))
+    assert went_on.prompt.endswith("<|im_start|>assistant\nOne, two,")
+    (closed,) = llm.generate(ChatPrompt(messages[:1], add_generation_prompt=False), greedy(2))
+    assert closed.prompt == "<|im_start|>user\nCount.<|im_end|>\n"
+    with pytest.raises(PromptError, match="last message from the assistant"):
+        llm.generate(ChatPrompt(messages[:1], continue_final_message=True), greedy(1))

@@ -424,3 +424,19 @@ def test_cache_salt_shares_a_prefix_only_with_the_same_salt(client, model):
     assert cached("tenant-b") == 0
     with pytest.raises(openai.BadRequestError, match="cache_salt"):
         cached("")
+
+
+def test_continue_final_message_goes_on_from_the_assistant_s_text(client, model, server):
+    """vLLM's continue_final_message: the answer continues the last assistant message; asking it
+    with add_generation_prompt left true, or after a user turn, is a 400 naming the field."""
+    messages = [{"role": "user", "content": "Count."}, {"role": "assistant", "content": "One, two,"}]
+    answer = client.chat.completions.create(model=model, messages=messages, max_tokens=3, temperature=0,
+                                            extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 3
+    fresh = client.chat.completions.create(model=model, messages=messages, max_tokens=3, temperature=0)
+    assert answer.usage.prompt_tokens < fresh.usage.prompt_tokens  # no closing of the turn, no new header
+    for body in ({"continue_final_message": True}, {"continue_final_message": True, "add_generation_prompt": False,
+                                                    "messages": messages[:1]}):
+        response = httpx.post(server.url + "/v1/chat/completions", timeout=30,
+                              json={"model": model, "messages": messages, "max_tokens": 1, **body})  # fmt: skip
+        assert response.status_code == 400 and response.json()["error"]["param"] == "continue_final_message"

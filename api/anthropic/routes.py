@@ -84,7 +84,8 @@ async def count_tokens(request: Request) -> Response:
         chat.check()
     except APIError as exc:
         raise renamed(exc) from None
-    prompt = ChatPrompt(chat.engine_messages(), chat.active_tools(), chat.template_kwargs())
+    prompt = ChatPrompt(chat.engine_messages(), chat.active_tools(), chat.template_kwargs(),
+                        chat.continue_final_message, chat.add_generation_prompt)
     runtime = state.engine.runtime
     try:
         vocab_size = runtime.loaded.arch.vocab_size

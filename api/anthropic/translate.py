@@ -2,7 +2,8 @@
 
 A Messages request becomes a `ChatCompletionRequest` (OpenAI's shape): the system prompt a system
 message, a user turn's `tool_result` blocks `tool` messages, an assistant turn's `tool_use` blocks
-`tool_calls` and its `thinking` blocks `reasoning_content`. The chat core's answer, OpenAI's
+`tool_calls` and its `thinking` blocks `reasoning_content`; a last assistant turn with text is a
+prefill (the model goes on from it: vLLM's `continue_final_message`). The chat core's answer, OpenAI's
 `chat.completion`, becomes a Messages `message`: reasoning a `thinking` block, then the text, then
 each call a `tool_use` block. Errors take Anthropic's shape (`error_body`).
 """
@@ -157,6 +158,10 @@ def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
         else:
             messages.append(_assistant_turn(turn.content, param))
     body: dict[str, Any] = {"model": req.model, "messages": messages, **_tools(req)}
+    last = messages[-1] if messages else {}
+    if last.get("role") == "assistant" and last.get("content", "").strip() and not last.get("tool_calls"):
+        # A prefill: the model goes on from the assistant's text (Anthropic's answer is what follows it).
+        body.update(continue_final_message=True, add_generation_prompt=False)
     if req.thinking is not None:
         thinks = isinstance(req.thinking, (ThinkingEnabled, ThinkingAdaptive))
         body["chat_template_kwargs"] = {"enable_thinking": thinks}

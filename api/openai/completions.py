@@ -116,8 +116,10 @@ async def prepare_chat(state: ServerState, req: ChatCompletionRequest) -> Prepar
     forced = req.forced_tools()
     forced_names = None
     template_kwargs = req.template_kwargs()
-    chat = ChatPrompt(req.engine_messages(), tools, template_kwargs)
-    prompt = chat if tools or template_kwargs else chat.messages
+    chat = ChatPrompt(req.engine_messages(), tools, template_kwargs, req.continue_final_message,
+                      req.add_generation_prompt)
+    plain = not (tools or template_kwargs or req.continue_final_message or not req.add_generation_prompt)
+    prompt = chat.messages if plain else chat
     reasoning = state.reasoning_parser
     rendered = None
     if reasoning is not None:  # the parser reads the rendered prompt: render it once, and send its tokens

@@ -335,6 +335,12 @@ class ChatCompletionRequest(_SamplingFields):
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = Field(
         None, description="OpenAI's field: given to the chat template as its `reasoning_effort` variable "
         "(gpt-oss's reads it: 'Reasoning: high'), unless chat_template_kwargs sets that variable itself.")
+    continue_final_message: bool = Field(
+        False, description="vLLM's: the model goes on with the last message, which must be the assistant's "
+        "(a prefill): the prompt ends inside it, and the answer is what follows its text.")
+    add_generation_prompt: bool = Field(
+        True, description="vLLM's: open the assistant's turn after the messages (false only with "
+        "continue_final_message, or to let the model write its own turn header).")
     # Declared so that asking for them is a clear 400 rather than an unknown field.
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
@@ -356,6 +362,12 @@ class ChatCompletionRequest(_SamplingFields):
         if reserved:
             raise _invalid("chat_template_kwargs", f"chat_template_kwargs may not set {', '.join(reserved)}: "
                            "the server passes those itself")
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise _invalid("continue_final_message", "continue_final_message needs add_generation_prompt false "
+                               "(the model goes on with the last message rather than opening a new one)")
+            if self.messages[-1].role != "assistant":
+                raise _invalid("continue_final_message", "continue_final_message needs the last message to be the assistant's")
         names = [t.function.name for t in self.tools or ()]
         if len(set(names)) != len(names):
             raise _invalid("tools", "tool function names must be unique")

@@ -172,6 +172,8 @@ RELATIONS: dict[str, list[Relation]] = {
                  "go with response_format, guided_* or structured_outputs."),
         Relation(("tools.*.function.parameters",), "Each tool's parameters must compile as a JSON schema (llguidance), "
                  "whatever tool_choice says."),
+        Relation(("continue_final_message",), "continue_final_message needs add_generation_prompt false and a last "
+                 "message from the assistant."),
     ],
     "EmbeddingRequest": [Relation(("input",), "Each input, tokenized, must fit the model's context (max_model_len).")],
     "TokenizeRequest": [Relation(("messages",), "The chat template may refuse the conversation.")],
