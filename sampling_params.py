@@ -101,6 +101,7 @@ RepetitionPenalty = _float("repetition_penalty", "Multiplicative penalty on seen
 PresencePenalty = _float("presence_penalty", "Additive penalty on tokens already generated.")
 FrequencyPenalty = _float("frequency_penalty", "Additive penalty per occurrence of a generated token.")
 TokenId = Annotated[int, Field(ge=0)]
+CacheSalt = Annotated[str, Field(min_length=1, max_length=256)]
 LogitBias = Annotated[
     dict[TokenId, _float("logit_bias", "Added to the token's logit.")],
     Field(description="Token id -> bias in [-100, 100] added to its logit."),
@@ -263,8 +264,8 @@ class SamplingParams(BaseModel):
     pooling: PoolingParams | None = Field(
         None, description="Embed the prompt instead of generating (prefill only, nothing sampled): how to pool."
     )
-    cache_salt: str | None = Field(
-        None, min_length=1, max_length=256, description="vLLM's cache salt: it enters the prompt's prefix "
+    cache_salt: CacheSalt | None = Field(
+        None, description="vLLM's cache salt: it enters the prompt's prefix "
         "hash chain, so cached prefixes (in memory and in the KV tiers) are shared only between requests "
         "that give the same salt; a tenant's hits then reveal nothing of another's prompts.",
     )

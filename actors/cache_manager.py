@@ -63,6 +63,12 @@ def prompt_hashes(token_ids: Sequence[int], block_size: int, salt: str | None = 
     return hashes
 
 
+def reusable_hashes(token_ids: Sequence[int], block_size: int, salt: str | None = None) -> list[bytes]:
+    """The chained hashes of the prompt's full blocks an admission may reuse: it keeps one token
+    to compute, as `KVCacheManager.admit` does (what a tier reads back, what a prefill replica sends)."""
+    return prompt_hashes(token_ids, block_size, salt)[: max(0, len(token_ids) - 1) // block_size]
+
+
 @dataclass
 class _Table:
     blocks: list[int] = field(default_factory=list)

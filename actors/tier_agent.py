@@ -34,7 +34,7 @@ from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectSendStream
 
 from cadenza.actors.base import Actor
-from cadenza.actors.cache_manager import KVCacheManager, prompt_hashes
+from cadenza.actors.cache_manager import KVCacheManager, reusable_hashes
 from cadenza.actors.messages import (
     Offload,
     ReadBack,
@@ -51,12 +51,6 @@ log = structlog.get_logger(__name__)
 
 MAX_PENDING_WRITES = 4096  # blocks queued for write-behind; more are dropped
 WRITE_BATCH = 64  # blocks pinned and gathered at once
-
-
-def reusable_hashes(token_ids: Sequence[int], block_size: int, salt: str | None) -> list[bytes]:
-    """The chained hashes of the prompt's full blocks an admission may reuse: it keeps one token
-    to compute, as `KVCacheManager.admit` does."""
-    return prompt_hashes(token_ids, block_size, salt)[: max(0, len(token_ids) - 1) // block_size]
 
 
 class TierAgent(Actor[TierMessage]):

@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
 from cadenza.api.builtin_protocols import BUILTIN_PROTOCOLS
-from cadenza.api.errors import APIError, error_responses, install_error_handlers
+from cadenza.api.errors import APIError, error_responses, install_error_handlers, written
 from cadenza.api.http_streaming import parse_body
 from cadenza.api.metrics import ServerMetrics
 from cadenza.api.model_pool import ModelPool, ModelRouting
@@ -192,7 +192,7 @@ def create_app(runtime: Served, *, serve_engine: ServeEngine | None = None, shut
                 check_api_key(request, server_state(request))
             response = await call_next(request)
         except APIError as exc:
-            response = app.state.error_writers.response(request.url.path, exc)
+            response = written(request.scope, exc)
         log.info(
             "access",
             request_id=request_id,

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
+from starlette.types import Scope
 
 from cadenza.sampling_params import describe_error
 
@@ -117,14 +118,15 @@ def validation_error(exc: RequestValidationError) -> APIError:
     return APIError(400, code, problems or "invalid request", param)
 
 
-def _written(request: Request, error: APIError, headers: dict[str, str] | None = None) -> Response:
+def written(scope: Scope, error: APIError, headers: dict[str, str] | None = None) -> Response:
     """`error` in the shape of the protocol that owns the request's path (`app.state.error_writers`,
-    api/protocols.py), OpenAI's where none is set."""
-    writers = getattr(request.app.state, "error_writers", None)
+    api/protocols.py), OpenAI's where none is set: for the error handlers, a stream refused before
+    it began, and the model routing's refusals alike."""
+    writers = getattr(scope["app"].state, "error_writers", None) if "app" in scope else None
     if writers is None:
         response: Response = JSONResponse(error.body(), status_code=error.status)
     else:
-        response = writers.response(request.url.path, error)
+        response = writers.response(scope["path"], error)
     response.headers.update(headers or {})
     return response
 
@@ -132,11 +134,11 @@ def _written(request: Request, error: APIError, headers: dict[str, str] | None =
 def install_error_handlers(app) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:
-        return _written(request, exc)
+        return written(request.scope, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> Response:
-        return _written(request, validation_error(exc))
+        return written(request.scope, validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -148,7 +150,7 @@ def install_error_handlers(app) -> None:
             message = f"{request.method} is not allowed on {request.url.path}; allowed: {', '.join(allowed)}"
         else:
             message = str(exc.detail)
-        return _written(request, APIError(exc.status_code, code, message), headers)
+        return written(request.scope, APIError(exc.status_code, code, message), headers)
 
 
 def allowed_methods(request: Request) -> list[str]:

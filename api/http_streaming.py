@@ -18,10 +18,10 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from cadenza.api.errors import APIError, validation_error
+from cadenza.api.errors import APIError, validation_error, written
 from cadenza.api.metrics import ServerMetrics
 from cadenza.engine.async_engine import AsyncEngine, EngineClosedError
 from cadenza.engine.streams import GenerationOutput
@@ -153,7 +153,7 @@ class EventStreamResponse(Response):
                     await send({"type": "http.response.body", "body": self.fail(exc), "more_body": False})
                 else:
                     started = True
-                    await _error_response(scope, exc)(scope, receive, send)
+                    await written(scope, exc)(scope, receive, send)
             tg.cancel_scope.cancel()
         if not started:
             # The client left before anything was sent; end the exchange all the same (499, as
@@ -161,13 +161,6 @@ class EventStreamResponse(Response):
             await send({"type": "http.response.start", "status": 499, "headers": []})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
-
-
-def _error_response(scope: Scope, error: APIError) -> Response:
-    writers = getattr(scope["app"].state, "error_writers", None) if "app" in scope else None
-    if writers is None:
-        return JSONResponse(error.body(), status_code=error.status)
-    return writers.response(scope["path"], error)
 
 
 def sse(data: str) -> bytes:

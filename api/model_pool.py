@@ -29,7 +29,8 @@ import anyio
 import structlog
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cadenza.api.errors import APIError
+from cadenza.api.durations import duration_seconds
+from cadenza.api.errors import APIError, written
 from cadenza.api.state import ServerState
 from cadenza.config import CadenzaConfig, load_config
 
@@ -355,8 +356,7 @@ class ModelRouting:
                 scope.setdefault("state", {})["model_state"] = state
                 await self.app(scope, replayed, send)
         except APIError as error:  # unknown, failed or timed out: before the route ran
-            writers = scope["app"].state.error_writers
-            await writers.response(scope["path"], error)(scope, replayed, send)
+            await written(scope, error)(scope, replayed, send)
 
 
 def _named_model(body: bytes) -> tuple[str | None, float | None]:
@@ -367,20 +367,4 @@ def _named_model(body: bytes) -> tuple[str | None, float | None]:
         return None, None  # the route refuses it, naming the problem
     if not isinstance(parsed, dict) or not isinstance(parsed.get("model"), str):
         return None, None
-    return parsed["model"], _seconds(parsed.get("keep_alive"))
-
-
-def _seconds(value: Any) -> float | None:
-    """Ollama's keep_alive: seconds as a number, or a duration such as '5m', '1h', '30s'; -1 never."""
-    if isinstance(value, bool) or value is None:
-        return None
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):
-        units = {"ms": 0.001, "s": 1, "m": 60, "h": 3600}
-        for unit in ("ms", "s", "m", "h"):
-            if value.endswith(unit) and value[: -len(unit)].lstrip("-").replace(".", "", 1).isdigit():
-                return float(value[: -len(unit)]) * units[unit]
-        if value.lstrip("-").replace(".", "", 1).isdigit():
-            return float(value)
-    return None
+    return parsed["model"], duration_seconds(parsed.get("keep_alive"))

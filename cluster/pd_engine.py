@@ -40,7 +40,7 @@ from typing import Any, AsyncIterator
 import anyio
 import structlog
 
-from cadenza.actors.cache_manager import prompt_hashes
+from cadenza.actors.cache_manager import reusable_hashes
 from cadenza.cluster.dp_engine import DataParallelEngine
 from cadenza.cluster.replica_client import KVStepError, ReplicaClient
 from cadenza.engine.streams import GenerationOutput
@@ -89,7 +89,7 @@ class DisaggregatedEngine(DataParallelEngine):
         else:
             index = self.router.route(ids, among=self.roles.decode, salt=params.cache_salt)
             # Full blocks only, and never one that ends the prompt: the decode side computes the rest.
-            hashes = prompt_hashes(ids, self.router.block_size, params.cache_salt)[: max(0, len(ids) - 1) // self.router.block_size]
+            hashes = reusable_hashes(ids, self.router.block_size, params.cache_salt)
             prepare = None
             if hashes and params.prompt_logprobs is None:  # logprobs of every prompt position: computed where sampled
 

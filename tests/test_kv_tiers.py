@@ -334,7 +334,7 @@ def test_a_bad_block_file_is_recomputed(model, reference, tmp_path, fault):
         llm.generate({"prompt_token_ids": PROMPT}, greedy())
         settle_writes(llm)
         tier = disk_of(llm)
-    from cadenza.actors.tier_agent import reusable_hashes
+    from cadenza.actors.cache_manager import reusable_hashes
 
     hashes = reusable_hashes(PROMPT, BLOCK, None)
     with make_llm(model, tmp_path) as llm:

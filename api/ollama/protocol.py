@@ -10,11 +10,11 @@ those nobody defines are kept aside (`Options.ignored`), for the routes to log o
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, WithJsonSchema, field_validator
 
+from cadenza.api.durations import duration_seconds
 from cadenza.api.errors import APIError
 from cadenza.api.openai.protocol import FunctionName
 from cadenza.sampling_params import (
@@ -179,25 +179,13 @@ class ShowRequest(_Lenient):
         return name
 
 
-# Go's durations ("5m", "1h30m", "-1s", "250ms"); a bare number is seconds.
-_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
-_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-
-
 def keep_alive_seconds(value: KeepAlive | None) -> float | None:
     """`keep_alive` in seconds (negative: forever), None when not given; a 400 when it is no
     duration. Ollama unloads a model after it; cadenza's model stays loaded, so this is recorded."""
-    if value is None or isinstance(value, (int, float)):
-        return None if value is None else float(value)
-    text = value.strip()
-    try:
-        return float(text)
-    except ValueError:
-        pass
-    sign = -1.0 if text.startswith("-") else 1.0
-    body = text.lstrip("+-")
-    parts = _DURATION_PART.findall(body)
-    if not body or "".join(n + u for n, u in parts) != body:
+    if value is None:
+        return None
+    seconds = duration_seconds(value)
+    if seconds is None:
         raise APIError(400, "invalid_request", f"keep_alive: {value!r} is no duration (e.g. \"5m\", \"1h\", -1)",
                        "keep_alive")
-    return sign * sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
+    return seconds

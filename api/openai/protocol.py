@@ -23,6 +23,7 @@ from cadenza.models.prompts import RESERVED_TEMPLATE_VARIABLES
 from cadenza.sampling_params import (
     MAX_CHOICES,
     MAX_GRAMMAR_CHARS,
+    CacheSalt,
     Logprobs,
     MaxTokens,
     N,
@@ -102,8 +103,8 @@ class _SamplingFields(SamplingOverrides):
     n: N = 1
     stream: bool = False
     stream_options: StreamOptions | None = Field(None, description="Only with stream: true, as OpenAI and vLLM require.")
-    cache_salt: str | None = Field(
-        None, min_length=1, max_length=256, description="vLLM's: prefix-cache hits only among requests with the "
+    cache_salt: CacheSalt | None = Field(
+        None, description="vLLM's: prefix-cache hits only among requests with the "
         "same salt (one tenant's prompts cannot be probed by another's timing).",
     )
     # Accepted and ignored: they change nothing about how a local server generates.
