@@ -33,6 +33,7 @@ from cadenza.api.durations import duration_seconds
 from cadenza.api.errors import APIError, written
 from cadenza.api.state import ServerState
 from cadenza.config import CadenzaConfig, load_config
+from cadenza.kv_connectors.blocks import cache_tensors
 
 log = structlog.get_logger("cadenza.api")
 
@@ -313,10 +314,7 @@ def _memory_bytes(state: ServerState) -> int:
     runtime = state.engine.runtime
     weights = _estimate_bytes(state.config)
     caches = getattr(getattr(runtime, "runner", None), "kv_caches", None) or []
-    tensors = []
-    for cache in caches:
-        tensors += [cache] if hasattr(cache, "element_size") else [cache.data, cache.scales]
-    return weights + sum(t.numel() * t.element_size() for t in tensors)
+    return weights + sum(t.numel() * t.element_size() for t in cache_tensors(caches))
 
 
 class ModelRouting:
