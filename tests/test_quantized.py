@@ -187,6 +187,11 @@ def test_packed_layout_matches_the_reference_and_the_file_layout(kernels, qtype)
     ids = torch.tensor([0, 17, 47, 16, 3, 9])
     assert torch.equal(kernels.quant_rows(packed, packed_type, ids), kernels.quant_rows(w, int(qtype), ids))
     assert torch.equal(kernels.quant_dequantize(packed, packed_type), kernels.quant_dequantize(w, int(qtype)))
+    for dtype in (torch.float32, torch.bfloat16):  # a prefill GEMM's scratch (Q6_K: straight from the groups, zmm builds)
+        from_groups, from_file = torch.empty(out_features, cols, dtype=dtype), torch.empty(out_features, cols, dtype=dtype)
+        kernels.quant_dequantize_(from_groups, packed, packed_type)
+        kernels.quant_dequantize_(from_file, w, int(qtype))
+        assert torch.equal(from_groups, from_file)
     with pytest.raises(RuntimeError, match=f"multiple of {group}"):
         kernels.quant_pack(w[: group + 4].contiguous(), int(qtype))
 

@@ -600,6 +600,15 @@ void quant_dequantize(const Weight& w, void* out, bool bf16) {
   float* op = bf16 ? nullptr : static_cast<float*>(out);
   uint16_t* hp = bf16 ? static_cast<uint16_t*>(out) : nullptr;
   const bool packed = is_packed(w.qtype);
+  if (packed && packed_dequantizes(unpacked_type(w.qtype))) {
+    const int64_t elem_bytes = bf16 ? 2 : 4;
+    parallel_for(0, N / kPackRows, 1, [&](int64_t g0, int64_t g1) {
+      for (int64_t g = g0; g < g1; ++g)
+        packed_dequantize_group(wp + g * kPackRows * row_bytes, row_bytes, unpacked_type(w.qtype),
+                                static_cast<uint8_t*>(out) + g * kPackRows * K * elem_bytes, K, bf16);
+    });
+    return;
+  }
   with_block_type(unpacked_type(w.qtype), [&](auto block) {
     using B = decltype(block);
     parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {

@@ -253,6 +253,13 @@ inline void packed_raw_block(const uint8_t* gb, int64_t r, uint8_t* raw) {
 // whichever this build compiles).
 void packed_matmul(const QuantizedActivations& a, int64_t M, const Weight& w, Out out, bool accumulate);
 
+// Whether this build de-quantizes packed weights of GGML type qtype straight from their groups
+// (quant_packed.cpp: Q6_K), and that: one group's kPackRows rows (its blocks at wg, row_bytes a row)
+// into rows of `out` (K values apart; float32, or bfloat16 bits where bf16), bit for bit what
+// de-quantizing the file's blocks gives.
+bool packed_dequantizes(int64_t qtype);
+void packed_dequantize_group(const uint8_t* wg, int64_t row_bytes, int64_t qtype, void* out, int64_t K, bool bf16);
+
 // The products' name, for the log and the tests: "avx2-packed8", "avxvnni-packed8", "avx512vnni-packed16".
 const char* packed_path();
 

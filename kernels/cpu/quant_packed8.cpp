@@ -537,6 +537,12 @@ inline void packed_matmul_of(const QuantizedActivations& a, int64_t M, const uin
 
 }  // namespace
 
+bool packed_dequantizes(int64_t) { return false; }  // 8-row builds re-assemble the file's blocks
+
+void packed_dequantize_group(const uint8_t*, int64_t, int64_t qtype, void*, int64_t, bool) {
+  fail("this build has no de-quantization from the packed layout of type ", qtype);
+}
+
 void packed_matmul(const QuantizedActivations& a, int64_t M, const Weight& w, Out out, bool accumulate) {
   with_packed_type(unpacked_type(w.qtype), [&](auto pack) {
     packed_matmul_of<decltype(pack)>(a, M, static_cast<const uint8_t*>(w.data), w.rows, w.cols, w.bias, out.data,
