@@ -44,6 +44,7 @@ def _load_kernels(name: str):
 
 kv_cache_write = _load_kernels("kv_cache_write")
 paged_attention = _load_kernels("paged_attention")
+layer_ops = _load_kernels("layer_ops")
 
 # The kernels' error against a float64 reference given the same cache contents (used as atol and
 # rtol both), by the coarsest float type the kernel rounds through (the output's, the dot operands'):
@@ -479,3 +480,88 @@ def test_decode_replays_from_a_cuda_graph_with_new_lengths():
         graph.replay()
         expected = reference.paged_decode_attention(q.double(), cache[0].double(), cache[1].double(), tables, lens, 0.125)
         assert_close(out, expected, torch.float32)
+
+
+# --- the layer's elementwise work (layer_ops) ------------------------------------------------------
+
+
+def _torch_norm(size: int, dtype: torch.dtype, offset: float, generator) -> torch.nn.Module:
+    from cadenza.models.llama import RMSNorm
+
+    norm = RMSNorm(size, 1e-5, offset).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.5 * torch.randn(size, generator=generator))
+    return norm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("with_x", [True, False])
+def test_add_rms_norm_is_the_residual_add_and_the_norm_of_the_modules(dtype, offset, with_x):
+    """The residual written in place equals torch's add bit for bit; the norm is the RMSNorm
+    module's up to the order of its sum of squares (and rsqrt's last bits on a GPU)."""
+    generator = torch.Generator().manual_seed(11)
+    size = 576  # not a power of two: masked columns
+    norm = _torch_norm(size, dtype, offset, generator)
+    residual = (4 * torch.randn(7, size, generator=generator)).to(dtype)
+    x = torch.randn(7, size, generator=generator).to(dtype) if with_x else None
+    summed = residual + x if with_x else residual.clone()
+    expected = norm(summed)
+    got_residual = residual.to(DEVICE)
+    got = layer_ops.add_rms_norm_(x.to(DEVICE) if with_x else None, got_residual, norm.weight.to(DEVICE), 1e-5, offset)
+    assert torch.equal(got_residual.cpu(), summed)
+    assert got.dtype == dtype and got.shape == summed.shape
+    assert_close(got, expected.double(), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim, dims", [(64, 64), (128, 64)])
+def test_rotary_rotates_in_place_as_apply_rotary(dtype, head_dim, dims):
+    """Heads rotated in place at each token's position, as kernels/rotary.py's torch rotation
+    does (bit for bit where no multiply-add is contracted: on the CPU; on a GPU in float32, to
+    rounding); under partial rotary the trailing dimensions are left as they were."""
+    from cadenza.kernels.rotary import apply_rotary
+    from cadenza.models.config import RopeConfig
+    from cadenza.models.rotary import RotaryEmbedding
+
+    generator = torch.Generator().manual_seed(12)
+    embedding = RotaryEmbedding(RopeConfig(theta=10000.0), dims, 4096)
+    positions = torch.tensor([0, 5, 4095, 17, 17, 1000])
+    x = torch.randn(len(positions), 6, head_dim, generator=generator).to(dtype)
+    cos, sin = embedding.cos_sin(positions, dtype)
+    expected = x.clone()
+    expected[..., :dims] = apply_rotary(x[..., :dims], cos, sin)
+    got = x.to(DEVICE)
+    out = layer_ops.rotary_(got, positions.to(DEVICE), embedding.cos_table.to(DEVICE), embedding.sin_table.to(DEVICE), dims)
+    assert out.data_ptr() == got.data_ptr()
+    if ON_GPU and dtype == torch.float32:
+        assert_close(got, expected.double(), dtype)
+    else:
+        assert torch.equal(got.cpu(), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_silu_mul_is_the_mlps_activation(dtype):
+    """SiLU(gate) * up as the MLP module computes it from a fused gate_up (gate first), up to the
+    last bits of exp."""
+    from cadenza.models.llama import MLP
+
+    generator = torch.Generator().manual_seed(13)
+    width = 1400  # more than one program's columns, and masked ones
+    gate_up = (3 * torch.randn(5, 2 * width, generator=generator)).to(dtype)
+    mlp = MLP.__new__(MLP)
+    mlp.intermediate, mlp.act = width, "silu"
+    expected = MLP.activate(mlp, gate_up)
+    got = layer_ops.silu_mul(gate_up.to(DEVICE))
+    assert got.shape == (5, width) and got.dtype == dtype
+    assert_close(got, expected.double(), dtype)
+
+
+def test_layer_ops_refuse_what_they_cannot_do():
+    with pytest.raises(ValueError, match="contiguous"):
+        layer_ops.add_rms_norm_(None, torch.zeros(4, 8, device=DEVICE).t(), torch.ones(4, device=DEVICE), 1e-5)
+    with pytest.raises(ValueError, match="power-of-two"):
+        layer_ops.rotary_(torch.zeros(1, 1, 24, device=DEVICE), torch.zeros(1, dtype=torch.int64, device=DEVICE),
+                          torch.zeros(8, 24, device=DEVICE), torch.zeros(8, 24, device=DEVICE))
+    with pytest.raises(ValueError, match="2 \\* intermediate"):
+        layer_ops.silu_mul(torch.zeros(2, 7, device=DEVICE))
