@@ -91,6 +91,11 @@ class Attention(nn.Module):
     def forward(self, x, residual, rotary: StepRotary, kv_cache, meta, backend: AttentionBackend,
                 out_norm: nn.Module | None = None) -> torch.Tensor:
         """`residual` + out_norm(attention(x)), the sum written into `residual`."""
+        out = self.attend(x, rotary, kv_cache, meta, backend)
+        return _add_scaled_(self.o_proj, residual, out, self.cfg.residual_multiplier, out_norm)
+
+    def attend(self, x, rotary: StepRotary, kv_cache, meta, backend: AttentionBackend) -> torch.Tensor:
+        """The heads' outputs [T, q_size], before the output projection."""
         cfg = self.cfg
         qkv = self.qkv_proj(x)
         if cfg.qk_norm == "full":
@@ -101,7 +106,7 @@ class Attention(nn.Module):
             q = self._rotate(rotary, q.reshape(-1, cfg.num_heads, cfg.head_dim))
             k = self._rotate(rotary, k.reshape(-1, cfg.num_kv_heads, cfg.head_dim))
             out = self._attend(backend, q, k, v.reshape(-1, cfg.num_kv_heads, cfg.head_dim), kv_cache, meta)
-            return _add_scaled_(self.o_proj, residual, out.reshape(-1, cfg.q_size), cfg.residual_multiplier, out_norm)
+            return out.reshape(-1, cfg.q_size)
         if cfg.clip_qkv is not None:
             qkv = qkv.clamp(-cfg.clip_qkv, cfg.clip_qkv)
         if cfg.qk_norm:
@@ -116,7 +121,7 @@ class Attention(nn.Module):
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
         v = qkv[:, cfg.q_size + cfg.kv_size :].view(-1, cfg.num_kv_heads, cfg.head_dim)
         out = self._attend(backend, q, k, v, kv_cache, meta)
-        return _add_scaled_(self.o_proj, residual, out.reshape(-1, cfg.q_size), cfg.residual_multiplier, out_norm)
+        return out.reshape(-1, cfg.q_size)
 
     def _rotate(self, rotary: StepRotary, x: torch.Tensor) -> torch.Tensor:
         return rotary.rotate(x) if self.rotates else x
@@ -134,6 +139,7 @@ class MLP(nn.Module):
         self.act = cfg.hidden_act
         self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
         self.kernels = None
+        self.layer_ops = None  # kernels/triton/layer_ops.py where the model runs them (use_layer_ops)
 
     def use_cpu_kernels(self, kernels) -> None:
         self.kernels = kernels
@@ -156,6 +162,8 @@ class MLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if self.act == "silu" and self.kernels is not None and gate_up.dtype == torch.float32:
             return self.kernels.silu_mul(gate_up)
+        if self.act == "silu" and self.layer_ops is not None and gate_up.stride(-1) == 1:
+            return self.layer_ops.silu_mul(gate_up)
         return self.activate(gate_up)
 
     def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -250,6 +258,25 @@ class DecoderLayer(nn.Module):
         float32 activations on the CPU, as the kernel needs."""
         return self.fused is not None and h.shape[0] <= self.fused_max_rows and rotary.on_kernels and h.is_contiguous()
 
+    def forward_glued(self, h, pending, rotary: StepRotary, kv_cache, meta, backend, ops):
+        """`forward` with the elementwise work on `ops` (kernels/triton/layer_ops.py): each residual
+        add fused with the norm after it. `pending`: the previous layer's MLP output, not yet added
+        to `h` (None: nothing pending). Returns (h, this layer's pending output). A layer the fused
+        ops do not cover (Gemma's norms around each block, a residual multiplier) adds what is
+        pending and runs its modules."""
+        if self.cfg.sandwich_norms or self.cfg.residual_multiplier != 1.0:
+            if pending is not None:
+                h.add_(pending)
+            return self.forward(h, rotary, kv_cache, meta, backend), None
+        norm, post = self.input_layernorm, self.post_attention_layernorm
+        x = ops.add_rms_norm_(pending, h, norm.weight, norm.eps, norm.offset)
+        attn = self.self_attn
+        out = attn.o_proj(attn.attend(x, rotary, kv_cache, meta, backend)).to(h.dtype)
+        x = ops.add_rms_norm_(out, h, post.weight, post.eps, post.offset)
+        if isinstance(self.mlp, MLP):
+            return h, self.mlp.down_proj(self.mlp.hidden(x)).to(h.dtype)
+        return self.mlp(x, h), None  # a mixture adds its experts' outputs in place
+
     def forward(self, h, rotary: StepRotary, kv_cache, meta, backend) -> torch.Tensor:
         """The next hidden states; `h` itself is updated in place (the residual stream)."""
         if self.uses_fused(h, rotary):
@@ -303,6 +330,7 @@ class LlamaForCausalLM(nn.Module):
         self.compute_dtype: torch.dtype | None = None
         self.kernels = None
         self.fused_stack: list | None = None  # every layer's DecoderLayerKernel, when all have one
+        self.layer_ops = None  # kernels/triton/layer_ops.py, or None: torch's ops (use_layer_ops)
 
     def use_cpu_kernels(self, kernels) -> None:
         """Route norms, rotary, SiLU and bf16 matrix-vector products through cadenza's CPU kernels
@@ -323,6 +351,16 @@ class LlamaForCausalLM(nn.Module):
         stackable = self.cfg.layer_windows is None and not self.cfg.attention_sinks
         self.fused_stack = fused if stackable and fused and all(f is not None and f.has_mlp for f in fused) else None
 
+    def use_layer_ops(self, ops) -> None:
+        """Run the elementwise work between the products through `ops` (kernels/triton/layer_ops.py,
+        on CUDA or under Triton's interpreter; None: torch's ops): each residual add fused with the
+        norm after it, carried across layers (`DecoderLayer.forward_glued`), rotary in place from
+        the tables, SiLU x up. About ten launches a Llama layer a decode step instead of 32."""
+        self.layer_ops = ops
+        for module in self.modules():
+            if isinstance(module, MLP):
+                module.layer_ops = ops
+
     @torch.inference_mode()
     def forward(
         self,
@@ -338,7 +376,7 @@ class LlamaForCausalLM(nn.Module):
             h = h * self.cfg.embedding_multiplier
         if self.compute_dtype is not None:
             h = h.to(self.compute_dtype)
-        rotary = StepRotary(self.rotary, positions, h.dtype, self.kernels)
+        rotary = StepRotary(self.rotary, positions, h.dtype, self.kernels, self.layer_ops)
         backend.begin_step(meta)
         if self._whole_stack(h, rotary) and backend.run_decode_stack(self.fused_stack, h, rotary.positions, kv_caches, meta):
             return self.norm(h)
@@ -350,7 +388,14 @@ class LlamaForCausalLM(nn.Module):
             windowed = self.windowed_backend
             windowed.begin_step(meta)
             if self.local_rotary is not None:
-                local = StepRotary(self.local_rotary, positions, h.dtype, self.kernels)
+                local = StepRotary(self.local_rotary, positions, h.dtype, self.kernels, self.layer_ops)
+        ops = self.layer_ops
+        if ops is not None:
+            pending = None
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                step_rotary, step_backend = (local, windowed) if layer.windowed else (rotary, backend)
+                h, pending = layer.forward_glued(h, pending, step_rotary, kv_cache, meta, step_backend, ops)
+            return ops.add_rms_norm_(pending, h, self.norm.weight, self.norm.eps, self.norm.offset)
         for layer, kv_cache in zip(self.layers, kv_caches):
             if layer.windowed:
                 h = layer(h, local, kv_cache, meta, windowed)

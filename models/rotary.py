@@ -94,12 +94,17 @@ class StepRotary:
     """One step's rotary embedding: the positions' cos/sin, applied by the CPU kernel in place
     where it runs (float32, packed heads), else by `apply_rotary`."""
 
-    __slots__ = ("_embedding", "_positions", "_dtype", "_kernels", "_cos_sin")
+    __slots__ = ("_embedding", "_positions", "_dtype", "_kernels", "_layer_ops", "_cos_sin")
 
-    def __init__(self, embedding: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype, kernels=None) -> None:
+    def __init__(self, embedding: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype, kernels=None,
+                 layer_ops=None) -> None:
+        """`kernels`: the CPU kernels; `layer_ops`: kernels/triton/layer_ops.py (a model's
+        `use_layer_ops`), which rotates in place where the rotated half is a power of two."""
         self._embedding, self._positions, self._dtype = embedding, positions, dtype
         usable = kernels is not None and dtype == torch.float32 and positions.device.type == "cpu"
         self._kernels = kernels if usable else None
+        half = embedding.dim // 2
+        self._layer_ops = layer_ops if layer_ops is not None and half and not half & (half - 1) else None
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None  # looked up on first use
 
     @property
@@ -114,6 +119,9 @@ class StepRotary:
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, heads, head_dim] rotated; in place (and returned) where the kernel runs. Under
         partial rotary only the leading dimensions turn, written back into `x`."""
+        if self._layer_ops is not None and x.stride(-1) == 1:
+            emb = self._embedding
+            return self._layer_ops.rotary_(x, self._positions, emb.cos_table, emb.sin_table, emb.dim)
         if x.shape[-1] != self._embedding.dim:
             part = x[..., : self._embedding.dim]
             part.copy_(self._rotate(part.contiguous()))

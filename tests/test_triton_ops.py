@@ -565,3 +565,20 @@ def test_layer_ops_refuse_what_they_cannot_do():
                           torch.zeros(8, 24, device=DEVICE), torch.zeros(8, 24, device=DEVICE))
     with pytest.raises(ValueError, match="2 \\* intermediate"):
         layer_ops.silu_mul(torch.zeros(2, 7, device=DEVICE))
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen3", "gemma3", "granite", "smollm3", "phi3", "qwen3_moe", "gpt_oss"])
+def test_every_family_gives_its_logits_on_the_layer_ops(tiny_model_dir, arch):
+    """A model on the layer ops (each residual add fused with the next norm, carried across layers;
+    rotary and SiLU x up as kernels) gives the logits of its torch modules: families whose layers
+    the fused ops do not cover (Gemma's norms around each block, Granite's residual multiplier)
+    and mixtures (their experts add in place) take the modules' path inside the same loop."""
+    from cadenza.models.loading import load_model
+    from tests.model_forward import prefill_logits
+
+    loaded = load_model(tiny_model_dir(arch), dtype=torch.float32, cpu_kernels="off")
+    prompt = [5, 17, 101, 33, 250, 7, 64, 12, 199, 3, 80, 41, 9, 290, 2, 77]
+    expected = prefill_logits(loaded, prompt)
+    loaded.model.use_layer_ops(layer_ops)
+    got = prefill_logits(loaded, prompt)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
