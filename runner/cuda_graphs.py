@@ -98,7 +98,9 @@ class DecodeGraphRunner:
             step()  # warm-up off the capture: Triton compiles, cuBLAS picks its kernels
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: a CUDA call another thread makes meanwhile (the event loop's) is not an error
+        # of this capture, as the global mode would make it.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             hidden = step()
         self._pool = graph.pool()
         self._graphs[bucket] = (graph, hidden)

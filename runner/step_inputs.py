@@ -26,6 +26,12 @@ from cadenza.step import ScheduledChunk
 PAD_SLOT = -1
 
 
+# Every field starts at a multiple of this many int64s (64 bytes): Triton specializes a kernel on
+# each pointer's 16-byte alignment, and fields packed end to end started at offsets that differ from
+# bucket to bucket, so each CUDA-graph bucket could compile its own variants of the kernels.
+FIELD_ALIGN = 8
+
+
 @dataclass(frozen=True, slots=True)
 class StepLayout:
     """Offsets of each field in the packed array for `num_tokens` rows of `num_seqs` sequences,
@@ -55,7 +61,7 @@ class StepLayout:
         spans, offset = {}, 0
         for name, size in sizes:
             spans[name] = (offset, offset + size)
-            offset += size
+            offset += -(-size // FIELD_ALIGN) * FIELD_ALIGN
         return spans
 
     @property
