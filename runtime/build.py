@@ -20,7 +20,13 @@ from cadenza.runner.model_runner import ModelRunner
 from cadenza.runtime.plugins import Plugins, resolve_plugins
 from cadenza.runtime.registries import Registries
 from cadenza.runtime.served import Served
-from cadenza.runtime.shard import ModelShard, build_draft_model, build_model_shard, set_rank_threads
+from cadenza.runtime.shard import (
+    ModelShard,
+    build_draft_model,
+    build_model_shard,
+    runs_triton_kernels,
+    set_rank_threads,
+)
 from cadenza.samplers.base import SamplingContext
 from cadenza.samplers.extra import ExtraParams
 from cadenza.samplers.pipeline import SamplingPipeline
@@ -137,6 +143,10 @@ def _assemble(config: CadenzaConfig, plugins: Plugins, shard: ModelShard, group)
     loaded, device = shard.loaded, shard.loaded.device
     block_size = config.cache.block_size
     pipeline = build_sampling_pipeline(plugins, loaded.arch.vocab_size, loaded.tokenizer, device)
+    if runs_triton_kernels(shard.backend):
+        from cadenza.kernels.triton import sampling
+
+        pipeline.use_one_pass(sampling)
     speculator = build_speculator(config, plugins, loaded, device, functools.partial(build_draft_model, device=device))
     runner = ModelRunner(shard.model, shard.kv_caches, shard.backend, pipeline, block_size, device, speculator=speculator)
     runner.graphs = build_decode_graphs(config, shard, runner, group)

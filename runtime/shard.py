@@ -103,14 +103,19 @@ def build_model_shard(config: CadenzaConfig, plugins: Plugins, ctx=None) -> Mode
     backend = build(arch.sliding_window)
     if arch.layer_windows is not None:  # layers with a window of their own (Gemma 3) attend through a second one
         loaded.model.use_windowed_backend(build(layer_window(arch)))
-    if getattr(backend, "implementation", None) == "triton" and hasattr(loaded.model, "use_layer_ops") \
-            and getattr(loaded.model, "kernels", None) is None:
+    if runs_triton_kernels(backend) and hasattr(loaded.model, "use_layer_ops") and getattr(loaded.model, "kernels", None) is None:
         # Where the Triton attention kernels run (CUDA, or the interpreter), the layer's
         # elementwise work runs on Triton kernels too: a launch each instead of torch's several.
         from cadenza.kernels.triton import layer_ops
 
         loaded.model.use_layer_ops(layer_ops)
     return ModelShard(loaded, loaded.model, kv_caches, backend, num_blocks, kv_dtype)
+
+
+def runs_triton_kernels(backend) -> bool:
+    """Whether the attention backend runs Triton's kernels themselves (on CUDA, or under Triton's
+    interpreter): the model's layer ops and the one-pass sampler then run on Triton too."""
+    return getattr(backend, "implementation", None) == "triton"
 
 
 def layer_window(arch) -> int:

@@ -137,6 +137,9 @@ class LogitsProcessor(SamplingComponent, ABC):
     """
 
     argmax_invariant: ClassVar[bool] = False
+    # True only where the processor's whole effect is the one-pass sampler's own (the temperature):
+    # the pipeline may then skip it and sample in one pass (SamplingPipeline.use_one_pass).
+    folds_into_one_pass: ClassVar[bool] = False
 
     def is_active(self, batch: SamplingBatch) -> bool:
         """Whether any row needs this processor; inactive processors cost nothing. An inactive
@@ -179,6 +182,10 @@ class SamplingError(RuntimeError):
 class Sampler(SamplingComponent, ABC):
     """Picks one token per row from processed logits. It runs for every row; a sampler with a
     `params_model` reads `params_for(batch)` and treats rows without params its default way."""
+
+    # True only where the sampler draws exactly from softmax(logits) (argmax where greedy), as the
+    # one-pass sampler does: the pipeline may then sample in one pass instead of calling it.
+    folds_into_one_pass: ClassVar[bool] = False
 
     @abstractmethod
     def sample(

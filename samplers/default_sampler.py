@@ -19,6 +19,7 @@ class DefaultSampler(Sampler):
     """
 
     name = "default"
+    folds_into_one_pass = True  # the exponential race draws from softmax(logits), as Gumbel-max does
 
     def __init__(self, context: SamplingContext, generator: torch.Generator | None = None) -> None:
         super().__init__(context)

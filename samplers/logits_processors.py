@@ -82,6 +82,7 @@ class TemperatureProcessor(LogitsProcessor):
 
     name = "temperature"
     argmax_invariant = True
+    folds_into_one_pass = True  # the one-pass sampler divides by each row's temperature itself
 
     def is_active(self, batch: SamplingBatch) -> bool:
         return any(not p.is_greedy and p.temperature != 1.0 for p in batch.params)

@@ -41,6 +41,14 @@ class SamplingPipeline:
         # Components a SamplingParams field switches on (`request_field`), e.g. structured outputs.
         self._field_components = [(c.request_field, c) for c in self._components.values() if c.request_field]
         self._joined: dict[str, list[SamplingComponent]] = {}  # request id -> components told of it
+        self._one_pass = None  # kernels/triton/sampling.py where its kernels run (use_one_pass)
+
+    def use_one_pass(self, kernel) -> None:
+        """Sample batches that need nothing but temperatures and the exponential race with `kernel`
+        (kernels/triton/sampling.py): one read of the logits per row instead of about ten passes.
+        Taken where the sampler and every active processor say they fold into it
+        (`folds_into_one_pass`) and no row wants log-probabilities; otherwise the torch path."""
+        self._one_pass = kernel
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """Pick one token per row of `logits` [B, V] (any float dtype).
@@ -57,6 +65,9 @@ class SamplingPipeline:
         wants_logprobs = any(p.logprobs is not None for p in batch.params)
         if self._bare_argmax(batch, active, wants_logprobs):
             return SamplerOutput(token_ids=logits.argmax(dim=-1))
+
+        if self._one_pass is not None and not wants_logprobs and self._folds_into_one_pass(batch, active):
+            return SamplerOutput(token_ids=self._one_pass_tokens(logits, batch))
 
         raw = logits
         work = logits.float()  # a copy unless the logits already are float32
@@ -93,6 +104,23 @@ class SamplingPipeline:
 
     def _bare_argmax(self, batch: SamplingBatch, active: list[LogitsProcessor], wants_logprobs: bool) -> bool:
         return batch.all_greedy and not active and not wants_logprobs and not self._sampler_has_rows(batch)
+
+    def _folds_into_one_pass(self, batch: SamplingBatch, active: list[LogitsProcessor]) -> bool:
+        return _folds(self.sampler) and all(_folds(p) for p in active) and not self._sampler_has_rows(batch)
+
+    def _one_pass_tokens(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The one-pass kernel's tokens: each row's temperature (0: greedy) and Philox key, a seeded
+        row's from its seed and position in its output (its tokens depend on its seed alone), the
+        others' from one draw of the sampler's generator this step."""
+        kernel = self._one_pass
+        step = int(torch.randint(0, 2**62, (1,), generator=getattr(self.sampler, "generator", None)))
+        temperatures, keys = [], []
+        for row, (params, output) in enumerate(zip(batch.params, batch.output_token_ids)):
+            temperatures.append(0.0 if params.is_greedy else float(params.temperature))
+            keys.append(kernel.row_key(params.seed, len(output)) if params.seed is not None else kernel.row_key(step, row))
+        device = logits.device
+        return kernel.sample(logits, torch.tensor(temperatures, dtype=torch.float32, device=device),
+                             torch.tensor(keys, dtype=torch.int64, device=device))
 
     def _sampler_has_rows(self, batch: SamplingBatch) -> bool:
         """A sampler given params for a row must see it, even a greedy one."""
@@ -159,6 +187,12 @@ class SamplingPipeline:
                 f"logits processor {processor.name!r}", _rows(processor, batch), f"returned {got}, expected {tuple(shape)}"
             )
         return result
+
+
+def _folds(component: SamplingComponent) -> bool:
+    """`folds_into_one_pass` as the component's own class declares it: a subclass that changes how
+    it samples or processes does not inherit it."""
+    return bool(type(component).__dict__.get("folds_into_one_pass", False))
 
 
 def _kind(component: SamplingComponent) -> str:

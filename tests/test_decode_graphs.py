@@ -186,3 +186,42 @@ def test_every_buckets_fields_start_64_bytes_aligned():
     for bucket in batch_buckets(256):
         for layout in (StepLayout(bucket, bucket, 64, bucket, padded=True), StepLayout(bucket + 3, bucket, 5, 2)):
             assert all(start * 8 % 64 == 0 for start, _ in layout.spans().values())  # int64s
+
+
+SEEDED_ON_KERNELS = textwrap.dedent("""
+    import json, sys
+    from cadenza.config.loader import load_config
+    from cadenza.kernels.triton import sampling
+    from cadenza.llm import LLM
+    from cadenza.sampling_params import SamplingParams
+
+    calls = []
+    sample = sampling.sample
+    sampling.sample = lambda *args: calls.append(len(args[0])) or sample(*args)
+    overrides = {"model.path": sys.argv[1], "model.dtype": "float32", "model.device": "cpu", "cache.block_size": 8,
+                 "model.cpu_kernels": "off", "attention_backend": "triton",
+                 "plugin_options": {"triton": {"implementation": "triton"}}}
+    def params(**kw):
+        return SamplingParams(max_tokens=6, ignore_eos=True, **kw)
+    with LLM(config=load_config(None, overrides=overrides, env={})) as llm:
+        alone = llm.generate([[5, 9, 14]], [params(seed=7, temperature=0.9)])[0].outputs[0].token_ids
+        batched = [o.outputs[0].token_ids for o in llm.generate(
+            [[3, 4], [5, 9, 14], [8, 8, 8, 8]], [params(seed=8, temperature=0.9), params(seed=7, temperature=0.9),
+                                                 params(temperature=0)])]
+    print(json.dumps({"alone": alone, "batched": batched, "calls": calls}))
+""")
+
+
+def test_seeded_sampling_on_the_one_pass_kernel_depends_on_the_seed_alone(model_path):
+    """Where the Triton kernels run (the interpreter here), sampled steps take the one-pass sampler:
+    a seeded request draws the same tokens alone and batched with others, another seed others."""
+    env = {**os.environ, "CADENZA_LOGGING__LEVEL": "warning"}
+    if not CUDA:
+        env["TRITON_INTERPRET"] = "1"
+    done = subprocess.run([sys.executable, "-c", SEEDED_ON_KERNELS, str(model_path)], capture_output=True, text=True,
+                          env=env, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(result["alone"]) == 6 and result["batched"][1] == result["alone"]
+    assert result["batched"][0] != result["alone"]
+    assert result["calls"] and max(result["calls"]) == 3  # every row of the mixed batch in one call

@@ -261,6 +261,46 @@ def test_greedy_batches_skip_argmax_invariant_processors():
     assert ("apply", 1) in invariant.calls
 
 
+class OnePass:
+    """A stand-in for kernels/triton/sampling.py: records each call, picks token 4 for every row."""
+
+    row_key = staticmethod(lambda seed, position: (seed * 31 + position) & ((1 << 63) - 1))
+
+    def __init__(self):
+        self.calls = []
+
+    def sample(self, logits, temperatures, keys):
+        self.calls.append((temperatures.tolist(), keys.tolist()))
+        return torch.full((logits.shape[0],), 4, dtype=torch.int64)
+
+
+@covers("LogitsProcessor.folds_into_one_pass", "Sampler.folds_into_one_pass")
+def test_only_components_whose_class_folds_let_the_one_pass_sampler_stand_in():
+    from cadenza.samplers.logits_processors import TemperatureProcessor
+
+    class Race(DefaultSampler):  # a subclass: it does not inherit the default's claim
+        name = "race"
+
+    one_pass = OnePass()
+    pipeline = make_pipeline(TemperatureProcessor)
+    pipeline.use_one_pass(one_pass)
+    batch = make_batch([SamplingParams(temperature=0.5, seed=3), greedy(), SamplingParams(temperature=1.5)], ["a", "b", "c"])
+    assert pipeline(LOGITS.repeat(3, 1), batch).token_ids.tolist() == [4, 4, 4]
+    temperatures, keys = one_pass.calls[-1]
+    assert temperatures == [0.5, 0.0, 1.5] and keys[0] == OnePass.row_key(3, 0)
+    race = make_pipeline(TemperatureProcessor, sampler=Race(make_context()))
+    boosted = make_pipeline(TemperatureProcessor, BoostProcessor)
+    for other, extra in ((race, {}), (boosted, {"boost": True})):
+        other.use_one_pass(one_pass)
+        calls = len(one_pass.calls)
+        other(LOGITS.repeat(2, 1), make_batch([SamplingParams(temperature=0.5, extra=extra), SamplingParams()], ["a", "b"]))
+        assert len(one_pass.calls) == calls  # the torch path ran
+    logprobs = make_batch([SamplingParams(temperature=0.5, logprobs=2)], ["a"])
+    calls = len(one_pass.calls)
+    pipeline(LOGITS.repeat(1, 1), logprobs)
+    assert len(one_pass.calls) == calls  # log-probabilities come from the torch path
+
+
 class WrongShape(BoostProcessor):
     name = "wrong_shape"
 

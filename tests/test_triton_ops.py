@@ -45,6 +45,7 @@ def _load_kernels(name: str):
 kv_cache_write = _load_kernels("kv_cache_write")
 paged_attention = _load_kernels("paged_attention")
 layer_ops = _load_kernels("layer_ops")
+sampling = _load_kernels("sampling")
 
 # The kernels' error against a float64 reference given the same cache contents (used as atol and
 # rtol both), by the coarsest float type the kernel rounds through (the output's, the dot operands'):
@@ -582,3 +583,50 @@ def test_every_family_gives_its_logits_on_the_layer_ops(tiny_model_dir, arch):
     loaded.model.use_layer_ops(layer_ops)
     got = prefill_logits(loaded, prompt)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+
+# --- the one-pass sampler (sampling) -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_pass_sampler_is_argmax_where_greedy(dtype):
+    """Temperature 0: torch's argmax, the first index of a tie, over a vocabulary of more than one
+    block (5,000 > 4,096), masked tokens (-inf) never picked."""
+    generator = torch.Generator().manual_seed(21)
+    logits = torch.randn(6, 5000, generator=generator).to(dtype)
+    logits[1, 4999] = logits[1, 17] = 50.0  # a tie across blocks: the first wins
+    logits[2, :4500] = -math.inf
+    logits[3] = 1.0  # all equal: index 0
+    keys = torch.tensor([sampling.row_key(i, 0) for i in range(6)])
+    got = sampling.sample(logits.to(DEVICE), torch.zeros(6, device=DEVICE), keys.to(DEVICE))
+    assert torch.equal(got.cpu(), logits.argmax(dim=-1)) and got[1] == 17
+
+
+def test_one_pass_sampler_draws_from_the_softmax_at_its_temperature():
+    """Rows with the same logits and different keys: each token's frequency within 4.5 standard
+    deviations of softmax(logits / T); a masked token never drawn."""
+    rows, temperature = 800, 0.7
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -math.inf, 1.5])
+    keys = torch.tensor([sampling.row_key(12345, i) for i in range(rows)])
+    got = sampling.sample(logits.repeat(rows, 1).to(DEVICE), torch.full((rows,), temperature, device=DEVICE), keys.to(DEVICE))
+    counts = torch.bincount(got.cpu(), minlength=len(logits)).double()
+    p = torch.softmax(logits.double() / temperature, dim=-1)
+    sigma = (rows * p * (1 - p)).sqrt()
+    assert counts[5] == 0
+    assert ((counts - rows * p).abs() <= 4.5 * sigma + 1).all(), (counts / rows, p)
+
+
+def test_one_pass_sampler_rows_depend_on_their_key_alone():
+    """A row's token depends on its key and logits, not on the rows beside it; other keys draw
+    other tokens."""
+    generator = torch.Generator().manual_seed(22)
+    logits = torch.randn(8, 300, generator=generator)
+    keys = torch.tensor([sampling.row_key(7, i) for i in range(8)])
+    temps = torch.full((8,), 1.0)
+    together = sampling.sample(logits.to(DEVICE), temps.to(DEVICE), keys.to(DEVICE)).cpu()
+    alone = [int(sampling.sample(logits[i : i + 1].to(DEVICE), temps[:1].to(DEVICE), keys[i : i + 1].to(DEVICE))) for i in range(8)]
+    assert together.tolist() == alone
+    flat = torch.zeros(64, 300)  # uniform rows: the keys alone choose
+    draws = sampling.sample(flat.to(DEVICE), torch.ones(64, device=DEVICE), torch.arange(64).to(DEVICE)).cpu()
+    assert len(set(draws.tolist())) > 40
