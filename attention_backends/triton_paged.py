@@ -77,6 +77,17 @@ class TritonPagedBackend(AttentionBackend):
             self._write = self._attend = reference
         # Splits fill the SMs: a decode of B rows over H kv heads is B * H programs per split.
         self._sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+        self._leading_decodes, self._prefill_query_len = 0, 0  # this step's (begin_step)
+
+    def begin_step(self, meta: AttentionMetadata) -> None:
+        """The step's leading decode sequences (one query row each), where prefill rows follow
+        them; 0 otherwise. Read from the host's query lengths once a step, not per layer."""
+        lens = meta.query_lens_list
+        decodes = 0
+        while decodes < len(lens) and lens[decodes] == 1:
+            decodes += 1
+        self._leading_decodes = decodes if 0 < decodes < len(lens) else 0
+        self._prefill_query_len = max(lens[decodes:]) if self._leading_decodes else 0
 
     @classmethod
     def check_available(cls, device: torch.device) -> None:
@@ -105,6 +116,23 @@ class TritonPagedBackend(AttentionBackend):
             self._write.write_kv_cache(k, v, kv_cache, meta.slot_mapping)
             keys, values, scales = kv_cache[0], kv_cache[1], {}
         window = self.sliding_window or 0
+        decodes = self._leading_decodes
+        if decodes and not meta.is_decode_only:
+            # A mixed step's leading decode rows take the decode kernel (grouped heads, split keys)
+            # rather than a prefill program a query head each: the prefill kernel runs over the
+            # sequences after them (their rows are absolute indices into q), then the decodes
+            # write their rows of `out`.
+            out = torch.empty_like(q)
+            self._attend.paged_prefill_attention(
+                q, keys, values, meta.block_tables[decodes:], meta.query_start_loc[decodes:], meta.seq_lens[decodes:],
+                self._prefill_query_len, self.scale, window, out=out, sinks=sinks, **scales,
+            )  # fmt: skip
+            splits = self.decode_splits(decodes, meta.block_tables.shape[1])
+            self._attend.paged_decode_attention(
+                q[:decodes], keys, values, meta.block_tables[:decodes], meta.seq_lens[:decodes], self.scale, window,
+                num_splits=splits, out=out[:decodes], sinks=sinks, **scales,
+            )  # fmt: skip
+            return out
         if meta.is_decode_only:
             splits = self.decode_splits(q.shape[0], meta.block_tables.shape[1])
             return self._attend.paged_decode_attention(

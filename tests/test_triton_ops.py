@@ -630,3 +630,45 @@ def test_one_pass_sampler_rows_depend_on_their_key_alone():
     flat = torch.zeros(64, 300)  # uniform rows: the keys alone choose
     draws = sampling.sample(flat.to(DEVICE), torch.ones(64, device=DEVICE), torch.arange(64).to(DEVICE)).cpu()
     assert len(set(draws.tolist())) > 40
+
+
+def test_a_mixed_steps_leading_decodes_take_the_decode_kernel(monkeypatch):
+    """Two decodes, then an extend over a cached prefix and a fresh prefill: the decode rows go to
+    the decode kernel, the rest to the prefill kernel, and the step equals the torch references'."""
+    from cadenza.attention_backends.base import AttentionMetadata
+    from cadenza.attention_backends.triton_paged import TritonOptions, TritonPagedBackend
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    generator = torch.Generator().manual_seed(31)
+    block_size, heads, head_dim = 4, 8, 32
+    query_lens, seq_lens = [1, 1, 5, 6], [9, 20, 12, 6]
+    tables = torch.zeros(4, 5, dtype=torch.int64)
+    slots, next_block = [], 0
+    for i, n in enumerate(seq_lens):
+        blocks = -(-n // block_size)
+        tables[i, :blocks] = torch.arange(next_block, next_block + blocks)
+        next_block += blocks
+        slots += [int(tables[i, p // block_size]) * block_size + p % block_size for p in range(n - query_lens[i], n)]
+    tokens = sum(query_lens)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, 1, 2, 7, 13]), seq_lens=torch.tensor(seq_lens),
+        context_lens=torch.tensor([s - q for s, q in zip(seq_lens, query_lens)]), block_tables=tables,
+        slot_mapping=torch.tensor(slots), query_lens_list=query_lens, seq_lens_list=seq_lens,
+        max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+    )  # fmt: skip
+    cache = torch.randn(2, next_block, block_size, NUM_KV_HEADS, head_dim, generator=generator)
+    q = torch.randn(tokens, heads, head_dim, generator=generator)
+    k, v = torch.randn(2, tokens, NUM_KV_HEADS, head_dim, generator=generator)
+    written = cache.clone().view(2, -1, NUM_KV_HEADS, head_dim)
+    written[:, meta.slot_mapping] = torch.stack([k, v])
+    written = written.view(cache.shape).double()
+    # The whole step as one prefill over the written cache, in float64: no split in it.
+    expected = reference.paged_prefill_attention(q.double(), written[0], written[1], tables, meta.query_start_loc,
+                                                 meta.seq_lens, max(query_lens), 0.2)  # fmt: skip
+    for implementation in ("triton", "torch"):
+        backend = TritonPagedBackend(num_heads=heads, num_kv_heads=NUM_KV_HEADS, head_dim=head_dim, scale=0.2,
+                                     block_size=block_size,
+                                     options=TritonOptions(implementation=implementation))  # fmt: skip
+        backend.begin_step(meta)
+        assert backend._leading_decodes == 2
+        assert_close(backend.forward(q, k, v, cache.clone(), meta), expected, torch.float32)
