@@ -76,8 +76,11 @@ class SchedulerCore:
         eos_token_ids: tuple[int, ...],
         max_model_len: int,
         speculative: SpeculativeConfig | None = None,
+        device_type: str = "cpu",
     ):
-        self.config = config
+        """`device_type`: the model's ("cpu", "cuda"), which sets the token budget and chunk size
+        the configuration leaves unset (`SchedulerConfig.for_device`)."""
+        self.config = config.for_device(device_type)
         # None: no proposer was built, nothing speculates.
         self.speculation = SpeculationPolicy(speculative) if speculative is not None else None
         self.block_size = block_size

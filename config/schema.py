@@ -263,15 +263,22 @@ class CacheConfig(_Section):
         return parse_memory_size(self.disk_size)
 
 
+# (max_num_batched_tokens, chunk_size) where the configuration leaves them unset, by the model's device.
+DEVICE_TOKEN_BUDGETS = {"cpu": (2048, 512), "cuda": (8192, 2048)}
+
+
 class SchedulerConfig(_Section):
     """How many sequences and tokens go into one step, and who waits."""
 
     max_num_seqs: int = Field(64, gt=0, description="Most sequences running in one batch.")
-    max_num_batched_tokens: int = Field(
-        2048, gt=0, description="Most tokens (prefill and decode together) in one step."
+    max_num_batched_tokens: int | None = Field(
+        None, gt=0, description="Most tokens (prefill and decode together) in one step. Unset: by the "
+        "model's device (DEVICE_TOKEN_BUDGETS: 2048 on the CPU, 8192 on CUDA, whose steps of a few "
+        "thousand rows are where its matrix units run full).",
     )
-    chunk_size: int = Field(
-        512, gt=0, description="Prefill chunk size in tokens; at most max_num_batched_tokens."
+    chunk_size: int | None = Field(
+        None, gt=0, description="Prefill chunk size in tokens; at most max_num_batched_tokens. Unset: by "
+        "the device (512 on the CPU, 2048 on CUDA), at most max_num_batched_tokens.",
     )
     max_waiting: int = Field(
         1024, gt=0, description="Most requests queued; beyond it new requests are rejected."
@@ -287,12 +294,20 @@ class SchedulerConfig(_Section):
 
     @model_validator(mode="after")
     def _chunk_fits(self) -> SchedulerConfig:
-        if self.chunk_size > self.max_num_batched_tokens:
+        if self.chunk_size is not None and self.max_num_batched_tokens is not None and self.chunk_size > self.max_num_batched_tokens:
             raise ValueError(
                 f"chunk_size ({self.chunk_size}) must not exceed "
                 f"max_num_batched_tokens ({self.max_num_batched_tokens})"
             )
         return self
+
+    def for_device(self, device_type: str) -> SchedulerConfig:
+        """This section with the token budget and chunk size it leaves unset filled in for a model
+        on `device_type` ("cpu", "cuda", ...; others take the CPU's)."""
+        budget, chunk = DEVICE_TOKEN_BUDGETS.get(device_type, DEVICE_TOKEN_BUDGETS["cpu"])
+        budget = self.max_num_batched_tokens or max(budget, self.chunk_size or 0)
+        chunk = self.chunk_size or min(chunk, budget)
+        return self.model_copy(update={"max_num_batched_tokens": budget, "chunk_size": chunk})
 
 
 class SamplingDefaults(_Section):

@@ -97,6 +97,7 @@ class AsyncEngine:
             eos_token_ids=rt.tokenizer.eos_token_ids,
             max_model_len=rt.max_model_len,
             speculative=cfg.speculative,
+            device_type=rt.loaded.device.type,
         )
         tiers = build_tiers(rt)
         tier_tx, tier_rx = channel(TierMessage, INBOX_CAPACITY) if tiers else (None, None)

@@ -205,7 +205,7 @@ def test_error_goes_to_the_highest_layer_that_set_the_key(tmp_path):
     message = load_error(path, env={"CADENZA_SERVER__PORT": "-6"})
     assert message.startswith("environment variable CADENZA_SERVER__PORT: server.port:")
     # A section-level error goes to whichever layer touched the section last.
-    message = load_error(path, {"scheduler.max_num_batched_tokens": 100, "server.port": 1})
+    message = load_error(path, {"scheduler.max_num_batched_tokens": 100, "scheduler.chunk_size": 512, "server.port": 1})
     assert message.startswith("override scheduler.max_num_batched_tokens: scheduler: chunk_size")
 
 
@@ -382,3 +382,16 @@ def test_the_common_flags_come_from_the_schema_and_show_their_yaml_key(capsys):
         parser.parse_args(["serve", "--ray-placement", "everywhere"])  # the key's literal values are the choices
     with pytest.raises(KeyError, match="no.such"):
         schema_field("cache.no.such")
+
+
+def test_the_token_budget_left_unset_follows_the_device():
+    from cadenza.config.schema import SchedulerConfig
+
+    unset = SchedulerConfig()
+    assert (unset.for_device("cpu").max_num_batched_tokens, unset.for_device("cpu").chunk_size) == (2048, 512)
+    assert (unset.for_device("cuda").max_num_batched_tokens, unset.for_device("cuda").chunk_size) == (8192, 2048)
+    small = SchedulerConfig(max_num_batched_tokens=256).for_device("cuda")
+    assert (small.max_num_batched_tokens, small.chunk_size) == (256, 256)  # the chunk within the budget set
+    wide = SchedulerConfig(chunk_size=4096).for_device("cpu")
+    assert (wide.max_num_batched_tokens, wide.chunk_size) == (4096, 4096)  # the budget holds the chunk set
+    assert SchedulerConfig(max_num_batched_tokens=64, chunk_size=16).for_device("cuda").chunk_size == 16
