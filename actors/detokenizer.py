@@ -20,6 +20,7 @@ from cadenza.actors.messages import (
     DetokenizerMessage,
     NewTokens,
     RequestFailed,
+    StepTokens,
     TrackRequest,
     UnexpectedMessageError,
 )
@@ -175,6 +176,9 @@ class DetokenizerActor(Actor[DetokenizerMessage]):
                 self.core.start(request_id, params, prompt_token_ids)
             case NewTokens():
                 await self._on_tokens(message)
+            case StepTokens(items=items):
+                for item in items:
+                    await self._on_tokens(item)
             case RequestFailed(request_id=request_id, message=text, code=code):
                 self.core.finish(request_id)
                 self.deliver(TextDelta(request_id, "", (), None, "error", error=text, error_code=code))

@@ -35,6 +35,7 @@ from cadenza.actors.messages import (
     StepAllocation,
     StepFailed,
     StepOutput,
+    StepTokens,
     TierMessage,
     TierReadDone,
     UnexpectedMessageError,
@@ -138,6 +139,7 @@ class SchedulerActor(Actor[SchedulerMessage]):
         now = self.clock()
         for request, embedding in self.core.finish_pooled(plan, output.pooled):
             await self._finish_pooled(request, embedding, now)
+        step_tokens: list[NewTokens] = []
         for event in events:
             request, token = event.request, event.token
             first = len(request.output_token_ids) == 1
@@ -154,7 +156,7 @@ class SchedulerActor(Actor[SchedulerMessage]):
                     output_tokens=len(request.output_token_ids),
                     preemptions=request.num_preemptions,
                 )
-            await self.detokenizer.send(
+            step_tokens.append(
                 NewTokens(
                     request.request_id,
                     (token.token_id,),
@@ -166,6 +168,8 @@ class SchedulerActor(Actor[SchedulerMessage]):
                     prompt_logprobs=request.take_prompt_logprobs() if first else None,
                 )
             )
+        if step_tokens:  # finished requests' blocks went back above, before anyone hears of the finish
+            await self.detokenizer.send(StepTokens(tuple(step_tokens)))
 
     async def _finish_pooled(self, request: Request, embedding: tuple[float, ...], now: float) -> None:
         """An embedding request's last chunk ran: its blocks go back (its computed blocks stay in

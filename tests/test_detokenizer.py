@@ -10,7 +10,14 @@ import pytest
 from tiny_models import build_tokenizer
 
 from cadenza.actors.detokenizer import DetokenizerActor, IncrementalDetokenizer
-from cadenza.actors.messages import AbortRequest, NewTokens, RequestFailed, TrackRequest, UnexpectedMessageError
+from cadenza.actors.messages import (
+    AbortRequest,
+    NewTokens,
+    RequestFailed,
+    StepTokens,
+    TrackRequest,
+    UnexpectedMessageError,
+)
 from cadenza.metrics import EngineMetrics
 from cadenza.models.default_model import default_model_path
 from cadenza.models.gguf_tokenizer import tokenizer_from_gguf
@@ -361,6 +368,22 @@ async def test_actor_delivers_text_deltas(tiny):
     assert [d.finish_reason for d in deltas] == [None] * (len(ids) - 1) + ["length"]
     assert (deltas[0].num_prompt_tokens, deltas[0].num_cached_tokens, deltas[0].queue_seconds) == (7, 3, 0.25)
     assert all("\ufffd" not in d.text for d in deltas)
+
+
+@pytest.mark.anyio
+async def test_a_steps_tokens_in_one_message_reach_each_request_in_order(tiny):
+    """The scheduler sends a step's tokens as one StepTokens: each request's deltas as if its
+    NewTokens had come one by one, interleaved steps included, and a stop string still aborts."""
+    a = tiny.encode("héllo wörld 你好", add_special_tokens=False)
+    b = tiny.encode(SENTENCE, add_special_tokens=False)[:6]
+    steps = [StepTokens(tuple(m for m in (ma, mb) if m is not None))
+             for ma, mb in zip(token_messages("a", a) + [None] * len(b), token_messages("b", b, "stop"))]
+    steps += [StepTokens(tuple(token_messages("a", a)[len(b):]))] if len(a) > len(b) else []
+    deltas, sent = await run_actor(tiny, [TrackRequest("a", SamplingParams(), ()), TrackRequest("b", SamplingParams(stop=["quick"]), ())] + steps)
+    text = {rid: "".join(d.text for d in deltas if d.request_id == rid) for rid in "ab"}
+    assert text["a"] == tiny.decode(a) and text["b"] == "The "
+    assert [d.finish_reason for d in deltas if d.request_id == "b" and d.finish_reason] == ["stop"]
+    assert AbortRequest("b", "stop") in sent
 
 
 @pytest.mark.anyio
