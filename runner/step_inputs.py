@@ -14,6 +14,7 @@ carry token 0 at position 0, slot -1 (the backends skip the write) and sequence 
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -145,11 +146,12 @@ class StepPacker:
         query_lens = np.fromiter((len(c.token_ids) for c in chunks), dtype=np.int64, count=len(chunks))
         starts = np.fromiter((c.start_position for c in chunks), dtype=np.int64, count=len(chunks))
         seq_lens = starts + query_lens
-        widths = [len(c.block_table) for c in chunks]
-        for chunk, width, seq_len in zip(chunks, widths, seq_lens.tolist()):
-            if width * block_size < seq_len:
-                raise ValueError(f"request {chunk.request_id}: block table covers {width * block_size} tokens, "
-                                 f"step needs {seq_len}")
+        widths = np.fromiter((len(c.block_table) for c in chunks), dtype=np.int64, count=len(chunks))
+        short = np.flatnonzero(widths * block_size < seq_lens)
+        if short.size:
+            row = int(short[0])
+            raise ValueError(f"request {chunks[row].request_id}: block table covers {int(widths[row]) * block_size} tokens, "
+                             f"step needs {int(seq_lens[row])}")
         num_real, num_seqs = int(query_lens.sum()), len(chunks)
         if pad_to is not None:
             if into is None or table_width is None:
@@ -157,7 +159,7 @@ class StepPacker:
             if (num_seqs and int(query_lens.max()) != 1) or pad_to < num_seqs:
                 raise ValueError(f"only a decode of at most {pad_to} sequences pads to {pad_to}")
             num_seqs = pad_to
-        widest = max(widths, default=0)
+        widest = int(widths.max()) if len(chunks) else 0
         width = widest if table_width is None else table_width
         if width < widest:
             raise ValueError(f"a block table of {widest} blocks is wider than the static {width}")
@@ -171,11 +173,14 @@ class StepPacker:
         n = len(chunks)
         ids, positions, slots, tables = fields["input_ids"], fields["positions"], fields["slot_mapping"], fields["block_tables"]
         tables.fill(0)  # the used columns only, for a padded step: the kernels read no further
-        offset = 0
-        for row, chunk in enumerate(chunks):
-            tables[row, : widths[row]] = chunk.block_table
-            ids[offset : offset + query_lens[row]] = chunk.token_ids
-            offset += query_lens[row]
+        # Every row's table and token ids in one pass each at C speed (chained, then scattered):
+        # a Python loop over rows cost about 5 us a row, 1.4 ms a step of 256 decodes.
+        total_blocks = int(widths.sum())
+        flat = np.fromiter(itertools.chain.from_iterable(c.block_table for c in chunks), dtype=np.int64, count=total_blocks)
+        block_rows = np.repeat(np.arange(n), widths)
+        row_starts = np.cumsum(widths) - widths
+        tables[block_rows, np.arange(total_blocks) - row_starts[block_rows]] = flat
+        ids[:num_real] = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), dtype=np.int64, count=num_real)
         query_start_loc = fields["query_start_loc"]
         query_start_loc[0] = 0
         np.cumsum(query_lens, out=query_start_loc[1 : n + 1])
