@@ -119,10 +119,7 @@ class SchedulerActor(Actor[SchedulerMessage]):
             await self.detokenizer.send(RequestFailed(message.request_id, str(exc), "queue_full"))
             return
         if gated:
-            try:
-                self.tiers.send_nowait(ReadBack(request.request_id, request.prompt_token_ids, request.params.cache_salt))
-            except (anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):  # compute rather than wait
-                self.core.open_gate(request.request_id)
+            self._read_back(request, request.prompt_token_ids)
         self.metrics.prompt_tokens += request.num_prompt_tokens
         self.log.info("Request admitted", request_id=request.request_id, prompt_tokens=request.num_prompt_tokens)
 
@@ -190,6 +187,14 @@ class SchedulerActor(Actor[SchedulerMessage]):
             )
         )
 
+    def _read_back(self, request: Request, token_ids: tuple[int, ...]) -> None:
+        """Ask the tier agent for the blocks of `token_ids` the tiers hold; the gated request joins
+        the queue at its TierReadDone, or at once where the agent cannot take the ask."""
+        try:
+            self.tiers.send_nowait(ReadBack(request.request_id, tuple(token_ids), request.params.cache_salt))
+        except (anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):  # compute rather than wait
+            self.core.open_gate(request.request_id)
+
     async def _step(self) -> bool:
         """Plan a step, allocate it, send it to the runner; False when there is nothing to run now."""
         plan = self.core.schedule()
@@ -199,6 +204,8 @@ class SchedulerActor(Actor[SchedulerMessage]):
         for request in plan.preempted:
             self.log.info("Request preempted", request_id=request.request_id, times=request.num_preemptions)
             self.metrics.num_preemptions += 1
+            if request.request_id in self.core.reading:  # gated: a tier may hold the blocks it lost
+                self._read_back(request, request.all_tokens())
         if plan.unschedulable is not None:
             await self._fail(plan.unschedulable, "the request needs more KV cache blocks than the cache has", "kv_cache_full")
         if not chunks:

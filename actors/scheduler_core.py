@@ -77,10 +77,14 @@ class SchedulerCore:
         max_model_len: int,
         speculative: SpeculativeConfig | None = None,
         device_type: str = "cpu",
+        gate_preempted: bool = False,
     ):
         """`device_type`: the model's ("cpu", "cuda"), which sets the token budget and chunk size
-        the configuration leaves unset (`SchedulerConfig.for_device`)."""
+        the configuration leaves unset (`SchedulerConfig.for_device`). `gate_preempted`: a tier
+        below the KV budget may hold a preempted request's blocks, so it waits outside the queue
+        for a read, as a new request does (`reading`), instead of queuing to recompute."""
         self.config = config.for_device(device_type)
+        self.gate_preempted = gate_preempted
         # None: no proposer was built, nothing speculates.
         self.speculation = SpeculationPolicy(speculative) if speculative is not None else None
         self.block_size = block_size
@@ -122,11 +126,12 @@ class SchedulerCore:
             self._enqueue(request)
 
     def open_gate(self, request_id: str) -> bool:
-        """The gated request `request_id` joins the queue; False if it is not gated (gone since)."""
+        """The gated request `request_id` joins the queue; False if it is not gated (gone since).
+        A preempted one goes where its preemption would have put it: first, under fcfs."""
         request = self.reading.pop(request_id, None)
         if request is None:
             return False
-        self._enqueue(request)
+        self._enqueue(request, front=request.num_preemptions > 0 and self.config.policy == "fcfs")
         return True
 
     def abort(self, request_id: str) -> Request | None:
@@ -386,6 +391,8 @@ class SchedulerCore:
         head is the request that cannot fit (failed when nothing runs), not a better-ranked
         bystander.
         """
+        first, n = preempted[0]
+        too_big = alone and n  # needs more than the whole cache: it heads the queue, not a read's gate
         for request, _ in reversed(preempted):
             request.num_computed_tokens = 0
             request.num_pending = 0
@@ -394,10 +401,12 @@ class SchedulerCore:
             request.num_preemptions += 1
             self.num_preemptions += 1
             self.running.remove(request)
-            self._enqueue(request, front=self.config.policy == "fcfs")
+            if self.gate_preempted and request.num_tokens > self.block_size and not (too_big and request is first):
+                self.reading[request.request_id] = request  # the scheduler sends its ReadBack
+            else:
+                self._enqueue(request, front=self.config.policy == "fcfs")
         plan.preempted = [r for r, _ in preempted]
-        first, n = preempted[0]
-        if alone and n and self.waiting[0] is not first:
+        if too_big and self.waiting[0] is not first:
             self.waiting.remove(first)
             self.waiting.insert(0, first)
 

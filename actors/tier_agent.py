@@ -9,7 +9,8 @@ lacks it, in a worker thread. A block already in every tier is not written again
 not pinned while copied: a pin takes blocks from admission, and with nothing running the scheduler
 would fail a request that did not fit beside the pins (seen in tests/test_kv_tiers.py).
 
-Read-back: a new request with more than one block of prompt waits outside the scheduler's queue
+Read-back: a new request with more than one block of prompt (and a preempted one, for its prompt and
+output so far) waits outside the scheduler's queue
 (its gate) while this agent looks its prompt's chained hashes up: past the run cached in memory, the
 leading run found in a tier is read into fresh blocks (a worker thread reads and scatters them),
 which enter the prefix cache; then `TierReadDone` opens the gate, and the request's admission finds

@@ -91,6 +91,7 @@ class AsyncEngine:
         self.cache_core = KVCacheManager(
             rt.num_blocks, rt.block_size, rt.make_eviction_policy(), cfg.cache.enable_prefix_caching
         )
+        tiers = build_tiers(rt)
         self.scheduler_core = SchedulerCore(
             cfg.scheduler,
             block_size=rt.block_size,
@@ -98,8 +99,8 @@ class AsyncEngine:
             max_model_len=rt.max_model_len,
             speculative=cfg.speculative,
             device_type=rt.loaded.device.type,
+            gate_preempted=bool(tiers),
         )
-        tiers = build_tiers(rt)
         tier_tx, tier_rx = channel(TierMessage, INBOX_CAPACITY) if tiers else (None, None)
         validator = PromptValidator(
             rt.tokenizer,

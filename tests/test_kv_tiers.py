@@ -433,3 +433,19 @@ def test_a_cache_salt_is_kept_apart_on_disk_too(model, reference, tmp_path):
         assert out.num_cached_tokens == 8 * BLOCK and llm.engine.metrics.kv_tier_blocks_read == 8
         assert out.outputs[0].token_ids == reference
         audit(llm)
+
+
+def test_preempted_requests_over_a_tier_finish_once_with_their_tokens(model, tmp_path):
+    """Under a budget too small for the batch, preempted requests wait for a read of what the tier
+    holds of them instead of queuing to recompute: each still finishes once, with the tokens an
+    unconstrained engine gives, and no block is left held."""
+    prompts = others(4, length=6 * BLOCK)
+    with make_llm(model, num_blocks=200) as llm:
+        expected = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(24))]
+    with make_llm(model, tmp_path, num_blocks=20) as llm:
+        outputs = llm.generate(prompts, greedy(24))
+        assert llm.engine.metrics.num_preemptions > 0
+        finished_once(outputs)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+        assert not llm.engine.scheduler_core.reading
+        audit(llm)

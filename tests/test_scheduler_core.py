@@ -96,7 +96,7 @@ class Harness:
         for request in plan.preempted:
             assert self.manager.block_table(request.request_id) == ()
             assert request.num_computed_tokens == 0
-            assert request in self.core.waiting or request is plan.unschedulable
+            assert request in self.core.waiting or request.request_id in self.core.reading or request is plan.unschedulable
         if plan.unschedulable is not None:  # the actor fails it
             assert not self.core.running and not chunks
             self.manager.free(plan.unschedulable.request_id)
@@ -289,6 +289,26 @@ def test_last_admitted_request_is_preempted_to_the_front_of_the_queue():
     assert b.output_token_ids[:5] == generated and len(b.output_token_ids) == 6
     h.run()
     assert b.num_preemptions == 1
+    check_all_finished(h, [a, b, c])
+
+
+def test_a_preempted_request_waits_for_a_tier_read_then_heads_the_queue():
+    """With a tier below the budget (gate_preempted), a preempted request waits outside the queue
+    while the scheduler has its blocks read back, then goes where its preemption would have put it
+    (first, under fcfs), and computes from there as it would have."""
+    h = make_harness(num_blocks=4, prefix_caching=False, max_num_seqs=2, chunk_size=8, max_num_batched_tokens=16)
+    h.core.gate_preempted = True
+    a = h.add(make_request("a", max_tokens=8))
+    b = h.add(make_request("b", max_tokens=8))
+    c = h.add(make_request("c", max_tokens=1))
+    while not b.num_preemptions:
+        step = h.step()
+    assert step.plan.preempted == [b] and h.core.reading == {"b": b}
+    assert [r.request_id for r in h.core.waiting] == ["c"]  # b is not queued while it reads
+    assert h.core.open_gate("b") and not h.core.reading
+    assert [r.request_id for r in h.core.waiting] == ["b", "c"]
+    h.run()
+    assert b.num_preemptions == 1 and len(b.output_token_ids) == 8
     check_all_finished(h, [a, b, c])
 
 
