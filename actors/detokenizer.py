@@ -177,8 +177,10 @@ class DetokenizerActor(Actor[DetokenizerMessage]):
             case NewTokens():
                 await self._on_tokens(message)
             case StepTokens(items=items):
+                # Each request's tokens as their own message: a failure on one fails that request
+                # alone (`_handle_contained`), and the rest of the step's requests get theirs.
                 for item in items:
-                    await self._on_tokens(item)
+                    await self._handle_contained(item)
             case RequestFailed(request_id=request_id, message=text, code=code):
                 self.core.finish(request_id)
                 self.deliver(TextDelta(request_id, "", (), None, "error", error=text, error_code=code))
