@@ -112,7 +112,7 @@ class SchedulerActor(Actor[SchedulerMessage]):
             message.arrival_time,
             message.priority,
         )
-        gated = self.tiers is not None and request.num_prompt_tokens > self.core.block_size
+        gated = self.core.wants_read(request.num_prompt_tokens)
         try:
             self.core.add(request, gated)
         except QueueFullError as exc:
@@ -189,7 +189,10 @@ class SchedulerActor(Actor[SchedulerMessage]):
 
     def _read_back(self, request: Request, token_ids: tuple[int, ...]) -> None:
         """Ask the tier agent for the blocks of `token_ids` the tiers hold; the gated request joins
-        the queue at its TierReadDone, or at once where the agent cannot take the ask."""
+        the queue at its TierReadDone, or at once where there is no agent or it cannot take the ask."""
+        if self.tiers is None:
+            self.core.open_gate(request.request_id)
+            return
         try:
             self.tiers.send_nowait(ReadBack(request.request_id, tuple(token_ids), request.params.cache_salt))
         except (anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):  # compute rather than wait

@@ -77,14 +77,14 @@ class SchedulerCore:
         max_model_len: int,
         speculative: SpeculativeConfig | None = None,
         device_type: str = "cpu",
-        gate_preempted: bool = False,
+        gate_reads: bool = False,
     ):
         """`device_type`: the model's ("cpu", "cuda"), which sets the token budget and chunk size
-        the configuration leaves unset (`SchedulerConfig.for_device`). `gate_preempted`: a tier
-        below the KV budget may hold a preempted request's blocks, so it waits outside the queue
-        for a read, as a new request does (`reading`), instead of queuing to recompute."""
+        the configuration leaves unset (`SchedulerConfig.for_device`). `gate_reads`: a tier below
+        the KV budget may hold a request's blocks (`wants_read`), so the scheduler has them read
+        while the request waits outside the queue (`reading`)."""
         self.config = config.for_device(device_type)
-        self.gate_preempted = gate_preempted
+        self.gate_reads = gate_reads
         # None: no proposer was built, nothing speculates.
         self.speculation = SpeculationPolicy(speculative) if speculative is not None else None
         self.block_size = block_size
@@ -124,6 +124,11 @@ class SchedulerCore:
             self.reading[request.request_id] = request
         else:
             self._enqueue(request)
+
+    def wants_read(self, num_tokens: int) -> bool:
+        """Whether a request of `num_tokens` tokens (a new one's prompt, a preempted one's prompt
+        and output) waits for a tier read before it queues: more than a block, and tiers to read."""
+        return self.gate_reads and num_tokens > self.block_size
 
     def open_gate(self, request_id: str) -> bool:
         """The gated request `request_id` joins the queue; False if it is not gated (gone since).
@@ -401,7 +406,7 @@ class SchedulerCore:
             request.num_preemptions += 1
             self.num_preemptions += 1
             self.running.remove(request)
-            if self.gate_preempted and request.num_tokens > self.block_size and not (too_big and request is first):
+            if self.wants_read(request.num_tokens) and not (too_big and request is first):
                 self.reading[request.request_id] = request  # the scheduler sends its ReadBack
             else:
                 self._enqueue(request, front=self.config.policy == "fcfs")

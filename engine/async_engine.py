@@ -99,7 +99,7 @@ class AsyncEngine:
             max_model_len=rt.max_model_len,
             speculative=cfg.speculative,
             device_type=rt.loaded.device.type,
-            gate_preempted=bool(tiers),
+            gate_reads=bool(tiers),
         )
         tier_tx, tier_rx = channel(TierMessage, INBOX_CAPACITY) if tiers else (None, None)
         validator = PromptValidator(

@@ -293,11 +293,11 @@ def test_last_admitted_request_is_preempted_to_the_front_of_the_queue():
 
 
 def test_a_preempted_request_waits_for_a_tier_read_then_heads_the_queue():
-    """With a tier below the budget (gate_preempted), a preempted request waits outside the queue
+    """With a tier below the budget (gate_reads), a preempted request waits outside the queue
     while the scheduler has its blocks read back, then goes where its preemption would have put it
     (first, under fcfs), and computes from there as it would have."""
     h = make_harness(num_blocks=4, prefix_caching=False, max_num_seqs=2, chunk_size=8, max_num_batched_tokens=16)
-    h.core.gate_preempted = True
+    h.core.gate_reads = True
     a = h.add(make_request("a", max_tokens=8))
     b = h.add(make_request("b", max_tokens=8))
     c = h.add(make_request("c", max_tokens=1))
