@@ -99,12 +99,11 @@ class StepRotary:
     def __init__(self, embedding: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype, kernels=None,
                  layer_ops=None) -> None:
         """`kernels`: the CPU kernels; `layer_ops`: kernels/triton/layer_ops.py (a model's
-        `use_layer_ops`), which rotates in place where the rotated half is a power of two."""
+        `use_layer_ops`), which rotates in place where it can (`layer_ops.rotates`)."""
         self._embedding, self._positions, self._dtype = embedding, positions, dtype
         usable = kernels is not None and dtype == torch.float32 and positions.device.type == "cpu"
         self._kernels = kernels if usable else None
-        half = embedding.dim // 2
-        self._layer_ops = layer_ops if layer_ops is not None and half and not half & (half - 1) else None
+        self._layer_ops = layer_ops if layer_ops is not None and layer_ops.rotates(embedding.dim) else None
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None  # looked up on first use
 
     @property

@@ -109,7 +109,7 @@ class SamplingPipeline:
         return _folds(self.sampler) and all(_folds(p) for p in active) and not self._sampler_has_rows(batch)
 
     def _one_pass_tokens(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """The one-pass kernel's tokens: each row's temperature (0: greedy) and Philox key, a seeded
+        """The one-pass kernel's tokens: each row's temperature (0: greedy) and noise key, a seeded
         row's from its seed and position in its output (its tokens depend on its seed alone), the
         others' from one draw of the sampler's generator this step."""
         kernel = self._one_pass

@@ -105,6 +105,12 @@ def _rotary_kernel(x_ptr, positions_ptr, cos_ptr, sin_ptr, stride_t, stride_h, s
     tl.store(base + HALF + dims, out_second)
 
 
+def rotates(dims: int) -> bool:
+    """Whether `rotary_` can rotate `dims` dimensions: an even number whose half is a power of two."""
+    half = dims // 2
+    return dims % 2 == 0 and half > 0 and not half & (half - 1)
+
+
 def rotary_(x: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
             dims: int | None = None) -> torch.Tensor:
     """x [T, heads, head_dim] with the leading `dims` (all by default) of each head rotated in
@@ -112,11 +118,11 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor, s
     (models/rotary.py's). Returns x."""
     tokens, heads, head_dim = x.shape
     dims = head_dim if dims is None else dims
-    if x.stride(-1) != 1 or dims % 2 or dims > head_dim or cos_table.shape[-1] != dims:
+    if x.stride(-1) != 1 or dims > head_dim or cos_table.shape[-1] != dims:
         raise ValueError(f"rotary_ needs contiguous head dimensions and tables of the {dims} rotated ones")
+    if not rotates(dims):
+        raise ValueError(f"rotary_ rotates an even number of dimensions with a power-of-two half, not {dims}")
     half = dims // 2
-    if half & (half - 1):
-        raise ValueError(f"rotary_ rotates a power-of-two half, not {half}")
     if tokens and heads:
         _rotary_kernel[(tokens, heads)](x, positions, cos_table, sin_table, x.stride(0), x.stride(1),
                                         cos_table.stride(0), HALF=half, ROUND=_ROUND[x.dtype], num_warps=1)

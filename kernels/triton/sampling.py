@@ -24,7 +24,7 @@ _KEY_MASK = (1 << 63) - 1
 
 
 def row_key(seed: int, position: int) -> int:
-    """The Philox key of a row: its seed mixed with its position in the output (non-negative int64)."""
+    """The noise key of a row (`_uniform`): its seed mixed with its position in the output (non-negative int64)."""
     return (seed * _GOLDEN + position) & _KEY_MASK
 
 
@@ -80,7 +80,7 @@ def _sample_kernel(logits_ptr, stride, temperatures_ptr, keys_ptr, out_ptr, voca
 
 def sample(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """One token id per row of `logits` [B, V] (any float dtype, rows contiguous): greedy where
-    `temperatures` [B] (float32) is 0, else drawn from softmax(logits / T) with the Philox noise
+    `temperatures` [B] (float32) is 0, else drawn from softmax(logits / T) with the noise
     of `keys` [B] (int64, `row_key`). int64 [B] on the logits' device."""
     rows, vocab = logits.shape
     if logits.stride(-1) != 1:
