@@ -10,12 +10,17 @@
 // file's layout (quant.cpp), which decodes each row's scales and converts each row's sum on its own.
 // Measured on one core of a Sapphire Rapids Xeon as an AVX2 CPU, 3072 x 576 weights (768 for the
 // K-quants): 1.6x (Q8_0) to 3x (Q4_K) the file layout's rate at 4 rows and more; AVX-VNNI 1.2x (Q4_1)
-// to 2x (Q8_0) AVX2's.
+// to 2x (Q8_0) AVX2's. A prefill decodes the groups of the types whose bits cost more than a row's
+// products (Q5_K, Q6_K, Q3_K, Q2_K) once per chunk of activation rows rather than once a pass
+// (kDecodesOnce): one core, 256 rows of 2048 x 8192 and 8192 x 2048 weights, Q5_K 1.3x, Q6_K 1.1-1.3x,
+// Q3_K 1.2-1.35x, the sums bit for bit the same.
 #include "quant_packed.h"
 
 #if CADENZA_PACK_ROWS == 8
 
 #include <immintrin.h>
+
+#include <vector>
 
 #include "linear.h"
 
@@ -281,30 +286,56 @@ inline void q4k_scales8(const uint8_t* sb, __m256 d, __m256 dmin, __m256* scale,
 
 // Output rows [n, n + 8) of M activation rows from m0 for a packed Q4_K or Q5_K group `wg` (P):
 // Q5_K's values are Q4_K's nibbles plus 16 where their bit in qh is set.
-template <class P, int M>
+// Q5_K's 5-bit values of sub-block 2c + h (h = 0: the low nibbles, 1: the high ones), chunk k: the
+// nibbles plus bit 2c + h of the chunk's qh bytes, moved to bit 4.
+inline __m256i q5k_values8(const uint8_t* gb, int c, int h, int k) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 16 * kPackRows + 32 * kPackRows * c + 4 * kPackRows * k));
+  const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 144 * kPackRows + 4 * kPackRows * k));
+  const __m256i nibbles = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, _mm256_set1_epi8(0x0F));
+  return _mm256_or_si256(nibbles, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + h), _mm256_set1_epi8(0x01)), 4));
+}
+
+// With kPre (Q5_K), the values come decoded from `pre` (decode_group's layout: 32 bytes a chunk, in
+// order of block, sub-block and chunk) rather than from the group's bits.
+template <class P, int M, bool kPre = false>
 inline void packed_dot_group_q4k(const uint8_t* wg, int64_t nblocks, const QuantizedActivations& a, int64_t m0,
-                                 const float* bias, float* out, int64_t os, bool accumulate, int64_t n) {
+                                 const float* bias, float* out, int64_t os, bool accumulate, int64_t n,
+                                 const uint8_t* pre = nullptr) {
   constexpr bool kFive = std::is_same_v<P, PackQ5_K>;
   using Dots = ByteDots<kFive ? 4 : 8>;
   __m256 acc[M], macc[M];
   for (int m = 0; m < M; ++m) acc[m] = macc[m] = _mm256_setzero_ps();
-  const __m256i low = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(0x01);
+  const __m256i low = _mm256_set1_epi8(0x0F);
   for (int64_t b = 0; b < nblocks; ++b) {
     const uint8_t* gb = wg + b * kPackRows * P::kBytes;
     prefetch_ahead(gb, kPackRows * P::kBytes);
     __m256 scale[8], minv[8];
     q4k_scales8(gb + 4 * kPackRows, load_halves8(gb), load_halves8(gb + 2 * kPackRows), scale, minv);
     for (int c = 0; c < 4; ++c) {  // sub-blocks 2c (low nibbles) and 2c + 1 (high)
+      if constexpr (kFive) {
+        // One sub-block at a time: the int16 and int32 sums of two at once (4 registers an
+        // activation row) spilled at 4 rows a pass.
+        for (int h = 0; h < 2; ++h) {
+          Dots dots[M];
+#pragma GCC unroll 8
+          for (int k = 0; k < 8; ++k) {
+            const __m256i v = kPre ? _mm256_load_si256(reinterpret_cast<const __m256i*>(pre + 32 * (8 * (8 * b + 2 * c + h) + k)))
+                                   : q5k_values8(gb, c, h, k);
+            for (int m = 0; m < M; ++m) dots[m].add(k, v, broadcast4(a.q.data() + (m0 + m) * a.K + 256 * b + 64 * c + 32 * h + 4 * k));
+          }
+          for (int m = 0; m < M; ++m) {
+            const int64_t blk = (m0 + m) * a.blocks + 8 * b + 2 * c + h;
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots[m].sum()), _mm256_mul_ps(scale[2 * c + h], _mm256_set1_ps(a.d[blk])), acc[m]);
+            macc[m] = _mm256_fmadd_ps(minv[2 * c + h], _mm256_set1_ps(a.s[blk]), macc[m]);
+          }
+        }
+        continue;
+      }
       const uint8_t* chunks = gb + 16 * kPackRows + 32 * kPackRows * c;
       Dots lo_dots[M], hi_dots[M];
       for (int k = 0; k < 8; ++k) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunks + 4 * kPackRows * k));
-        __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        if constexpr (kFive) {  // bits 2c and 2c + 1 of the chunk's qh bytes, moved to bit 4
-          const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 144 * kPackRows + 4 * kPackRows * k));
-          lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * c), one), 4));
-          hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2 * c + 1), one), 4));
-        }
+        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
         for (int m = 0; m < M; ++m) {
           const int8_t* x = a.q.data() + (m0 + m) * a.K + 256 * b + 64 * c;
           lo_dots[m].add(k, lo, broadcast4(x + 4 * k));
@@ -415,9 +446,12 @@ constexpr int kInt16Chunks = std::is_same_v<P, PackQ6_K> ? 2 : 4;
 // sums, as Q2_K's m * sum(x), scaled by dmin. The VNNI builds
 // take the same path: vpdpbusd's int32 sums would need the scales of 16 values applied in int32 or
 // float, one step more than vpmaddwd's.
-template <class P, int M>
+// With kPre, the values come decoded from `pre` (decode_group's layout: 32 bytes a chunk, in order
+// of block, sub-block and chunk) rather than from the group's bits.
+template <class P, int M, bool kPre = false>
 inline void packed_dot_group_scales16(const uint8_t* wg, int64_t nblocks, const QuantizedActivations& a, int64_t m0,
-                                      const float* bias, float* out, int64_t os, bool accumulate, int64_t n) {
+                                      const float* bias, float* out, int64_t os, bool accumulate, int64_t n,
+                                      const uint8_t* pre = nullptr) {
   constexpr int64_t R = kPackRows;
   constexpr int kRun = kInt16Chunks<P>;
   __m256 acc[M], macc[M];
@@ -435,9 +469,12 @@ inline void packed_dot_group_scales16(const uint8_t* wg, int64_t nblocks, const 
       const Scales8 sc = sub_scales8(scales, j);
       __m256i isum[M];
       for (int m = 0; m < M; ++m) isum[m] = _mm256_setzero_si256();
+#pragma GCC unroll 8
       for (int k = 0; k < 8; k += kRun) {
         __m256i q[kRun];
-        for (int i = 0; i < kRun; ++i) q[i] = sub_values8(P{}, gb, j, k + i);
+        for (int i = 0; i < kRun; ++i)
+          q[i] = kPre ? _mm256_load_si256(reinterpret_cast<const __m256i*>(pre + 32 * (8 * (8 * b + j) + k + i)))
+                      : sub_values8(P{}, gb, j, k + i);
         for (int m = 0; m < M; ++m) {
           const int8_t* x = a.q.data() + (m0 + m) * a.K + 256 * b + 32 * j + 4 * k;
           __m256i p = _mm256_maddubs_epi16(q[0], broadcast4(x));
@@ -498,14 +535,46 @@ inline void packed_dot_group_iq4xs(const uint8_t* wg, int64_t nblocks, const Qua
   store_group<M>(acc, none, bias, out, os, accumulate, n);
 }
 
-// One group through the kernel of its layout.
-template <class P, int M>
+// Types whose values take more instructions to decode from their bits than one activation row's
+// products over them (Q5_K's fifth bits, the two planes of Q6_K and Q3_K, Q2_K's shifts): a prefill
+// decodes each of their groups once per chunk of activation rows (decode_group), and every pass of
+// the chunk loads the values. The nibble types decode in 3 instructions a chunk and stay as they are.
+template <class P>
+constexpr bool kDecodesOnce = std::is_same_v<P, PackQ5_K> || std::is_same_v<P, PackQ6_K> ||
+                              std::is_same_v<P, PackQ3_K> || std::is_same_v<P, PackQ2_K>;
+
+// Bytes of a group's decoded values: one a value.
+inline int64_t decoded_group_bytes(int64_t nblocks) { return nblocks * 256 * kPackRows; }
+
+// The values of a packed group `wg` (a kDecodesOnce type) into `pre`, in the order its kernel reads
+// them with kPre: the same vectors it would decode, stored.
+template <class P>
+inline void decode_group(const uint8_t* wg, int64_t nblocks, uint8_t* pre) {
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const uint8_t* gb = wg + b * kPackRows * P::kBytes;
+    if constexpr (std::is_same_v<P, PackQ5_K>) {
+      for (int j = 0; j < 8; ++j) {
+        for (int k = 0; k < 8; ++k)
+          _mm256_store_si256(reinterpret_cast<__m256i*>(pre + 32 * (8 * (8 * b + j) + k)), q5k_values8(gb, j / 2, j % 2, k));
+      }
+    } else {
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        for (int k = 0; k < 8; ++k)
+          _mm256_store_si256(reinterpret_cast<__m256i*>(pre + 32 * (8 * (8 * b + j) + k)), sub_values8(P{}, gb, j, k));
+      }
+    }
+  }
+}
+
+// One group through the kernel of its layout (kPre: its values decoded at `pre`).
+template <class P, int M, bool kPre = false>
 inline void dot_group(const uint8_t* wg, int64_t nblocks, const QuantizedActivations& a, int64_t m0, const float* bias,
-                      float* out, int64_t os, bool accumulate, int64_t n) {
+                      float* out, int64_t os, bool accumulate, int64_t n, const uint8_t* pre = nullptr) {
   if constexpr (std::is_same_v<P, PackQ4_K> || std::is_same_v<P, PackQ5_K>)
-    packed_dot_group_q4k<P, M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
+    packed_dot_group_q4k<P, M, kPre>(wg, nblocks, a, m0, bias, out, os, accumulate, n, pre);
   else if constexpr (std::is_same_v<P, PackQ6_K> || std::is_same_v<P, PackQ3_K> || std::is_same_v<P, PackQ2_K>)
-    packed_dot_group_scales16<P, M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
+    packed_dot_group_scales16<P, M, kPre>(wg, nblocks, a, m0, bias, out, os, accumulate, n, pre);
   else if constexpr (std::is_same_v<P, PackIQ4_XS>) packed_dot_group_iq4xs<M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
   else packed_dot_group<P, M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
 }
@@ -521,8 +590,36 @@ template <class P>
 inline void packed_matmul_of(const QuantizedActivations& a, int64_t M, const uint8_t* wp, int64_t N, int64_t row_bytes,
                              const float* bias, float* out, int64_t os, bool accumulate) {
   const int64_t nblocks = row_bytes / P::kBytes;
+  const int64_t chunk = std::min(M, activation_chunk_rows(a.K, kPackPassRows));
+  // Decoded once per chunk where a chunk takes more than one pass (a prefill; never a decode step).
+  const bool once = kDecodesOnce<P> && chunk > kPackPassRows;
+  const int64_t group_bytes = decoded_group_bytes(nblocks);
   for_each_tile(N, M, kTileGroups * kPackRows, [&](int64_t n0, int64_t n1, int64_t m, int64_t rows) {
     float* om = out + m * os;
+    if constexpr (kDecodesOnce<P>) {
+      if (once) {
+        // A (tile, chunk) is one thread's, its passes in order: the first decodes the tile's groups.
+        thread_local std::vector<__m256i> decoded;
+        const int64_t vectors = kTileGroups * group_bytes / 32;
+        if (static_cast<int64_t>(decoded.size()) < vectors) decoded.resize(vectors);
+        uint8_t* base = reinterpret_cast<uint8_t*>(decoded.data());
+        if (m % chunk == 0) {
+          for (int64_t n = n0; n < n1; n += kPackRows)
+            decode_group<P>(wp + n * row_bytes, nblocks, base + (n - n0) / kPackRows * group_bytes);
+        }
+        for (int64_t n = n0; n < n1; n += kPackRows) {
+          const uint8_t* wg = wp + n * row_bytes;
+          const uint8_t* pre = base + (n - n0) / kPackRows * group_bytes;
+          switch (rows) {
+            case 1: dot_group<P, 1, true>(wg, nblocks, a, m, bias, om, os, accumulate, n, pre); break;
+            case 2: dot_group<P, 2, true>(wg, nblocks, a, m, bias, om, os, accumulate, n, pre); break;
+            case 3: dot_group<P, 3, true>(wg, nblocks, a, m, bias, om, os, accumulate, n, pre); break;
+            default: dot_group<P, 4, true>(wg, nblocks, a, m, bias, om, os, accumulate, n, pre); break;
+          }
+        }
+        return;
+      }
+    }
     for (int64_t n = n0; n < n1; n += kPackRows) {
       const uint8_t* wg = wp + n * row_bytes;
       switch (rows) {
@@ -532,7 +629,7 @@ inline void packed_matmul_of(const QuantizedActivations& a, int64_t M, const uin
         default: dot_group<P, 4>(wg, nblocks, a, m, bias, om, os, accumulate, n); break;
       }
     }
-  }, kPackPassRows, activation_chunk_rows(a.K, kPackPassRows));
+  }, kPackPassRows, chunk);
 }
 
 }  // namespace
