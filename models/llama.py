@@ -414,13 +414,17 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head's logits in the head's dtype (bfloat16 on a bfloat16 model, float32 from the
+        CPU's quantized heads): the one-pass sampler reads them so, and the sampling pipeline's torch
+        path and log-probabilities up-cast them; a float32 copy here would be a write and a read of
+        batch x vocabulary floats every step for nothing."""
         logits = self.lm_head(hidden)
         if self.cfg.logits_scaling != 1.0:  # Granite's, in the head's dtype as transformers divides
             logits = logits / self.cfg.logits_scaling
         cap = self.cfg.final_logit_softcapping
         if cap is not None:  # cap * tanh(logits / cap)
             logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+        return logits
 
     # --- loading -------------------------------------------------------------------------------
 

@@ -242,7 +242,7 @@ class ModelRunner:
         except SamplingError as exc:
             result = self._resample_without(exc, chunks, sampling_rows, last_hidden)
         else:
-            result = StepResult(request_ids, sampled, logits if return_logits else None)
+            result = StepResult(request_ids, sampled, logits.float() if return_logits else None)
         if guesses and result.sampled is not None:
             result = self._verify(result, chunks, guess_logits, guess_offset, guesses, guess_picks)
         return result

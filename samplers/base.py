@@ -191,6 +191,7 @@ class Sampler(SamplingComponent, ABC):
     def sample(
         self, logits: torch.Tensor, raw_logits: torch.Tensor, batch: SamplingBatch
     ) -> SamplerOutput:
-        """`logits` went through the processors; `raw_logits` did not (for logprobs)."""
+        """`logits` went through the processors (float32); `raw_logits` did not (for logprobs; in
+        the LM head's dtype, bfloat16 on a bfloat16 model: up-cast before a log_softmax)."""
 
 

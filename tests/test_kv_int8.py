@@ -228,7 +228,7 @@ def test_default_model_perplexity_with_int8_cache_within_one_percent_of_float32(
             backend.begin_step(meta)
             with torch.inference_mode():
                 hidden = loaded.model(tokens[start:end], torch.arange(start, end), caches, meta, backend)
-                scores = loaded.model.compute_logits(hidden).log_softmax(-1)
+                scores = loaded.model.compute_logits(hidden).float().log_softmax(-1)
             total += scores.gather(1, tokens[start + 1 : end + 1, None]).sum().item()
             start = end
         return math.exp(-total / n)

@@ -66,7 +66,7 @@ def next_token_scores(loaded, ids: list[int], chunk: int) -> tuple[torch.Tensor,
         end = min(start + chunk, n)
         meta = chunk_metadata(start, end, blocks)
         hidden = loaded.model(tokens[start:end], torch.arange(start, end), caches, meta, backend)
-        scores = loaded.model.compute_logits(hidden).log_softmax(-1)
+        scores = loaded.model.compute_logits(hidden).float().log_softmax(-1)
         logprobs.append(scores.gather(1, tokens[start + 1 : end + 1, None])[:, 0])
         argmax.append(scores.argmax(-1))
     return torch.cat(logprobs), torch.cat(argmax)
