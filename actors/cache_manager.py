@@ -93,9 +93,9 @@ class KVCacheManager:
         self._tables: dict[str, _Table] = {}
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which found cached
-        # Hashes `commit` cached since the last `take_newly_cached`, kept only when tiers below the
-        # KV budget want them written behind (None: not kept).
-        self.newly_cached: list[bytes] | None = None
+        # (hash, position) of the blocks `commit` cached since the last `take_newly_cached`, kept
+        # only when tiers below the KV budget want them written behind (None: not kept).
+        self.newly_cached: list[tuple[bytes, int]] | None = None
         self._evictions = [0] * num_blocks  # per block: times its cached contents were evicted for reuse
 
     # --- queries -------------------------------------------------------------------------------
@@ -243,14 +243,16 @@ class KVCacheManager:
                 self._hash_of[block] = digest
                 self.policy.on_cached(block, index)
                 if self.newly_cached is not None:
-                    self.newly_cached.append(digest)
+                    self.newly_cached.append((digest, index))
 
-    def take_newly_cached(self) -> tuple[bytes, ...]:
-        """The hashes `commit` cached since the last call (when `newly_cached` is kept)."""
+    def take_newly_cached(self) -> tuple[tuple[bytes, ...], tuple[int, ...]]:
+        """The hashes `commit` cached since the last call (when `newly_cached` is kept), and each
+        block's position in its sequence."""
         if not self.newly_cached:
-            return ()
-        taken, self.newly_cached = tuple(self.newly_cached), []
-        return taken
+            return (), ()
+        taken, self.newly_cached = self.newly_cached, []
+        hashes, positions = zip(*taken)
+        return hashes, positions
 
     def cached_block(self, digest: bytes) -> int | None:
         """The block cached under `digest`, or None."""
@@ -447,11 +449,11 @@ class CacheManagerActor(Actor[CacheMessage]):
 
     def _offload(self, step_id: int) -> None:
         """Hand the blocks just cached to the tier agent, never waiting: a full inbox drops them."""
-        hashes = self.core.take_newly_cached()
+        hashes, positions = self.core.take_newly_cached()
         if self.tiers is None or not hashes:
             return
         try:
-            self.tiers.send_nowait(Offload(step_id, hashes))
+            self.tiers.send_nowait(Offload(step_id, hashes, positions))
         except (anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):
             self.metrics.kv_tier_writes_dropped += len(hashes)
 

@@ -226,11 +226,12 @@ class ReadBack:
 
 @dataclass(frozen=True, slots=True)
 class Offload:
-    """Blocks that step `step_id`'s tokens completed entered the prefix cache under `hashes`:
-    write them behind to the tiers."""
+    """Blocks that step `step_id`'s tokens completed entered the prefix cache under `hashes`, at
+    `positions` of their sequences (the tiers' eviction policies see them): write them behind."""
 
     step_id: int
     hashes: tuple[bytes, ...]
+    positions: tuple[int, ...]
 
 
 TierMessage = Union[ReadBack, Offload]

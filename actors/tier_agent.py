@@ -1,6 +1,7 @@
 """The tier agent: the prefix cache's tiers below the KV budget (host memory, disk), kept beside it.
 
-Write-behind: each block the cache manager caches (`Offload`, sent without waiting) is queued here,
+Write-behind: each block the cache manager caches (`Offload`, sent without waiting, with the
+block's position in its sequence for the tiers' eviction policies) is queued here,
 at most `max_pending_writes` blocks (more are dropped and counted). The write loop takes a batch,
 notes each block's id and epoch, gathers their bytes in a worker thread, then keeps only the copies
 of blocks still cached under their hash with the same epoch (`KVCacheManager.block_epoch`: a block
@@ -12,7 +13,8 @@ would fail a request that did not fit beside the pins (seen in tests/test_kv_tie
 Read-back: a new request with more than one block of prompt (and a preempted one, for its prompt and
 output so far) waits outside the scheduler's queue
 (its gate) while this agent looks its prompt's chained hashes up: past the run cached in memory, the
-leading run found in a tier is read into fresh blocks (a worker thread reads and scatters them),
+leading run found in a tier (looked up in a worker thread: the disk tier may look past its index
+for files another replica wrote) is read into fresh blocks (a worker thread reads and scatters them),
 which enter the prefix cache; then `TierReadDone` opens the gate, and the request's admission finds
 the blocks as prefix hits. So its TTFT counts the read, never a recompute. A read takes at most half
 the blocks available, so running requests keep room to grow. A block that is missing, unreadable or
@@ -78,7 +80,7 @@ class TierAgent(Actor[TierMessage]):
         self.scheduler = scheduler
         self.metrics = metrics
         self.max_pending_writes = max_pending_writes
-        self._writes: deque[bytes] = deque()
+        self._writes: deque[tuple[bytes, int]] = deque()  # (hash, position)
         self._queued: set[bytes] = set()
         self._write_ready: anyio.Event | None = None  # made on the event loop, in `run`
         self._tg: TaskGroup | None = None
@@ -99,8 +101,8 @@ class TierAgent(Actor[TierMessage]):
         match message:
             case ReadBack(request_id=request_id, prompt_token_ids=token_ids, cache_salt=salt):
                 self._tg.start_soon(self._read_back, request_id, token_ids, salt)
-            case Offload(hashes=hashes):
-                self._queue_writes(hashes)
+            case Offload(hashes=hashes, positions=positions):
+                self._queue_writes(hashes, positions)
             case _:
                 raise UnexpectedMessageError(self.name, message)
 
@@ -131,17 +133,13 @@ class TierAgent(Actor[TierMessage]):
         # Hold the prefix cached in memory too: it must not be evicted while the rest is read.
         in_memory = len(self.core.hold_cached(holder, hashes))
         try:
-            wanted = []
-            for digest in hashes[in_memory:]:
-                if not any(digest in tier for tier in self.tiers):
-                    break
-                wanted.append(digest)
+            wanted = await anyio.to_thread.run_sync(self._leading_run, hashes[in_memory:])
             wanted = wanted[: self.core.num_available // 2]
             if not wanted:
                 return 0
             blocks = self.core.hold_fresh(holder, len(wanted))
             started = time.perf_counter()
-            found = await anyio.to_thread.run_sync(self._read_blocks, wanted[: len(blocks)], blocks)
+            found = await anyio.to_thread.run_sync(self._read_blocks, wanted[: len(blocks)], in_memory, blocks)
             self.core.cache_held(holder, wanted[:found])
             self.metrics.kv_tier_blocks_read += found
             log.debug("Read back from KV tiers", request_id=request_id, in_memory=in_memory, blocks=found,
@@ -150,11 +148,21 @@ class TierAgent(Actor[TierMessage]):
         finally:
             self.core.free(holder)  # read blocks stay cached, unread ones go back to the free list
 
-    def _read_blocks(self, hashes: list[bytes], blocks: tuple[int, ...]) -> int:
-        """In a worker thread: read the leading run of `hashes` into `blocks`; how many were read."""
-        payloads = []
+    def _leading_run(self, hashes: list[bytes]) -> list[bytes]:
+        """In a worker thread: the leading run of `hashes` some tier has."""
+        run = []
         for digest in hashes:
-            payload = self._read_one(digest)
+            if not any(tier.has(digest) for tier in self.tiers):
+                break
+            run.append(digest)
+        return run
+
+    def _read_blocks(self, hashes: list[bytes], first: int, blocks: tuple[int, ...]) -> int:
+        """In a worker thread: read the leading run of `hashes` (the first at position `first` of
+        its sequence) into `blocks`; how many were read."""
+        payloads = []
+        for position, digest in enumerate(hashes, first):
+            payload = self._read_one(digest, position)
             if payload is None:
                 break
             payloads.append(payload)
@@ -163,7 +171,7 @@ class TierAgent(Actor[TierMessage]):
             scatter_blocks(self.tensors, [block], torch.frombuffer(bytearray(payload), dtype=torch.uint8))
         return len(payloads)
 
-    def _read_one(self, digest: bytes) -> bytes | None:
+    def _read_one(self, digest: bytes, position: int) -> bytes | None:
         """A block's payload from the first tier that has a valid one (copied up to the faster
         tiers that lack it), or None."""
         for i, tier in enumerate(self.tiers):
@@ -176,20 +184,20 @@ class TierAgent(Actor[TierMessage]):
                 tier.stats.corrupt += 1
                 continue
             for faster in self.tiers[:i]:
-                faster.put(digest, payload)
+                faster.put(digest, payload, position)
             return payload
         return None
 
     # --- write-behind --------------------------------------------------------------------------
 
-    def _queue_writes(self, hashes: tuple[bytes, ...]) -> None:
-        for digest in hashes:
+    def _queue_writes(self, hashes: tuple[bytes, ...], positions: tuple[int, ...]) -> None:
+        for digest, position in zip(hashes, positions):
             if digest in self._queued or all(digest in tier for tier in self.tiers):
                 continue
             if len(self._writes) >= self.max_pending_writes:
                 self.metrics.kv_tier_writes_dropped += 1
                 continue
-            self._writes.append(digest)
+            self._writes.append((digest, position))
             self._queued.add(digest)
         if self._writes and self._write_ready is not None:
             self._write_ready.set()
@@ -205,15 +213,15 @@ class TierAgent(Actor[TierMessage]):
                 except Exception as exc:
                     log.warning("KV tier write-behind failed; blocks not written", blocks=len(batch), error=repr(exc))
                 finally:
-                    self._queued.difference_update(batch)
+                    self._queued.difference_update(d for d, _ in batch)
 
-    async def _write_batch(self, batch: list[bytes]) -> None:
+    async def _write_batch(self, batch: list[tuple[bytes, int]]) -> None:
         core = self.core
-        live = [(d, b, core.block_epoch(b)) for d in batch if (b := core.cached_block(d)) is not None]
+        live = [(d, n, b, core.block_epoch(b)) for d, n in batch if (b := core.cached_block(d)) is not None]
         if not live:  # evicted before their turn: gone
             return
-        payloads = await anyio.to_thread.run_sync(self._gather, tuple(b for _, b, _ in live))
-        intact = [(d, p) for (d, b, e), p in zip(live, payloads)
+        payloads = await anyio.to_thread.run_sync(self._gather, tuple(b for _, _, b, _ in live))
+        intact = [(d, n, p) for (d, n, b, e), p in zip(live, payloads)
                   if core.cached_block(d) == b and core.block_epoch(b) == e]  # fmt: skip
         self.metrics.kv_tier_writes_dropped += len(live) - len(intact)
         if intact:
@@ -223,9 +231,10 @@ class TierAgent(Actor[TierMessage]):
         """In a worker thread: each block's payload (one a call, as `_read_blocks` scatters them)."""
         return [gather_blocks(self.tensors, [block]).cpu().numpy().tobytes() for block in blocks]
 
-    def _write_blocks(self, blocks: list[tuple[bytes, bytes]]) -> None:
-        """In a worker thread: each block's bytes (hash, payload) to every tier that lacks them."""
-        for digest, payload in blocks:
+    def _write_blocks(self, blocks: list[tuple[bytes, int, bytes]]) -> None:
+        """In a worker thread: each block's bytes (hash, position, payload) to every tier that
+        lacks them (a tier that cannot take one, full of pinned blocks say, skips it)."""
+        for digest, position, payload in blocks:
             for tier in self.tiers:
                 if digest not in tier:
-                    tier.put(digest, payload)
+                    tier.put(digest, payload, position)

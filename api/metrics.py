@@ -106,6 +106,8 @@ def _tier_families(m: EngineMetrics):
             ("read_seconds", "read_seconds", "Time spent reading blocks back from a KV tier."),
             ("corrupt", "corrupt_blocks", "Blocks that failed a check on read and were recomputed."),
             ("write_errors", "write_errors", "Writes a KV tier refused."),
+            ("writes_skipped", "writes_skipped", "Writes a KV tier did not try: paused, too large, or no block to evict (all pinned)."),
+            ("policy_errors", "policy_errors", "Calls to a KV tier's eviction policy that raised (logged; the tier skipped the write)."),
         )
     }
     for tier, stats in sorted(m.kv_tiers.items()):

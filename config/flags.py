@@ -77,6 +77,8 @@ ALIASES: tuple[ConfigAlias, ...] = (
     ConfigAlias("cache.host_size", "--kv-host-size", "kv_host_size"),
     ConfigAlias("cache.disk_path", "--kv-disk-path", "kv_disk_path"),
     ConfigAlias("cache.disk_size", "--kv-disk-size", "kv_disk_size"),
+    ConfigAlias("cache.host_eviction_policy", "--kv-host-eviction-policy", "kv_host_eviction_policy"),
+    ConfigAlias("cache.disk_eviction_policy", "--kv-disk-eviction-policy", "kv_disk_eviction_policy"),
     ConfigAlias("scheduler.max_num_seqs"),
     ConfigAlias("scheduler.max_num_batched_tokens"),
     ConfigAlias("scheduler.chunk_size", flag=None),

@@ -223,7 +223,17 @@ class CacheConfig(_Section):
     )
     disk_size: str | int = Field(
         "10GiB", description="Most bytes the disk tier keeps (bytes, or a size such as '20GiB'); "
-        "least recently used blocks go first.",
+        "the blocks disk_eviction_policy offers go first. Data-parallel replicas may share disk_path: "
+        "each re-reads the directory every minute of writes and keeps the whole within this.",
+    )
+    host_eviction_policy: str = Field(
+        "lru", min_length=1, description="Eviction policy plugin ordering the host tier's blocks, as "
+        "eviction_policy orders the KV budget's (its own instance): lru, lfu, fifo or a plugin's name.",
+    )
+    disk_eviction_policy: str = Field(
+        "lru", min_length=1, description="Eviction policy plugin ordering the disk tier's blocks: lru, "
+        "lfu, fifo or a plugin's name. A block the policy never offers stays; a tier full of them "
+        "skips new writes (e.g. pinned_prefix with kept_in: [disk] keeps a system prompt there).",
     )
 
     @field_validator("block_size")

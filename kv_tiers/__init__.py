@@ -1,10 +1,12 @@
 """KV tiers: where prefix-cache blocks live below the KV budget, addressed by content.
 
-- `store.py`: the contract (`TierStore`: `get`, `put`, membership by chained block hash) and its
-  counters (`TierStats`).
+- `store.py`: the contract (`TierStore`: `get`, `put`, membership by chained block hash); its
+  counters are `stats.py`'s `TierStats`.
+- `order.py`: `TierOrder`, a tier's eviction order from an eviction-policy plugin (by digest and
+  position; the policy is built by runtime/tiers.py), its faults contained.
 - `host.py`: `HostTier`, blocks in host memory (for GPU deployments).
 - `disk.py`: `DiskTier`, one file a block in a directory per model identity, written atomically,
-  checked on every read, bounded with least recently used files going first.
+  checked on every read, bounded in its policy's order, shareable by replicas on one host.
 - `identity.py`: `model_identity`, the digest that keeps a block from being read into another model.
 
 A store moves bytes only: the tier agent (actors/tier_agent.py) gathers a block's payload out of the

@@ -1,21 +1,22 @@
-"""`HostTier`: blocks in host memory, a bounded LRU map (for GPU deployments, where host memory
-is far larger than the GPU's KV budget; on a CPU it would only copy the KV budget's own memory)."""
+"""`HostTier`: blocks in host memory, a bounded map in its eviction policy's order (for GPU
+deployments, where host memory is far larger than the GPU's KV budget; on a CPU it would only copy
+the KV budget's own memory)."""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
 
+from cadenza.kv_tiers.order import EvictionOrder
 from cadenza.kv_tiers.store import TierStore
 
 
 class HostTier(TierStore):
     name = "host"
 
-    def __init__(self, size_bytes: int) -> None:
-        super().__init__(size_bytes)
-        self._blocks: OrderedDict[bytes, bytes] = OrderedDict()  # least recently used first
+    def __init__(self, size_bytes: int, policy: EvictionOrder) -> None:
+        super().__init__(size_bytes, policy)
+        self._blocks: dict[bytes, bytes] = {}
         self._nbytes = 0
         self._lock = threading.Lock()
 
@@ -35,24 +36,30 @@ class HostTier(TierStore):
             payload = self._blocks.get(digest)
             if payload is None:
                 return None
-            self._blocks.move_to_end(digest)
+            self.order.touch(digest)
             self.stats.hits += 1
             self.stats.bytes_read += len(payload)
             self.stats.read_seconds += time.perf_counter() - started
         return payload
 
-    def put(self, digest: bytes, payload: bytes) -> bool:
+    def put(self, digest: bytes, payload: bytes, position: int) -> bool:
         if len(payload) > self.size_bytes:
             self.stats.writes_skipped += 1
             return False
         with self._lock:
             if digest in self._blocks:
-                self._blocks.move_to_end(digest)
+                self.order.touch(digest)
                 return True
             while self._nbytes + len(payload) > self.size_bytes:
-                _, dropped = self._blocks.popitem(last=False)
-                self._nbytes -= len(dropped)
+                victim = self.order.victim()
+                if victim is None:  # every block kept (pinned), or the policy failed: not written
+                    self.stats.writes_skipped += 1
+                    return False
+                self._nbytes -= len(self._blocks.pop(victim))
                 self.stats.evicted += 1
+            if not self.order.add(digest, position):
+                self.stats.writes_skipped += 1
+                return False
             self._blocks[digest] = bytes(payload)
             self._nbytes += len(payload)
             self.stats.blocks_written += 1

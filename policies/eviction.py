@@ -2,7 +2,9 @@
 
 The cache manager keeps full blocks in a prefix cache after their requests finish. A block whose
 reference count is zero is *evictable*; when the pool runs out of free blocks, the cache manager asks
-the policy for a victim. The policy only orders block ids; it never touches KV memory.
+the policy for a victim. The policy only orders block ids; it never touches KV memory. The tiers
+below the KV budget (kv_tiers/: host memory, disk) are ordered by policies of the same contract,
+one instance per tier (`cache.host_eviction_policy`, `cache.disk_eviction_policy`).
 """
 
 from __future__ import annotations
@@ -27,10 +29,20 @@ class EvictionPolicy(ABC):
     `pop_victim` is only called when `len(policy) > 0` and returns an evictable block id.
     A policy with an `options_model` is built with `options=` from the config's
     `plugin_options[name]`; others are built with no arguments.
+
+    In a tier below the KV budget (`tier` is "host" or "disk"; kv_tiers/order.py) the ids are the
+    tier's own, no request holds a block: a write is `on_cached` then `on_release`, a read back
+    `on_acquire` then `on_release`, a block dropped after a failed check or removed by another
+    process `on_evict`. There a block the policy never offers (left out of `__len__`) is kept:
+    a tier whose every block is kept refuses new ones. A policy's exception there is logged and
+    the tier falls back (the write is skipped); it never fails a request.
     """
 
     name: ClassVar[str]
     options_model: ClassVar[type[BaseModel] | None] = None
+    # Which cache this instance orders: None, the KV budget; "host" or "disk", that tier. Set by
+    # cadenza after `__init__`, before the first call.
+    tier: str | None = None
 
     def __init__(self, options: BaseModel | None = None) -> None:
         if options is None and self.options_model is not None:

@@ -5,7 +5,7 @@ the speculator, the model runner and its decode graphs, assembled into a `Runtim
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import structlog
@@ -52,9 +52,14 @@ class Runtime(Served):
     parallel: Any = None
     # Where the compute thread's team runs (`model.thread_binding`), decided at build; the engine pins it.
     team_plan: TeamPlan | None = None
+    # The tiers' policy factories, by tier ("host", "disk"), as `eviction_policy_cls` for the KV budget.
+    tier_policy_cls: dict[str, Callable[[], EvictionPolicy]] = field(default_factory=dict)
 
-    def make_eviction_policy(self) -> EvictionPolicy:
-        return self.eviction_policy_cls()
+    def make_eviction_policy(self, tier: str | None = None) -> EvictionPolicy:
+        """A new instance of the policy that orders the KV budget (`tier` None) or that tier."""
+        policy = self.eviction_policy_cls() if tier is None else self.tier_policy_cls[tier]()
+        policy.tier = tier
+        return policy
 
     def failure(self) -> str | None:
         """Why the runtime can no longer run steps (a tensor-parallel rank died), or None."""
@@ -162,5 +167,7 @@ def _assemble(config: CadenzaConfig, plugins: Plugins, shard: ModelShard, group)
         tensor_parallel_size=config.parallel.tensor_parallel_size,
     )
     eviction_policy = functools.partial(plugins.build, plugins.eviction_policy)
+    tier_policies = {tier: functools.partial(plugins.build, cls) for tier, cls in plugins.tier_eviction_policies.items()}
     return Runtime(config, plugins.registries, loaded, runner, shard.num_blocks, eviction_policy,
-                   pipeline.extra_params, parallel=group, team_plan=plan_compute_team(config, group, device))  # fmt: skip
+                   pipeline.extra_params, parallel=group, team_plan=plan_compute_team(config, group, device),
+                   tier_policy_cls=tier_policies)  # fmt: skip

@@ -7,7 +7,7 @@ key path."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from pydantic import BaseModel, ValidationError
@@ -29,6 +29,8 @@ class Plugins:
     logits_processors: list[type]
     eviction_policy: type
     options: dict[str, BaseModel | None]
+    # The tiers' own eviction policies (`cache.host_eviction_policy`, `cache.disk_eviction_policy`).
+    tier_eviction_policies: dict[str, type] = field(default_factory=dict)
 
     def build(self, cls: type, *args: Any, **kwargs: Any) -> Any:
         """`cls(*args, **kwargs)`, with `options=` when the class takes options."""
@@ -54,8 +56,13 @@ def resolve_plugins(config: CadenzaConfig, extra_plugins: Iterable[object] = ())
         logits_processors=[registries.logits_processors.get(n) for n in config.sampling.logits_processors],
         eviction_policy=registries.eviction_policies.get(config.cache.eviction_policy),
         options={},
+        tier_eviction_policies={
+            tier: registries.eviction_policies.get(getattr(config.cache, f"{tier}_eviction_policy"))
+            for tier in ("host", "disk")
+        },
     )
-    configured = [plugins.attention_backend, plugins.sampler, *plugins.logits_processors, plugins.eviction_policy]
+    configured = [plugins.attention_backend, plugins.sampler, *plugins.logits_processors, plugins.eviction_policy,
+                  *plugins.tier_eviction_policies.values()]  # fmt: skip
     # The deployment's default context policy and providers (the sessions' own picks are checked as they make them).
     configured.append(registries.context_policies.get(config.sessions.context_policy))
     configured += [registries.context_providers.get(name) for name in config.sessions.context_providers]

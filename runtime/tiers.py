@@ -1,5 +1,6 @@
-"""The prefix cache's tiers below the KV budget, built from `cache.host_size`, `cache.disk_path`
-and `cache.disk_size` (docs/kv-tiers.md): host first (faster), then disk; none when both are off,
+"""The prefix cache's tiers below the KV budget, built from `cache.host_size`, `cache.disk_path`,
+`cache.disk_size` and each tier's eviction policy (`cache.host_eviction_policy`,
+`cache.disk_eviction_policy`; docs/kv-tiers.md): host first (faster), then disk; none when both are off,
 when prefix caching is off, or under tensor parallelism (rank 0 holds only its heads' share of a
 block, and the other ranks' caches are not reachable from here yet)."""
 
@@ -26,9 +27,10 @@ def build_tiers(runtime) -> list[TierStore]:
         return []
     tiers: list[TierStore] = []
     if cache.host_size is not None:
-        tiers.append(HostTier(cache.host_size_bytes))
+        tiers.append(HostTier(cache.host_size_bytes, runtime.make_eviction_policy("host")))
     if cache.disk_path is not None:
-        tiers.append(DiskTier(cache.disk_path, cache.disk_size_bytes, runtime_identity(runtime)))
+        tiers.append(DiskTier(cache.disk_path, cache.disk_size_bytes, runtime_identity(runtime),
+                              runtime.make_eviction_policy("disk")))  # fmt: skip
     return tiers
 
 

@@ -302,6 +302,43 @@ def test_pinned_blocks_go_last_least_reused_first():
     assert len(policy) == 0 and policy.pinned == set()
 
 
+def test_pinned_blocks_are_kept_in_the_tiers_kept_in_names(tmp_path):
+    """In the KV budget pinned blocks go last; in the disk tier, with kept_in: [disk], never: a
+    burst of other blocks leaves the system prompt's block on disk (across a restart too), and a
+    tier full of pinned blocks skips new writes."""
+    from cadenza_pinned_prefix import PinnedPrefixOptions, PinnedPrefixPolicy
+
+    from cadenza.kv_tiers import DiskTier, model_identity
+    from cadenza.kv_tiers.disk import HEADER
+
+    options = PinnedPrefixOptions(pinned_blocks=1, kept_in=["disk"])
+
+    def policy(tier):
+        built = PinnedPrefixPolicy(options)
+        built.tier = tier  # as cadenza sets it (`Runtime.make_eviction_policy`)
+        return built
+
+    for tier in (None, "host"):  # not named by kept_in: evicted last, never kept
+        evicted_last = policy(tier)
+        for block, position in [(0, 0), (1, 1)]:
+            evicted_last.on_cached(block, position)
+            evicted_last.on_release(block)
+        assert len(evicted_last) == 2 and [evicted_last.pop_victim(), evicted_last.pop_victim()] == [1, 0]
+
+    identity = model_identity("weights", dtype="float32", block_size=8, kv_dtype="float32")
+    size = 2 * (HEADER.size + 100)
+    disk = DiskTier(tmp_path, size, identity, policy("disk"))
+    system = b"system prompt".ljust(16, b"\0")
+    assert disk.put(system, b"s" * 100, 0)
+    for i in range(6):  # a burst of other blocks: each pushes the one before out
+        assert disk.put(i.to_bytes(16, "little"), bytes([i]) * 100, 1 + i)
+    assert system in disk and len(disk) == 2 and disk.stats.evicted == 5
+    restarted = DiskTier(tmp_path, size, identity, policy("disk"))  # the position is in the file
+    assert restarted.put(b"another first".ljust(16, b"\0"), b"f" * 100, 0)  # the last unpinned block goes
+    assert not restarted.put(b"one more".ljust(16, b"\0"), b"m" * 100, 3) and restarted.stats.writes_skipped == 1
+    assert restarted.get(system) == b"s" * 100
+
+
 # --- through the server --------------------------------------------------------------------------
 
 

@@ -267,6 +267,25 @@ def test_plugin_options_from_the_config_reach_every_kind_of_plugin(model_path):
     assert defaults.runner.sampling_pipeline.processors[0].options == Level(level=1)
 
 
+@covers("EvictionPolicy.tier")
+def test_each_tier_gets_its_own_policy_told_where_it_runs(model_path, tmp_path):
+    """The KV budget, the host tier and the disk tier each build their own instance of the policy
+    their key names, with the plugin's options, and `tier` says which cache it orders."""
+    from cadenza.runtime.tiers import build_tiers
+
+    runtime = make_runtime(model_path, **{
+        "cache.host_eviction_policy": "fifo", "cache.disk_eviction_policy": "option_policy_test",
+        "cache.host_size": "1MiB", "cache.disk_path": str(tmp_path), "plugin_options": {"option_policy_test": {"level": 5}},
+    })  # fmt: skip
+    budget, host, disk = (runtime.make_eviction_policy(tier) for tier in (None, "host", "disk"))
+    assert (budget.name, budget.tier, host.name, host.tier) == ("lru", None, "fifo", "host")
+    assert (disk.name, disk.tier, disk.options) == ("option_policy_test", "disk", Level(level=5))
+    tiers = build_tiers(runtime)
+    assert [(t.name, t.order.policy.name, t.order.policy.tier) for t in tiers] == [
+        ("host", "fifo", "host"), ("disk", "option_policy_test", "disk")]
+    assert tiers[1].order.policy is not disk  # one instance per tier
+
+
 @covers("AttentionBackend.begin_step", "AttentionBackend.forward", "AttentionBackend.name", "AttentionBackend.check_available")
 async def test_attention_backend_plugin_runs_every_step_and_layer(model_path):
     runtime = make_runtime(model_path, attention_backend="counting_test")
