@@ -32,7 +32,7 @@ def _serve(args: argparse.Namespace) -> int:
     from cadenza.parallel.groups import env_rank, launched_by_torchrun
 
     config = load_config(args.config, overrides=_overrides(args))
-    configure_logging(config.logging.level, config.logging.format, secrets=(config.server.api_key,))
+    configure_logging(config.logging.level, config.logging.format, secrets=[k.key for k in config.server.all_api_keys])
     if launched_by_torchrun() and env_rank()[1] != config.parallel.tensor_parallel_size:
         raise ConfigError(
             f"parallel.tensor_parallel_size: torchrun started {env_rank()[1]} ranks, so it must be "

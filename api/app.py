@@ -34,6 +34,7 @@ from cadenza.api.state import (
     served_model_name,
     server_state,
 )
+from cadenza.api.tenants import CURRENT_TENANT, TenantEngine
 from cadenza.config import CadenzaConfig
 from cadenza.engine.async_engine import AsyncEngine
 from cadenza.models.loading import release_free_memory
@@ -108,7 +109,9 @@ def create_app(runtime: Served, *, serve_engine: ServeEngine | None = None, shut
             template = engine.runtime.tokenizer.chat_template
             reasoning = resolve_reasoning_parser(model_config.server.reasoning_parser, served.registries, template)
             tools = resolve_tool_parser(model_config.server.tool_parser, served.registries, template)
-            state = ServerState(engine, model_config, name, ServerMetrics(engine.metrics),
+            # Under cache.salt_per_api_key every request runs under its tenant's salt (api/tenants.py).
+            routed = TenantEngine(engine) if model_config.cache.salt_per_api_key else engine
+            state = ServerState(routed, model_config, name, ServerMetrics(engine.metrics),
                                 reasoning_parser=reasoning, tool_parser=tools)
             engine.register_metrics(state.metrics.registry)
             try:
@@ -187,12 +190,17 @@ def create_app(runtime: Served, *, serve_engine: ServeEngine | None = None, shut
         started = time.perf_counter()
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex[:16]
         request.state.request_id = request_id
+        tenant, token = None, None
         try:
             if request.url.path not in _OPEN_PATHS:
-                check_api_key(request, server_state(request))
+                tenant = check_api_key(request, server_state(request))
+                token = CURRENT_TENANT.set(tenant)  # the route's task inherits it (api/tenants.py)
             response = await call_next(request)
         except APIError as exc:
             response = written(request.scope, exc)
+        finally:
+            if token is not None:
+                CURRENT_TENANT.reset(token)
         log.info(
             "access",
             request_id=request_id,
@@ -200,6 +208,7 @@ def create_app(runtime: Served, *, serve_engine: ServeEngine | None = None, shut
             path=request.url.path,
             status=response.status_code,
             ms=round((time.perf_counter() - started) * 1000, 1),
+            **({"tenant": tenant.label} if tenant is not None else {}),
         )
         response.headers["x-request-id"] = request_id
         return response

@@ -122,7 +122,8 @@ async def _ask_over_websocket(url: str, question: str, app) -> None:
     from websockets.asyncio.client import connect
 
     headers = {}
-    key = app.state.server.config.server.api_key
+    server = app.state.server.config.server
+    key = server.api_key or (server.api_keys[0].key if server.api_keys else None)
     if key:
         headers["Authorization"] = f"Bearer {key}"
     live = sys.stdout.isatty()

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import hmac
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from starlette.requests import HTTPConnection
 
 from cadenza.api.errors import APIError
 from cadenza.api.metrics import ServerMetrics
+from cadenza.api.tenants import APIKeys, Tenant
 from cadenza.config import CadenzaConfig
 from cadenza.engine.async_engine import AsyncEngine
 from cadenza.models.default_model import DEFAULT_MODEL_NAME
@@ -29,6 +29,11 @@ class ServerState:
     reasoning_parser: ReasoningParser | None = None
     # The tool-call format (`server.tool_parser`), made anew for each request that offers tools.
     tool_parser: type[ToolParser] | None = None
+    # The keys `server.api_key` and `server.api_keys` name, with their tenants (`api/tenants.py`).
+    keys: APIKeys = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.keys = APIKeys(self.config.server)
 
 
 def resolve_tool_parser(name: str, registries: Registries, chat_template: str | None) -> type[ToolParser]:
@@ -69,16 +74,18 @@ def server_state(connection: HTTPConnection) -> ServerState:
     return state
 
 
-def check_api_key(connection: HTTPConnection, state: ServerState) -> None:
-    """`Authorization: Bearer KEY` (HTTP and WebSocket), `x-api-key: KEY` (Anthropic's SDK), or
-    `?api_key=KEY` where a browser's WebSocket cannot set headers."""
-    expected = state.config.server.api_key
-    if expected is None:
-        return
+def check_api_key(connection: HTTPConnection, state: ServerState) -> Tenant | None:
+    """The tenant of the key the connection sends, `Authorization: Bearer KEY` (HTTP and
+    WebSocket), `x-api-key: KEY` (Anthropic's SDK), or `?api_key=KEY` where a browser's WebSocket
+    cannot set headers; None when the server has no keys. The caller sets `CURRENT_TENANT` to it."""
+    if not state.keys:
+        return None
     header = connection.headers.get("authorization", "")
     if header.lower().startswith("bearer "):
         given = header[7:]
     else:
         given = connection.headers.get("x-api-key") or connection.query_params.get("api_key", "")
-    if not hmac.compare_digest(given.encode(), expected.encode()):
+    tenant = state.keys.match(given)
+    if tenant is None:
         raise APIError(401, "invalid_api_key", "a valid API key is required: send 'Authorization: Bearer <key>'")
+    return tenant

@@ -13,6 +13,7 @@ from fastapi import WebSocket
 
 from cadenza.api.errors import APIError
 from cadenza.api.state import ServerState, check_api_key, server_state
+from cadenza.api.tenants import CURRENT_TENANT
 
 MAX_FRAME_CHARS = 1 << 20  # the longest text frame any endpoint reads
 GOING_AWAY = 1001  # the close code of a server that is shutting down
@@ -23,10 +24,11 @@ async def admit(websocket: WebSocket, check: Callable[[ServerState], None] | Non
     """Accept the connection and return the server state once the API key, the server not
     draining and `check(state)` (which raises `APIError`) pass. Otherwise refuse it before the
     handshake completes (the client sees the HTTP status: 403 for a close with 1008 or 1013) and
-    return None."""
+    return None. The key's tenant is the connection's from then on (`CURRENT_TENANT`, in the
+    endpoint's context and so in every task it starts)."""
     try:
         state = server_state(websocket)
-        check_api_key(websocket, state)
+        CURRENT_TENANT.set(check_api_key(websocket, state))
         if state.draining:
             raise APIError(503, "unavailable", "the server is shutting down")
         if check is not None:

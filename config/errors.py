@@ -11,6 +11,7 @@ from pydantic import BaseModel, ValidationError
 from cadenza.config.schema import section_model
 
 Loc = tuple[Any, ...]
+SECRETS = {"api_key", "api_keys"}  # config keys whose values an error never quotes
 
 
 class ConfigError(ValueError):
@@ -84,8 +85,8 @@ def validation_problems(
             # Our validators raise ValueError; pydantic prefixes those with "Value error, ".
             why = err["msg"].removeprefix("Value error, ")
             value = err.get("input")
-            # A whole section as "got" is noise; model-level messages quote their fields.
-            if err["type"] != "missing" and not isinstance(value, (dict, BaseModel)):
+            # A whole section as "got" is noise; model-level messages quote their fields; a key is a secret.
+            if err["type"] != "missing" and not isinstance(value, (dict, BaseModel)) and not SECRETS & set(loc):
                 why += f" (got {_short(value)})"
         problems.append(f"{source_of(loc)}: {key_path(loc)}: {why}")
     return problems

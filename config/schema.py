@@ -235,6 +235,12 @@ class CacheConfig(_Section):
         "lfu, fifo or a plugin's name. A block the policy never offers stays; a tier full of them "
         "skips new writes (e.g. pinned_prefix with kept_in: [disk] keeps a system prompt there).",
     )
+    salt_per_api_key: bool = Field(
+        False, description="Separate the tenants of a server with several API keys (server.api_keys): "
+        "every request's cache salt is derived from the key that authenticated it (a keyed hash of its "
+        "tenant name, or of the key where it names none), combined with any cache_salt it gives, so "
+        "requests under different tenants never share prefix blocks, in the KV budget or the tiers.",
+    )
 
     @field_validator("block_size")
     @classmethod
@@ -358,8 +364,29 @@ class SamplingConfig(_Section):
     )
 
 
+class APIKeyConfig(_Section):
+    """One API key the server accepts, and the tenant it belongs to. A bare string is a key alone."""
+
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)  # an error never shows the key
+
+    key: str = Field(..., min_length=1, repr=False, description="A bearer token clients send.")
+    tenant: str | None = Field(
+        None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:@/-]*$",
+        description="Who the key belongs to, named in the access log (never the key) and, under "
+        "cache.salt_per_api_key, the cache it shares: keys of one tenant share one, and a tenant keeps "
+        "its cache when its key is replaced. null: the key is a tenant of its own.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_key(cls, value: object) -> object:
+        return {"key": value} if isinstance(value, str) else value
+
+
 class ServerConfig(_Section):
     """The network server: where it listens and how much it accepts."""
+
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)  # an error never shows a key
 
     host: str = Field("127.0.0.1", description="Interface to bind; 0.0.0.0 for all.")
     port: int = Field(8000, ge=0, le=65535, description="TCP port; 0 picks a free port.")
@@ -371,7 +398,13 @@ class ServerConfig(_Section):
         None, gt=0, description="Reject longer prompts. null: limited by max_model_len only."
     )
     api_key: str | None = Field(
-        None, min_length=1, description="Bearer token clients must send. null: no auth."
+        None, min_length=1, description="Bearer token clients must send. null: no auth (unless "
+        "api_keys lists some).",
+    )
+    api_keys: list[APIKeyConfig] = Field(
+        default_factory=list, description="More bearer tokens, for a server with several tenants: each "
+        "{key: ..., tenant: ...} or a bare key; any of them (or api_key) authenticates. With "
+        "cache.salt_per_api_key each tenant's requests share cached prefixes only among themselves.",
     )
     max_pending_tokens: int = Field(
         4096, gt=0, description="Tokens a request may have waiting for a slow client before it "
@@ -430,6 +463,22 @@ class ServerConfig(_Section):
     @classmethod
     def _parseable_models_budget(cls, value: object) -> object:
         return checked_size(value)
+
+    @model_validator(mode="after")
+    def _keys_once(self) -> ServerConfig:
+        # Checked here, not on the list: an error then quotes no key (a list's errors show the list).
+        where: dict[str, str] = {} if self.api_key is None else {self.api_key: "api_key"}
+        for i, entry in enumerate(self.api_keys):
+            if entry.key in where:
+                raise ValueError(f"api_keys[{i}] repeats the key of {where[entry.key]}: each key is listed once")
+            where[entry.key] = f"api_keys[{i}]"
+        return self
+
+    @property
+    def all_api_keys(self) -> list[APIKeyConfig]:
+        """Every key the server accepts: `api_key` (no tenant name) first, then `api_keys`."""
+        single = [] if self.api_key is None else [APIKeyConfig(key=self.api_key)]
+        return single + list(self.api_keys)
 
     @property
     def models_memory_budget_bytes(self) -> int | None:
@@ -640,6 +689,10 @@ class LoggingConfig(_Section):
 class CadenzaConfig(_Section):
     """A whole deployment. `CadenzaConfig()` is valid: every section has defaults."""
 
+    # Its errors' text shows no input, which would hold the server's keys (`load_config`'s messages
+    # quote the values at fault, never a key: config/errors.py).
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
+
     model: ModelConfig = Field(default_factory=ModelConfig, description="The model.")
     cache: CacheConfig = Field(default_factory=CacheConfig, description="The paged KV cache.")
     scheduler: SchedulerConfig = Field(
@@ -685,6 +738,12 @@ class CadenzaConfig(_Section):
     def _empty_section(cls, value: object) -> object:
         # A YAML section whose keys are all commented out reads as null: treat it as empty.
         return {} if value is None else value
+
+    @model_validator(mode="after")
+    def _salt_needs_keys(self) -> CadenzaConfig:
+        if self.cache.salt_per_api_key and not self.server.all_api_keys:
+            raise ValueError("cache.salt_per_api_key needs the keys it salts by: set server.api_keys (or server.api_key)")
+        return self
 
     @field_validator("models")
     @classmethod

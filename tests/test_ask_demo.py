@@ -67,7 +67,7 @@ async def ask(monkeypatch, tty: bool) -> tuple[Terminal, FakeSession]:
     session, out = FakeSession(), Terminal(tty)
     monkeypatch.setattr(websockets.asyncio.client, "connect", lambda url, additional_headers: session)
     monkeypatch.setattr("sys.stdout", out)
-    app = SimpleNamespace(state=SimpleNamespace(server=SimpleNamespace(config=SimpleNamespace(server=SimpleNamespace(api_key=None)))))
+    app = SimpleNamespace(state=SimpleNamespace(server=SimpleNamespace(config=SimpleNamespace(server=SimpleNamespace(api_key=None, api_keys=[])))))
     await _ask_over_websocket(URL, "What is the capital of France?", app)
     return out, session
 
