@@ -310,7 +310,8 @@ class DiskTier(TierStore):
         """Read the directory: adopt block files not indexed (oldest first), forget indexed ones
         that are gone (another process removed them), remove stale temporary files and files of
         an older format, then trim to size. At start-up, and every `rescan_seconds` of writes."""
-        known = set(self._index)  # indexed before the listing: a file written since is not "gone"
+        with self._lock:
+            known = set(self._index)  # indexed before the listing: a file written since is not "gone"
         found, on_disk, old_format = [], set(), 0
         now = time.time()
         for entry in os.scandir(self.directory):
