@@ -11,8 +11,8 @@
 // Measured on one core of a Sapphire Rapids Xeon as an AVX2 CPU, 3072 x 576 weights (768 for the
 // K-quants): 1.6x (Q8_0) to 3x (Q4_K) the file layout's rate at 4 rows and more; AVX-VNNI 1.2x (Q4_1)
 // to 2x (Q8_0) AVX2's. A prefill decodes the groups of the types whose bits cost more than a row's
-// products (Q5_K, Q6_K, Q3_K, Q2_K) once per chunk of activation rows rather than once a pass
-// (kDecodesOnce): one core, 256 rows of 2048 x 8192 and 8192 x 2048 weights, Q5_K 1.3x, Q6_K 1.1-1.3x,
+// products (the K-quants) once per chunk of activation rows rather than once a pass (kDecodesOnce):
+// one core, 256 rows of 2048 x 8192 and 8192 x 2048 weights, Q4_K 1.1x, Q5_K 1.3-1.5x, Q6_K 1.1-1.3x,
 // Q3_K 1.2-1.35x, the sums bit for bit the same.
 #include "quant_packed.h"
 
@@ -295,8 +295,12 @@ inline __m256i q5k_values8(const uint8_t* gb, int c, int h, int k) {
   return _mm256_or_si256(nibbles, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + h), _mm256_set1_epi8(0x01)), 4));
 }
 
-// With kPre (Q5_K), the values come decoded from `pre` (decode_group's layout: 32 bytes a chunk, in
-// order of block, sub-block and chunk) rather than from the group's bits.
+// Where a Q4_K or Q5_K group's decoded scales start in decode_group's layout, after its values: per
+// block the 8 sub-blocks' scales then negated mins, 8 rows each.
+inline int64_t q4k_scales_at(int64_t nblocks, int64_t b) { return nblocks * 256 * kPackRows + b * 16 * 32; }
+
+// With kPre, the values and scales come decoded from `pre` (decode_group's layout: 32 bytes a chunk,
+// in order of block, sub-block and chunk, then q4k_scales_at's) rather than from the group's bits.
 template <class P, int M, bool kPre = false>
 inline void packed_dot_group_q4k(const uint8_t* wg, int64_t nblocks, const QuantizedActivations& a, int64_t m0,
                                  const float* bias, float* out, int64_t os, bool accumulate, int64_t n,
@@ -308,11 +312,18 @@ inline void packed_dot_group_q4k(const uint8_t* wg, int64_t nblocks, const Quant
   const __m256i low = _mm256_set1_epi8(0x0F);
   for (int64_t b = 0; b < nblocks; ++b) {
     const uint8_t* gb = wg + b * kPackRows * P::kBytes;
-    prefetch_ahead(gb, kPackRows * P::kBytes);
-    __m256 scale[8], minv[8];
-    q4k_scales8(gb + 4 * kPackRows, load_halves8(gb), load_halves8(gb + 2 * kPackRows), scale, minv);
+    __m256 scale_own[8], minv_own[8];
+    const __m256* scale = scale_own;
+    const __m256* minv = minv_own;
+    if constexpr (kPre) {
+      scale = reinterpret_cast<const __m256*>(pre + q4k_scales_at(nblocks, b));
+      minv = scale + 8;
+    } else {
+      prefetch_ahead(gb, kPackRows * P::kBytes);
+      q4k_scales8(gb + 4 * kPackRows, load_halves8(gb), load_halves8(gb + 2 * kPackRows), scale_own, minv_own);
+    }
     for (int c = 0; c < 4; ++c) {  // sub-blocks 2c (low nibbles) and 2c + 1 (high)
-      if constexpr (kFive) {
+      if constexpr (kFive || kPre) {
         // One sub-block at a time: the int16 and int32 sums of two at once (4 registers an
         // activation row) spilled at 4 rows a pass.
         for (int h = 0; h < 2; ++h) {
@@ -535,16 +546,21 @@ inline void packed_dot_group_iq4xs(const uint8_t* wg, int64_t nblocks, const Qua
   store_group<M>(acc, none, bias, out, os, accumulate, n);
 }
 
-// Types whose values take more instructions to decode from their bits than one activation row's
-// products over them (Q5_K's fifth bits, the two planes of Q6_K and Q3_K, Q2_K's shifts): a prefill
-// decodes each of their groups once per chunk of activation rows (decode_group), and every pass of
-// the chunk loads the values. The nibble types decode in 3 instructions a chunk and stay as they are.
+// Types whose values (and Q4_K's and Q5_K's scales) take a share of a pass's instructions to decode
+// from their bits (Q5_K's fifth bits, the two planes of Q6_K and Q3_K, Q2_K's shifts, the 6-bit
+// scales): a prefill decodes each of their groups once per chunk of activation rows (decode_group),
+// and every pass of the chunk loads them. The 32-value types decode in 3 instructions a chunk and
+// stay as they are.
 template <class P>
-constexpr bool kDecodesOnce = std::is_same_v<P, PackQ5_K> || std::is_same_v<P, PackQ6_K> ||
+constexpr bool kDecodesOnce = std::is_same_v<P, PackQ4_K> || std::is_same_v<P, PackQ5_K> || std::is_same_v<P, PackQ6_K> ||
                               std::is_same_v<P, PackQ3_K> || std::is_same_v<P, PackQ2_K>;
 
-// Bytes of a group's decoded values: one a value.
-inline int64_t decoded_group_bytes(int64_t nblocks) { return nblocks * 256 * kPackRows; }
+// Bytes of a group's decoded values (one a value) and, for Q4_K and Q5_K, scales.
+template <class P>
+inline int64_t decoded_group_bytes(int64_t nblocks) {
+  constexpr bool kScales = std::is_same_v<P, PackQ4_K> || std::is_same_v<P, PackQ5_K>;
+  return nblocks * (256 * kPackRows + (kScales ? 16 * 32 : 0));
+}
 
 // The values of a packed group `wg` (a kDecodesOnce type) into `pre`, in the order its kernel reads
 // them with kPre: the same vectors it would decode, stored.
@@ -552,11 +568,22 @@ template <class P>
 inline void decode_group(const uint8_t* wg, int64_t nblocks, uint8_t* pre) {
   for (int64_t b = 0; b < nblocks; ++b) {
     const uint8_t* gb = wg + b * kPackRows * P::kBytes;
-    if constexpr (std::is_same_v<P, PackQ5_K>) {
+    if constexpr (std::is_same_v<P, PackQ4_K> || std::is_same_v<P, PackQ5_K>) {
+      const __m256i low = _mm256_set1_epi8(0x0F);
       for (int j = 0; j < 8; ++j) {
-        for (int k = 0; k < 8; ++k)
-          _mm256_store_si256(reinterpret_cast<__m256i*>(pre + 32 * (8 * (8 * b + j) + k)), q5k_values8(gb, j / 2, j % 2, k));
+        for (int k = 0; k < 8; ++k) {
+          __m256i v;
+          if constexpr (std::is_same_v<P, PackQ5_K>) {
+            v = q5k_values8(gb, j / 2, j % 2, k);
+          } else {
+            v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 16 * kPackRows + 32 * kPackRows * (j / 2) + 4 * kPackRows * k));
+            v = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(v, 4) : v, low);
+          }
+          _mm256_store_si256(reinterpret_cast<__m256i*>(pre + 32 * (8 * (8 * b + j) + k)), v);
+        }
       }
+      __m256* scales = reinterpret_cast<__m256*>(pre + q4k_scales_at(nblocks, b));
+      q4k_scales8(gb + 4 * kPackRows, load_halves8(gb), load_halves8(gb + 2 * kPackRows), scales, scales + 8);
     } else {
 #pragma GCC unroll 8
       for (int j = 0; j < 8; ++j) {
@@ -593,7 +620,7 @@ inline void packed_matmul_of(const QuantizedActivations& a, int64_t M, const uin
   const int64_t chunk = std::min(M, activation_chunk_rows(a.K, kPackPassRows));
   // Decoded once per chunk where a chunk takes more than one pass (a prefill; never a decode step).
   const bool once = kDecodesOnce<P> && chunk > kPackPassRows;
-  const int64_t group_bytes = decoded_group_bytes(nblocks);
+  const int64_t group_bytes = decoded_group_bytes<P>(nblocks);
   for_each_tile(N, M, kTileGroups * kPackRows, [&](int64_t n0, int64_t n1, int64_t m, int64_t rows) {
     float* om = out + m * os;
     if constexpr (kDecodesOnce<P>) {
