@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 
+import anyio
 import pytest
 
 from cadenza.api.tenants import CURRENT_TENANT, NO_TENANT, APIKeys, TenantEngine
@@ -138,3 +139,30 @@ def test_requests_under_different_tenants_never_share_cached_blocks(model_path):
         assert cached(client, model, "chat+user-2", "chat-a1", text) == 0  # its tenant's, under another salt
         refused = client.post("/v1/chat/completions", headers={"Authorization": "Bearer nope"}, json={"model": model, "messages": []})
         assert refused.status_code == 401
+
+
+def test_stored_responses_are_their_tenants_alone():
+    """A stored response (`previous_response_id`, GET, DELETE, cancel) is found only under the
+    tenant that made it: another tenant gets the 404 of an id never stored."""
+    from cadenza.api.errors import APIError
+    from cadenza.api.openai_ws.responses import ResponseStore, _Live
+    from cadenza.api.sessions.conversation import Conversation
+
+    keys = APIKeys(ServerConfig(api_keys=KEYS))
+    acme, bolt = keys.match("key-acme-1"), keys.match("key-bolt")
+    store = ResponseStore(capacity=4)
+
+    async def check() -> None:  # a connection's task: its own context (a live response's event needs a loop)
+        CURRENT_TENANT.set(acme)
+        store.put({"id": "resp_1"}, Conversation())
+        store.live["resp_2"] = _Live("resp:resp_2", acme)
+        CURRENT_TENANT.set(keys.match("key-acme-2"))  # the same tenant under its other key
+        assert store.get("resp_1")[0] == {"id": "resp_1"} and store.running("resp_2") is not None
+        for other in (bolt, None):
+            CURRENT_TENANT.set(other)
+            with pytest.raises(APIError) as caught:
+                store.get("resp_1", "response_id")
+            assert caught.value.status == 404 and caught.value.param == "response_id"
+            assert store.running("resp_2") is None
+
+    anyio.run(check)

@@ -51,6 +51,7 @@ from cadenza.api.protocols import Protocol
 from cadenza.api.sessions.conversation import Conversation
 from cadenza.api.sessions.core import ContextSettings, SessionCore, TurnError
 from cadenza.api.state import ServerState, server_state
+from cadenza.api.tenants import CURRENT_TENANT, Tenant
 from cadenza.api.ws_connection import admit, parse_frame, write_outbox
 from cadenza.engine.async_engine import EngineClosedError
 from cadenza.sampling_params import SamplingParams, SamplingParamsError, describe_error, merge_sampling
@@ -64,9 +65,11 @@ TURN_STATUS = {"context_provider_error": 500, "context_provider_timeout": 500, "
 
 @dataclass
 class _Live:
-    """A response being generated: how to stop it, and when it has ended."""
+    """A response being generated: how to stop it, and when it has ended; `owner`, the tenant whose
+    connection started it (api/tenants.py; None on a server without keys)."""
 
     engine_id: str
+    owner: Tenant | None = None
     cancelled: bool = False
     preparing: anyio.CancelScope = field(default_factory=anyio.CancelScope)
     ended: anyio.Event = field(default_factory=anyio.Event)
@@ -75,27 +78,37 @@ class _Live:
 
 class ResponseStore:
     """Finished responses (their objects and conversations), least recently used dropped first,
-    and the responses being generated now, so `cancel` can reach them from any connection."""
+    and the responses being generated now, so `cancel` can reach them from any connection.
+
+    Each belongs to the tenant whose connection made it (`CURRENT_TENANT`, api/tenants.py): another
+    tenant's lookups, continuations, deletes and cancels find nothing, as for an id never stored, so
+    one tenant cannot read, continue or learn of another's conversations. A server without keys has
+    one tenant, None."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.stored: OrderedDict[str, tuple[dict[str, Any], Conversation]] = OrderedDict()
+        self.stored: OrderedDict[str, tuple[dict[str, Any], Conversation, Tenant | None]] = OrderedDict()
         self.live: dict[str, _Live] = {}
 
     def put(self, response: dict[str, Any], conversation: Conversation) -> None:
         if self.capacity == 0:
             return
-        self.stored[response["id"]] = (response, conversation)
+        self.stored[response["id"]] = (response, conversation, CURRENT_TENANT.get())
         self.stored.move_to_end(response["id"])
         while len(self.stored) > self.capacity:
             self.stored.popitem(last=False)
 
     def get(self, response_id: str, param: str = "previous_response_id") -> tuple[dict[str, Any], Conversation]:
         found = self.stored.get(response_id)
-        if found is None:
+        if found is None or found[2] != CURRENT_TENANT.get():
             raise APIError(404, "response_not_found", f"no stored response {response_id!r} (never stored, deleted, or dropped: sessions.stored_responses)", param)
         self.stored.move_to_end(response_id)
-        return found
+        return found[0], found[1]
+
+    def running(self, response_id: str) -> _Live | None:
+        """The response being generated under `response_id` for this connection's tenant, or None."""
+        live = self.live.get(response_id)
+        return live if live is not None and live.owner == CURRENT_TENANT.get() else None
 
     @staticmethod
     def of(app, state: ServerState) -> "ResponseStore":
@@ -130,7 +143,7 @@ async def response_events(core: SessionCore, store: ResponseStore, body: Respons
     earlier, new_turn = split_turns(messages)
     conversation.turns += earlier
     settings = _settings(core, body)
-    live = store.live[response_id] = _Live(f"resp:{response_id}")
+    live = store.live[response_id] = _Live(f"resp:{response_id}", CURRENT_TENANT.get())
     created = time.time()
     try:
         prepared = run = None
@@ -333,7 +346,7 @@ async def cancel_response(request: Request, response_id: str):
     finished one is returned as it is."""
     state = server_state(request)
     store = ResponseStore.of(request.app, state)
-    live = store.live.get(response_id)
+    live = store.running(response_id)
     if live is None:
         return store.get(response_id, "response_id")[0]
     await _cancel(state, live)
@@ -399,7 +412,7 @@ async def responses_socket(websocket: WebSocket) -> None:
                 if body is None:
                     continue
                 if isinstance(body, str):  # response.cancel: its response_id
-                    live = store.live.get(body)
+                    live = store.running(body)
                     if live is None:
                         await outbox_tx.send(ws_error(APIError(400, "response_not_found", f"no response {body!r} is running", "response_id")))
                     else:
