@@ -5,8 +5,10 @@ parallelism on the GGUF, speculative identity and the models' parity with transf
 other paths on other CPUs (no AVX-512: blocks packed 8 rows at a time for 256-bit products,
 vpmaddubsw or AVX-VNNI's vpdpbusd, float32 matmul copies and attention; no native bf16: float32
 activations), so `make test` runs them again as each kind whose decisions differ from this CPU's
-(`CADENZA_CPU`, kernels/cpu/features.py), a kind that differs from one already run only in the
-packed products' instructions the products' tests alone. Exit status: 0 when every kind passed.
+(`CADENZA_CPU`, kernels/cpu/features.py): a kind that differs from one already run only in the
+packed products' instructions runs the products' tests alone, one of the same build variant but
+other bf16 or AMX decisions all but the variant's and the ranks' tests, and no kind runs the tests
+of processes (PROCESS_TESTS). Exit status: 0 when every kind passed.
 """
 
 from __future__ import annotations
@@ -36,6 +38,19 @@ PRODUCTS_SENSITIVE = [
 ]  # fmt: skip
 
 
+# What a kind runs when its packed layout is one already run but it decides bf16 or AMX otherwise
+# (avx512-vnni and avx512-bf16 on a Xeon with AMX): the whole set but the tests of the build variants
+# and of splitting weights across ranks, whose paths follow the layout alone.
+DECISIONS_SENSITIVE = [name for name in CPU_SENSITIVE if name not in ("test_cpu_isa.py", "test_tensor_parallel.py")]
+# Tests of processes, not of kernel paths (a rank started by torchrun, a rank that dies, `serve --tp 2`):
+# the suite proper runs them; as another kind they took about a minute a kind.
+PROCESS_TESTS = [
+    "test_tensor_parallel.py::test_torchrun_makes_rank_0_the_server_and_rank_1_a_model_worker",
+    "test_tensor_parallel.py::test_serve_with_tp2_spawns_its_rank_and_health_fails_when_it_dies",
+    "test_tensor_parallel.py::test_a_rank_killed_mid_run_fails_the_requests_and_the_engine_and_nothing_hangs",
+]
+
+
 def decisions(kind: str) -> tuple:
     """What cadenza decides from the CPU as `kind`: kinds that decide alike test alike."""
     os.environ[environment.CPU.name] = kind
@@ -62,8 +77,13 @@ def kinds_to_run() -> list[tuple[str, list[str]]]:
     chosen, seen = [], {here}
     for kind in cpu_features.runnable_kinds():
         if (d := decisions(kind)) not in seen:
-            lean = _layout(d) in {_layout(s) for s in seen}
-            chosen.append((kind, PRODUCTS_SENSITIVE if lean else CPU_SENSITIVE))
+            if _layout(d) in {_layout(s) for s in seen}:
+                files = PRODUCTS_SENSITIVE
+            elif d[0] in {s[0] for s in seen}:  # the same build variant, other bf16 or AMX decisions
+                files = DECISIONS_SENSITIVE
+            else:
+                files = CPU_SENSITIVE
+            chosen.append((kind, files))
             seen.add(d)
     return chosen
 
@@ -73,7 +93,8 @@ def main(argv: list[str]) -> int:
         print("cpu kinds: this CPU has no AVX2; nothing to stand in for")
         return 0
     kinds = kinds_to_run()
-    names = [kind if files is CPU_SENSITIVE else f"{kind} (packed products' tests)" for kind, files in kinds]
+    what = {id(CPU_SENSITIVE): "", id(DECISIONS_SENSITIVE): " (but the layout's own tests)", id(PRODUCTS_SENSITIVE): " (packed products' tests)"}
+    names = [kind + what[id(files)] for kind, files in kinds]
     print(f"cpu kinds: this CPU is {cpu_features.describe_cpu()}; running the CPU-sensitive tests as: {', '.join(names) or 'none'}")
     failed = []
     for kind, files in kinds:
@@ -83,7 +104,8 @@ def main(argv: list[str]) -> int:
             env.pop(name, None)
         started = time.monotonic()
         print(f"\n== as {kind} ({environment.CPU.name}={kind}) ==", flush=True)
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *argv,
+        deselect = [arg for test in PROCESS_TESTS if test.split("::")[0] in files for arg in ("--deselect", str(TESTS / test))]
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *argv, *deselect,
                                *(str(TESTS / name) for name in files)], env=env)
         print(f"== as {kind}: {'passed' if done.returncode == 0 else 'FAILED'} in {time.monotonic() - started:.0f} s ==", flush=True)
         if done.returncode != 0:

@@ -313,3 +313,25 @@ def test_kernel_source_ships_with_the_package():
     assert Path(cpu.__file__).parent == cpu.SOURCE.parent
     included = set(re.findall(r'#include "([^"]+)"', "".join(h.read_text() for h in [cpu.SOURCE, *cpu.HEADERS])))
     assert included and included <= {h.name for h in cpu.HEADERS}  # every header the build needs is listed
+
+
+def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_process(kernels):
+    """PyTorch's build lock is a file: a first `cadenza serve` stopped mid-build left it, and every
+    later process waited on it forever (kernels/cpu/loader.py, _build_lock)."""
+    import subprocess
+    import sys
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    name = "cadenza_cpu_kernels" if cpu.isa() == "avx2" else f"cadenza_cpu_kernels_{cpu.isa()}"
+    leftover = Path(_get_build_directory(name, verbose=False)) / "lock"
+    leftover.touch()
+    try:
+        done = subprocess.run([sys.executable, "-c", "from cadenza.kernels.cpu import loader; print(loader.configure('on').packed_path())"],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.strip().splitlines()[-1] == kernels.packed_path()
+        assert "Removing a build lock left by a build that died" in done.stdout + done.stderr
+        assert not leftover.exists()
+    finally:
+        leftover.unlink(missing_ok=True)

@@ -108,7 +108,8 @@ def test_batched_kernel_matches_float64_reference(kernels, qtype):
 def test_long_steps_go_in_chunks_of_rows_with_the_same_results(kernels, qtype):
     """A step's activations go through the weight in chunks of 128 KiB of int8 (kernels/cpu/linear.h,
     for_each_tile): 4096 inputs make chunks of 32 rows, so 70 rows are 32 + 32 + 6, file layout and
-    packed alike; every row as from the float64 reference and as computed alone."""
+    packed alike (64 + 6 where the 16-row products decode a group once a chunk: Q5_K, Q6_K, Q3_K);
+    every row as from the float64 reference and as computed alone."""
     rng = np.random.default_rng(int(qtype) + 3)
     rows, cols, out_features = 70, 4096, 32
     blocks = random_blocks(qtype, out_features, cols, rng)

@@ -11,7 +11,8 @@ includes torch, and only the headers it needs) and the kernels (plain C++ over p
 kernels.h), about 13 s on two cores, where one unit under <torch/extension.h> took 30-34 s (about
 20 of them in torch's headers). It goes to PyTorch's extension cache (`TORCH_EXTENSIONS_DIR`, by default
 ~/.cache/torch_extensions) and is reused until a source or header changes; concurrent processes
-wait on PyTorch's build lock instead of building twice.
+wait on the build lock instead of building twice (an flock, so that a build killed midway
+leaves no lock behind: `_build_lock`).
 
 One variant is chosen at build time from the CPU as `kernels/cpu/features.py` reads it (so
 `CADENZA_CPU` picks it: the tests run each kind this machine can stand in for), and each variant is
@@ -31,6 +32,8 @@ import shutil
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -152,15 +155,44 @@ def _compile() -> ModuleType:
     if jobs_unset:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         os.environ["MAX_JOBS"] = str(cores or 1)
+    name = "cadenza_cpu_kernels" if target == "avx2" else f"cadenza_cpu_kernels_{target}"
     try:
-        return load(
-            name="cadenza_cpu_kernels" if target == "avx2" else f"cadenza_cpu_kernels_{target}",
-            sources=[str(f) for f in sources],
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", *ISA_FLAGS[target], "-fopenmp",
-                          f"-DCADENZA_PACK_ROWS={PACK_ROWS[target]}", f"-DCADENZA_SOURCES_DIGEST={digest.hexdigest()[:16]}"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        with _build_lock(name):
+            return load(
+                name=name,
+                sources=[str(f) for f in sources],
+                extra_cflags=["-O3", "-mavx2", "-mfma", "-mf16c", *ISA_FLAGS[target], "-fopenmp",
+                              f"-DCADENZA_PACK_ROWS={PACK_ROWS[target]}", f"-DCADENZA_SOURCES_DIGEST={digest.hexdigest()[:16]}"],
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
     finally:
         if jobs_unset:
             os.environ.pop("MAX_JOBS", None)
+
+
+@contextmanager
+def _build_lock(name: str) -> Iterator[None]:
+    """Held around PyTorch's build of extension `name`: an flock, which the kernel lets go when its
+    holder dies, where PyTorch's own lock is a file that a builder killed mid-build (Ctrl-C on a
+    first `cadenza serve`, a test's process group stopped) leaves behind, on which every later
+    process then waits forever. Under the flock no other cadenza process is building `name`, so a
+    PyTorch lock file found there is such a leftover, and goes."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: PyTorch's lock alone
+        yield
+        return
+    from torch.utils.cpp_extension import _get_build_directory
+
+    build_dir = Path(_get_build_directory(name, verbose=False))
+    with open(build_dir / "cadenza.flock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            leftover = build_dir / "lock"
+            if leftover.exists():
+                log.warning("Removing a build lock left by a build that died", path=str(leftover))
+                leftover.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

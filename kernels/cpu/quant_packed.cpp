@@ -6,6 +6,8 @@
 
 #include <immintrin.h>
 
+#include <vector>
+
 #include "linear.h"
 #include "simd.h"
 
@@ -159,32 +161,76 @@ inline void q4k_scales16(const uint8_t* sb, __m512 d, __m512 dmin, __m512* scale
   }
 }
 
+// Q5_K's values of sub-block 2c + h, chunk k, 16 rows x 4: Q4_K's nibbles (low for h = 0, high for
+// h = 1) with bit 2c + h of the chunk's qh bytes moved to bit 4.
+inline __m512i q5k_values16(const uint8_t* gb, int c, int h, int k) {
+  const __m512i v = _mm512_loadu_si512(gb + 256 + 512 * c + 64 * k);
+  const __m512i nibbles = _mm512_and_si512(h ? _mm512_srli_epi16(v, 4) : v, _mm512_set1_epi8(0x0F));
+  const __m512i qh = _mm512_loadu_si512(gb + 144 * kPackRows + 64 * k);
+  return _mm512_or_si512(nibbles, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 2 * c + h), _mm512_set1_epi8(0x01)), 4));
+}
+
+// Where a Q5_K group's decoded scales start in decode_group's layout, after its values: per
+// block the 8 sub-blocks' scales then negated mins, 16 rows each.
+inline int64_t q4k_scales_at(int64_t nblocks, int64_t b) { return nblocks * 256 * kPackRows + b * 16 * 64; }
+
+// A decoded vector in decode_group's layout (64 bytes a chunk, in order of block, sub-block and chunk).
+inline __m512i pre_values(const uint8_t* pre, int64_t b, int j, int k) {
+  return _mm512_load_si512(pre + 64 * (8 * (8 * b + j) + k));
+}
+
 // Output rows [n, n + 16) of M activation rows from m0 for a packed Q4_K or Q5_K group `wg` (P):
 // Q5_K's values are Q4_K's nibbles plus 16 where their bit in qh is set, at most 31, which
-// vpdpbusd sums in int32 as it does the nibbles.
-template <class P, int M>
+// vpdpbusd sums in int32 as it does the nibbles. With kPre, the values and scales come decoded from
+// `pre` (decode_group's layout) rather than from the group's bits; the sums are the same, added in
+// the same order.
+template <class P, int M, bool kPre = false>
 inline void packed_dot_group_q4k(const uint8_t* wg, int64_t nblocks, const QuantizedActivations& a, int64_t m0,
-                                 const float* bias, float* out, int64_t os, bool accumulate, int64_t n) {
+                                 const float* bias, float* out, int64_t os, bool accumulate, int64_t n,
+                                 const uint8_t* pre = nullptr) {
   constexpr bool kFive = std::is_same_v<P, PackQ5_K>;
   __m512 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-  const __m512i low = _mm512_set1_epi8(0x0F), one = _mm512_set1_epi8(0x01);
+  const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < nblocks; ++b) {
     const uint8_t* gb = wg + b * kPackRows * P::kBytes;
+    __m512 scale_own[8], minv_own[8];
+    const __m512* scale = scale_own;
+    const __m512* minv = minv_own;
+    if constexpr (kPre) {
+      scale = reinterpret_cast<const __m512*>(pre + q4k_scales_at(nblocks, b));
+      minv = scale + 8;
+      // One sub-block at a time: 8 value vectors and two chains an activation row.
+      for (int j = 0; j < 8; ++j) {
+        __m512i q[8];
+        for (int k = 0; k < 8; ++k) q[k] = pre_values(pre, b, j, k);
+        for (int m = 0; m < M; ++m) {
+          const int64_t blk = (m0 + m) * a.blocks + 8 * b + j;
+          const int8_t* x = a.q.data() + (m0 + m) * a.K + 256 * b + 32 * j;
+          __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+          for (int k = 0; k < 8; k += 2) {
+            s0 = _mm512_dpbusd_epi32(s0, q[k], broadcast4(x + 4 * k));
+            s1 = _mm512_dpbusd_epi32(s1, q[k + 1], broadcast4(x + 4 * k + 4));
+          }
+          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_mul_ps(scale[j], _mm512_set1_ps(a.d[blk])), acc[m]);
+          acc[m] = _mm512_fmadd_ps(minv[j], _mm512_set1_ps(a.s[blk]), acc[m]);
+        }
+      }
+      continue;
+    }
     prefetch_ahead(gb, kPackRows * P::kBytes);
-    __m512 scale[8], minv[8];
     q4k_scales16(gb + 64, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb))),
-                 _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 32))), scale, minv);
+                 _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 32))), scale_own, minv_own);
     for (int c = 0; c < 4; ++c) {  // sub-blocks 2c (low nibbles) and 2c + 1 (high)
       __m512i lo[8], hi[8];
       for (int k = 0; k < 8; ++k) {
-        const __m512i v = _mm512_loadu_si512(gb + 256 + 512 * c + 64 * k);
-        lo[k] = _mm512_and_si512(v, low);
-        hi[k] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-        if constexpr (kFive) {  // bits 2c and 2c + 1 of the chunk's qh bytes, moved to bit 4
-          const __m512i h = _mm512_loadu_si512(gb + 144 * kPackRows + 64 * k);
-          lo[k] = _mm512_or_si512(lo[k], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * c), one), 4));
-          hi[k] = _mm512_or_si512(hi[k], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(h, 2 * c + 1), one), 4));
+        if constexpr (kFive) {
+          lo[k] = q5k_values16(gb, c, 0, k);
+          hi[k] = q5k_values16(gb, c, 1, k);
+        } else {
+          const __m512i v = _mm512_loadu_si512(gb + 256 + 512 * c + 64 * k);
+          lo[k] = _mm512_and_si512(v, low);
+          hi[k] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
         }
       }
       for (int m = 0; m < M; ++m) {
@@ -291,15 +337,17 @@ inline __m512i sub_values16(PackQ3_K, const uint8_t* gb, int j, int k) {
 // activation's half sums by one vpmaddwd, comes off. Q2_K's mins take the same vpmaddwd,
 // m_a * sum(x_a) + m_b * sum(x_b), scaled by dmin. The integers equal the 8-row products'
 // (quant_packed8.cpp), so both builds round them alike.
-template <class P, int M>
+// With kPre, the values come decoded from `pre` (decode_group's layout) rather than from the group's bits.
+template <class P, int M, bool kPre = false>
 inline void packed_dot_group_scales16(const uint8_t* wg, int64_t nblocks, const QuantizedActivations& a, int64_t m0,
-                                      const float* bias, float* out, int64_t os, bool accumulate, int64_t n) {
+                                      const float* bias, float* out, int64_t os, bool accumulate, int64_t n,
+                                      const uint8_t* pre = nullptr) {
   constexpr int64_t R = kPackRows;
   __m512 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nblocks; ++b) {
     const uint8_t* gb = wg + b * R * P::kBytes;
-    prefetch_ahead(gb, R * P::kBytes);
+    if constexpr (!kPre) prefetch_ahead(gb, R * P::kBytes);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb)));
     __m512 minus_dmin = _mm512_setzero_ps();
     if constexpr (P::kHasMin)
@@ -313,7 +361,7 @@ inline void packed_dot_group_scales16(const uint8_t* wg, int64_t nblocks, const 
     for (int j = 0; j < 8; ++j) {
       const Scales16 sc = sub_scales16(scales, j);
       __m512i q[8];
-      for (int k = 0; k < 8; ++k) q[k] = sub_values16(P{}, gb, j, k);
+      for (int k = 0; k < 8; ++k) q[k] = kPre ? pre_values(pre, b, j, k) : sub_values16(P{}, gb, j, k);
       for (int m = 0; m < M; ++m) {
         const int8_t* x = a.q.data() + (m0 + m) * a.K + 256 * b + 32 * j;
         __m512i sa = _mm512_setzero_si512(), sb = _mm512_setzero_si512();
@@ -388,16 +436,72 @@ inline void packed_dot_group_iq4xs(const uint8_t* wg, int64_t nblocks, const Qua
   store_group<M>(acc, bias, out, os, accumulate, n);
 }
 
-// One group through the kernel of its layout.
-template <class P, int M>
+// Types whose values take a share of a pass's instructions to decode from their bits (Q5_K's fifth
+// bits, the two planes of Q6_K and Q3_K): a step of several passes a chunk (a prefill, a batch-32
+// decode) decodes each of their groups once per chunk of activation rows (decode_group), and every
+// pass of the chunk loads them. One core, 64 and 256 rows of 8192 x 2048 and 2048 x 8192 weights,
+// against a decode a pass: Q5_K 1.15-1.25x, Q6_K 1.10-1.21x, Q3_K 1.02-1.07x, the sums bit for bit
+// the same. Q4_K (3 instructions a chunk, as the 32-value types) and Q2_K measured no gain.
+template <class P>
+constexpr bool kDecodesOnce = std::is_same_v<P, PackQ5_K> || std::is_same_v<P, PackQ6_K> || std::is_same_v<P, PackQ3_K>;
+
+// Bytes of a group's decoded values (one a value) and, for Q5_K, scales.
+template <class P>
+inline int64_t decoded_group_bytes(int64_t nblocks) {
+  return nblocks * (256 * kPackRows + (std::is_same_v<P, PackQ5_K> ? 16 * 64 : 0));
+}
+
+// The values of a packed group `wg` (a kDecodesOnce type) into `pre`, in the order its kernel reads
+// them with kPre: the same vectors it would decode, stored.
+template <class P>
+inline void decode_group(const uint8_t* wg, int64_t nblocks, uint8_t* pre) {
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const uint8_t* gb = wg + b * kPackRows * P::kBytes;
+    prefetch_ahead(gb, kPackRows * P::kBytes);
+    const auto store = [&](int j, int k, __m512i v) { _mm512_store_si512(pre + 64 * (8 * (8 * b + j) + k), v); };
+    if constexpr (std::is_same_v<P, PackQ5_K>) {
+      for (int j = 0; j < 8; ++j) {
+        for (int k = 0; k < 8; ++k) store(j, k, q5k_values16(gb, j / 2, j % 2, k));
+      }
+      __m512* scales = reinterpret_cast<__m512*>(pre + q4k_scales_at(nblocks, b));
+      q4k_scales16(gb + 64, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb))),
+                   _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 32))), scales, scales + 8);
+    } else {
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) {
+        for (int k = 0; k < 8; ++k) store(j, k, sub_values16(P{}, gb, j, k));
+      }
+    }
+  }
+}
+
+// One group through the kernel of its layout (kPre: its values decoded at `pre`).
+template <class P, int M, bool kPre = false>
 inline void dot_group(const uint8_t* wg, int64_t nblocks, const QuantizedActivations& a, int64_t m0, const float* bias,
-                      float* out, int64_t os, bool accumulate, int64_t n) {
+                      float* out, int64_t os, bool accumulate, int64_t n, const uint8_t* pre = nullptr) {
   if constexpr (std::is_same_v<P, PackQ4_K> || std::is_same_v<P, PackQ5_K>)
-    packed_dot_group_q4k<P, M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
+    packed_dot_group_q4k<P, M, kPre>(wg, nblocks, a, m0, bias, out, os, accumulate, n, pre);
   else if constexpr (std::is_same_v<P, PackQ6_K> || std::is_same_v<P, PackQ3_K> || std::is_same_v<P, PackQ2_K>)
-    packed_dot_group_scales16<P, M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
+    packed_dot_group_scales16<P, M, kPre>(wg, nblocks, a, m0, bias, out, os, accumulate, n, pre);
   else if constexpr (std::is_same_v<P, PackIQ4_XS>) packed_dot_group_iq4xs<M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
   else packed_dot_group<P, M>(wg, nblocks, a, m0, bias, out, os, accumulate, n);
+}
+
+// M (1 to 8) activation rows from m0 through one group, the kernel instantiated for M.
+template <class P, bool kPre = false>
+inline void dot_group_rows(int64_t M, const uint8_t* wg, int64_t nblocks, const QuantizedActivations& a, int64_t m0,
+                           const float* bias, float* out, int64_t os, bool accumulate, int64_t n,
+                           const uint8_t* pre = nullptr) {
+  switch (M) {
+    case 1: dot_group<P, 1, kPre>(wg, nblocks, a, m0, bias, out, os, accumulate, n, pre); break;
+    case 2: dot_group<P, 2, kPre>(wg, nblocks, a, m0, bias, out, os, accumulate, n, pre); break;
+    case 3: dot_group<P, 3, kPre>(wg, nblocks, a, m0, bias, out, os, accumulate, n, pre); break;
+    case 4: dot_group<P, 4, kPre>(wg, nblocks, a, m0, bias, out, os, accumulate, n, pre); break;
+    case 5: dot_group<P, 5, kPre>(wg, nblocks, a, m0, bias, out, os, accumulate, n, pre); break;
+    case 6: dot_group<P, 6, kPre>(wg, nblocks, a, m0, bias, out, os, accumulate, n, pre); break;
+    case 7: dot_group<P, 7, kPre>(wg, nblocks, a, m0, bias, out, os, accumulate, n, pre); break;
+    default: dot_group<P, 8, kPre>(wg, nblocks, a, m0, bias, out, os, accumulate, n, pre); break;
+  }
 }
 
 constexpr int64_t kPackPassRows = 8;
@@ -407,22 +511,33 @@ template <class P>
 inline void packed_matmul_of(const QuantizedActivations& a, int64_t M, const uint8_t* wp, int64_t N, int64_t row_bytes,
                           const float* bias, float* out, int64_t os, bool accumulate) {
   const int64_t nblocks = row_bytes / P::kBytes;
+  // A type decoded once takes chunks of twice the rows, 256 KiB of activations beside a group's
+  // decoded values (128 KiB at 8,192 inputs): every build of 16-row groups runs on a CPU with 1-2
+  // MiB of L2 a core (Xeons, Zen 4 and 5), and at 8,192 inputs a chunk of 16 rows, 2 passes, did
+  // not pay for its decode (Q5_K 1.0x, 1.15-1.17x at 32 rows).
+  const int64_t chunk = std::min(M, (kDecodesOnce<P> ? 2 : 1) * activation_chunk_rows(a.K, kPackPassRows));
+  // Decoded once per chunk where a chunk takes 4 passes or more (fewer did not pay for the stores
+  // and loads): never at batch 1 to 31.
+  const bool once = kDecodesOnce<P> && chunk >= 4 * kPackPassRows;
   // Up to 8 activation rows a pass (8 accumulators and the group's 8 value vectors fit the 32
   // registers): a speculative step's 5-9 rows unpack each group once or twice, not two or three times.
   for_each_tile(N, M, kPackRows, [&](int64_t n0, int64_t, int64_t m, int64_t rows) {
     const uint8_t* wg = wp + n0 * row_bytes;
     float* om = out + m * os;
-    switch (rows) {
-      case 1: dot_group<P, 1>(wg, nblocks, a, m, bias, om, os, accumulate, n0); break;
-      case 2: dot_group<P, 2>(wg, nblocks, a, m, bias, om, os, accumulate, n0); break;
-      case 3: dot_group<P, 3>(wg, nblocks, a, m, bias, om, os, accumulate, n0); break;
-      case 4: dot_group<P, 4>(wg, nblocks, a, m, bias, om, os, accumulate, n0); break;
-      case 5: dot_group<P, 5>(wg, nblocks, a, m, bias, om, os, accumulate, n0); break;
-      case 6: dot_group<P, 6>(wg, nblocks, a, m, bias, om, os, accumulate, n0); break;
-      case 7: dot_group<P, 7>(wg, nblocks, a, m, bias, om, os, accumulate, n0); break;
-      default: dot_group<P, 8>(wg, nblocks, a, m, bias, om, os, accumulate, n0); break;
+    if constexpr (kDecodesOnce<P>) {
+      if (once) {
+        // A (tile, chunk) is one thread's, its passes in order: the first decodes the tile's group.
+        thread_local std::vector<__m512i> decoded;
+        const int64_t vectors = decoded_group_bytes<P>(nblocks) / 64;
+        if (static_cast<int64_t>(decoded.size()) < vectors) decoded.resize(vectors);
+        uint8_t* pre = reinterpret_cast<uint8_t*>(decoded.data());
+        if (m % chunk == 0) decode_group<P>(wg, nblocks, pre);
+        dot_group_rows<P, true>(rows, wg, nblocks, a, m, bias, om, os, accumulate, n0, pre);
+        return;
+      }
     }
-  }, kPackPassRows, activation_chunk_rows(a.K, kPackPassRows));
+    dot_group_rows<P>(rows, wg, nblocks, a, m, bias, om, os, accumulate, n0);
+  }, kPackPassRows, chunk);
 }
 
 // De-quantizing straight from the packed layout, for the GEMM that prefill takes (quant.cpp's
