@@ -3,7 +3,9 @@
 Write-behind: each block the cache manager caches (`Offload`, sent without waiting, with the
 block's position in its sequence for the tiers' eviction policies) is queued here,
 at most `max_pending_writes` blocks (more are dropped and counted). The write loop takes a batch,
-notes each block's id and epoch, gathers their bytes in a worker thread, then keeps only the copies
+drops those every tier has by now (another replica sharing the disk tier may have written them: asked
+past the index, in a worker thread), notes each block's id and epoch, gathers their bytes in a worker
+thread, then keeps only the copies
 of blocks still cached under their hash with the same epoch (`KVCacheManager.block_epoch`: a block
 evicted and reused meanwhile may have been overwritten mid-copy), and writes each to every tier that
 lacks it, in a worker thread. A block already in every tier is not written again. The blocks are
@@ -216,6 +218,9 @@ class TierAgent(Actor[TierMessage]):
                     self._queued.difference_update(d for d, _ in batch)
 
     async def _write_batch(self, batch: list[tuple[bytes, int]]) -> None:
+        # Another replica on the same disk tier may have written some of them since they were
+        # queued: asked first, past the index (a stat a block), so that only what a tier lacks is copied.
+        batch = await anyio.to_thread.run_sync(self._lacking, batch)
         core = self.core
         live = [(d, n, b, core.block_epoch(b)) for d, n in batch if (b := core.cached_block(d)) is not None]
         if not live:  # evicted before their turn: gone
@@ -226,6 +231,11 @@ class TierAgent(Actor[TierMessage]):
         self.metrics.kv_tier_writes_dropped += len(live) - len(intact)
         if intact:
             await anyio.to_thread.run_sync(self._write_blocks, intact)
+
+    def _lacking(self, batch: list[tuple[bytes, int]]) -> list[tuple[bytes, int]]:
+        """In a worker thread: the blocks of `batch` that some tier lacks, looking past each
+        tier's index (the disk tier adopts a file another replica wrote)."""
+        return [(d, n) for d, n in batch if not all(tier.has(d) for tier in self.tiers)]
 
     def _gather(self, blocks: tuple[int, ...]) -> list[bytes]:
         """In a worker thread: each block's payload (one a call, as `_read_blocks` scatters them)."""

@@ -356,6 +356,33 @@ async def test_write_behind_is_bounded_and_skips_blocks_every_tier_has():
     assert metrics.kv_tiers == {"host": tier.stats}
 
 
+@pytest.mark.anyio
+async def test_a_block_another_replica_wrote_meanwhile_is_not_copied(tmp_path):
+    """Write-behind asks the tiers past their index before it copies a batch: a block the other
+    replica on the same disk directory wrote after it was queued here is adopted, not copied."""
+    import anyio
+    import torch
+
+    from cadenza.actors.cache_manager import KVCacheManager
+    from cadenza.actors.messages import Offload
+    from cadenza.actors.tier_agent import TierAgent
+    from cadenza.metrics import EngineMetrics
+
+    mine, theirs = (make_tier("disk", tmp_path, 8, LRUPolicy()) for _ in range(2))
+    send, _receive = anyio.create_memory_object_stream(4)
+    core = KVCacheManager(8, 4, LRUPolicy())
+    agent = TierAgent(None, core, [torch.zeros(2, 8, 16)], [mine], scheduler=send, metrics=EngineMetrics())
+    await agent.handle(Offload(1, (digest(5), digest(6)), (0, 1)))
+    assert list(agent._writes) == [(digest(5), 0), (digest(6), 1)]
+    assert theirs.put(digest(5), payload(5), 0)  # the other replica, after the queueing
+    copied = []
+    agent._gather = lambda blocks: copied.extend(blocks) or [payload(6) for _ in blocks]
+    agent.core.cached_block = lambda d: {digest(5): 3, digest(6): 4}[d]  # both still cached here
+    await agent._write_batch(list(agent._writes))
+    assert copied == [4]  # digest 6 alone: digest 5 was found on disk
+    assert digest(5) in mine and digest(6) in mine and mine.stats.blocks_written == 1  # 6 alone written
+
+
 # --- the scheduler's gate ------------------------------------------------------------------------
 
 
