@@ -20,7 +20,10 @@ class ServerProcess:
         self.lines: list[str] = []
         self._ready = threading.Event()
         self.url: str | None = None
-        full_env = {**os.environ, "CADENZA_LOGGING__FORMAT": "json", "PYTHONUNBUFFERED": "1", **(env or {})}
+        env = dict(env or {})
+        if "PYTHONPATH" in env:  # a plugin's folder goes in front of the caller's path, never instead of it
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [env["PYTHONPATH"], os.environ.get("PYTHONPATH")]))
+        full_env = {**os.environ, "CADENZA_LOGGING__FORMAT": "json", "PYTHONUNBUFFERED": "1", **env}
         full_env.pop("CADENZA_CONFIG", None)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "cadenza", "serve", "--host", "127.0.0.1", "--port", "0", *args],
