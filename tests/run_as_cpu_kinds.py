@@ -104,7 +104,9 @@ def main(argv: list[str]) -> int:
             env.pop(name, None)
         started = time.monotonic()
         print(f"\n== as {kind} ({environment.CPU.name}={kind}) ==", flush=True)
-        deselect = [arg for test in PROCESS_TESTS if test.split("::")[0] in files for arg in ("--deselect", str(TESTS / test))]
+        # Node ids as pytest writes them: from the root folder (pyproject.toml's, beside tests/).
+        deselect = [arg for test in PROCESS_TESTS if test.split("::")[0] in files
+                    for arg in ("--deselect", f"{TESTS.name}/{test}")]  # fmt: skip
         done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *argv, *deselect,
                                *(str(TESTS / name) for name in files)], env=env)
         print(f"== as {kind}: {'passed' if done.returncode == 0 else 'FAILED'} in {time.monotonic() - started:.0f} s ==", flush=True)
