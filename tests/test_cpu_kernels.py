@@ -323,8 +323,7 @@ def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_process(kern
 
     from torch.utils.cpp_extension import _get_build_directory
 
-    name = "cadenza_cpu_kernels" if cpu.isa() == "avx2" else f"cadenza_cpu_kernels_{cpu.isa()}"
-    leftover = Path(_get_build_directory(name, verbose=False)) / "lock"
+    leftover = Path(_get_build_directory(cpu.extension_name(cpu.isa()), verbose=False)) / "lock"
     leftover.touch()
     try:
         done = subprocess.run([sys.executable, "-c", "from cadenza.kernels.cpu import loader; print(loader.configure('on').packed_path())"],

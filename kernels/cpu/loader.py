@@ -155,7 +155,7 @@ def _compile() -> ModuleType:
     if jobs_unset:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         os.environ["MAX_JOBS"] = str(cores or 1)
-    name = "cadenza_cpu_kernels" if target == "avx2" else f"cadenza_cpu_kernels_{target}"
+    name = extension_name(target)
     try:
         with _build_lock(name):
             return load(
@@ -169,6 +169,11 @@ def _compile() -> ModuleType:
     finally:
         if jobs_unset:
             os.environ.pop("MAX_JOBS", None)
+
+
+def extension_name(target: str) -> str:
+    """The PyTorch extension (and build folder) of build variant `target`."""
+    return "cadenza_cpu_kernels" if target == "avx2" else f"cadenza_cpu_kernels_{target}"
 
 
 @contextmanager
