@@ -1,9 +1,9 @@
 """Linears on GGUF's quantized blocks as stored (kernels/cpu/quant.h, models/quantized_linear.py).
 
 Each kernel is checked against a float64 product of the same blocks de-quantized by the `gguf`
-package's reference (`gguf.quants.dequantize`). The kernels quantize activations per 32 values to
-int8 (scale max|x| / 127), so each activation is off by at most half a step h = max|x of its block|
-/ 254, uniformly for random inputs: an output's error then has standard deviation
+package's reference (`gguf.quants.dequantize`). The kernels quantize activations to int8 with a
+scale max|x| / 127 per 32 values (per 256 for the K-quants and IQ4_XS, as llama.cpp's Q8_K), so each
+activation is off by at most half a step h = max|x of its group| / 254, uniformly for random inputs: an output's error then has standard deviation
 sigma = sqrt(sum_k w[n, k]^2 h_k^2 / 3), and the tolerance is 6 sigma, plus 1e-5 of sum_k |w x|
 for float32 accumulation, plus 1e-4 (measured errors stay under 3 sigma; the worst case,
 sum_k |w| h_k, is about 20x looser and would hide a wrong sub-block scale).
@@ -25,6 +25,10 @@ from cadenza.kernels.cpu.features import cpu_has_avx2_fma
 pytestmark = pytest.mark.skipif(not cpu_has_avx2_fma(), reason="the quantized kernels need x86-64 with AVX2 and FMA")
 
 TYPES = (Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
+
+
+# Values an activation scale spans, by weight type (kernels/cpu/quant.cpp, activation_group).
+ACTIVATION_GROUP = {Q.Q2_K: 256, Q.Q3_K: 256, Q.Q4_K: 256, Q.Q5_K: 256, Q.Q6_K: 256, Q.IQ4_XS: 256}
 
 
 def random_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -62,7 +66,8 @@ def reference(blocks: np.ndarray, qtype: Q, x: torch.Tensor) -> tuple[torch.Tens
     """(x @ W^T in float64, the tolerance of each output) for W the de-quantized blocks."""
     w = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).astype(np.float64))
     x64 = x.double()
-    half_step = x64.abs().reshape(x.shape[0], -1, 32).amax(-1).repeat_interleave(32, dim=1) / 254
+    group = ACTIVATION_GROUP.get(qtype, 32)
+    half_step = x64.abs().reshape(x.shape[0], -1, group).amax(-1).repeat_interleave(group, dim=1) / 254
     sigma = (half_step.square() @ w.square().T / 3).sqrt()
     return x64 @ w.T, 6 * sigma + 1e-5 * (x64.abs() @ w.abs().T) + 1e-4
 

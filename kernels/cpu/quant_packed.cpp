@@ -170,87 +170,91 @@ inline __m512i q5k_values16(const uint8_t* gb, int c, int h, int k) {
   return _mm512_or_si512(nibbles, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 2 * c + h), _mm512_set1_epi8(0x01)), 4));
 }
 
-// Where a Q5_K group's decoded scales start in decode_group's layout, after its values: per
-// block the 8 sub-blocks' scales then negated mins, 16 rows each.
-inline int64_t q4k_scales_at(int64_t nblocks, int64_t b) { return nblocks * 256 * kPackRows + b * 16 * 64; }
+// Where a group's decoded float scales start in decode_group's layout, after its values: per block
+// 16 vectors of 16 rows, Q4_K's and Q5_K's 8 sub-blocks' scales then negated mins, or the 16 halves'
+// scales of Q6_K and Q3_K.
+inline int64_t decoded_scales_at(int64_t nblocks, int64_t b) { return nblocks * 256 * kPackRows + b * 16 * 64; }
 
 // A decoded vector in decode_group's layout (64 bytes a chunk, in order of block, sub-block and chunk).
 inline __m512i pre_values(const uint8_t* pre, int64_t b, int j, int k) {
   return _mm512_load_si512(pre + 64 * (8 * (8 * b + j) + k));
 }
 
-// Output rows [n, n + 16) of M activation rows from m0 for a packed Q4_K or Q5_K group `wg` (P):
-// Q5_K's values are Q4_K's nibbles plus 16 where their bit in qh is set, at most 31, which
-// vpdpbusd sums in int32 as it does the nibbles. With kPre, the values and scales come decoded from
-// `pre` (decode_group's layout) rather than from the group's bits; the sums are the same, added in
-// the same order.
+// Sub-block j's 8 value vectors (16 rows x 4 values each) of a Q4_K or Q5_K group-block `gb`: Q5_K's
+// are Q4_K's nibbles (low for even j, high for odd) plus 16 where their bit in qh is set, at most 31.
+template <class P>
+inline void q4k_sub_values16(const uint8_t* gb, int j, __m512i* q) {
+  for (int k = 0; k < 8; ++k) {
+    if constexpr (std::is_same_v<P, PackQ5_K>) {
+      q[k] = q5k_values16(gb, j / 2, j % 2, k);
+    } else {
+      const __m512i v = _mm512_loadu_si512(gb + 256 + 512 * (j / 2) + 64 * k);
+      q[k] = _mm512_and_si512(j % 2 ? _mm512_srli_epi16(v, 4) : v, _mm512_set1_epi8(0x0F));
+    }
+  }
+}
+
+// sum(q * x) of one row's 32 activations x (in packed_values' order) and the 8 value vectors q of
+// a sub-block, in int32 (exact): two chains where the rows are few, so that consecutive vpdpbusd
+// do not wait on each other; with 4 rows or more the rows' chains interleave.
+template <int M>
+inline __m512i sub_dot16(const __m512i* q, const int8_t* x) {
+  if constexpr (M >= 4) {
+    __m512i s = _mm512_setzero_si512();
+    for (int k = 0; k < 8; ++k) s = _mm512_dpbusd_epi32(s, q[k], broadcast4(x + 4 * k));
+    return s;
+  } else {
+    __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+    for (int k = 0; k < 8; k += 2) {
+      s0 = _mm512_dpbusd_epi32(s0, q[k], broadcast4(x + 4 * k));
+      s1 = _mm512_dpbusd_epi32(s1, q[k + 1], broadcast4(x + 4 * k + 4));
+    }
+    return _mm512_add_epi32(s0, s1);
+  }
+}
+
+// Output rows [n, n + 16) of M activation rows from m0 for a packed Q4_K or Q5_K group `wg` (P),
+// activations with one scale per 256 values (QuantizedActivations::group): per block, a row sums
+// its sub-blocks' int32 products times their scales d * sc in float, and the activation's scale
+// multiplies that once a block; the mins (-dmin * m times the sub-block's d * sum(x)) go straight
+// into the row's sum. With kPre, the values and scales come decoded from `pre` (decode_group's
+// layout) rather than from the group's bits; the sums are the same, added in the same order.
 template <class P, int M, bool kPre = false>
 inline void packed_dot_group_q4k(const uint8_t* wg, int64_t nblocks, const QuantizedActivations& a, int64_t m0,
                                  const float* bias, float* out, int64_t os, bool accumulate, int64_t n,
                                  const uint8_t* pre = nullptr) {
-  constexpr bool kFive = std::is_same_v<P, PackQ5_K>;
   __m512 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-  const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < nblocks; ++b) {
     const uint8_t* gb = wg + b * kPackRows * P::kBytes;
-    __m512 scale_own[8], minv_own[8];
+    __m512 scale_own[16];
     const __m512* scale = scale_own;
-    const __m512* minv = minv_own;
     if constexpr (kPre) {
-      scale = reinterpret_cast<const __m512*>(pre + q4k_scales_at(nblocks, b));
-      minv = scale + 8;
-      // One sub-block at a time: 8 value vectors and two chains an activation row.
-      for (int j = 0; j < 8; ++j) {
-        __m512i q[8];
-        for (int k = 0; k < 8; ++k) q[k] = pre_values(pre, b, j, k);
-        for (int m = 0; m < M; ++m) {
-          const int64_t blk = (m0 + m) * a.blocks + 8 * b + j;
-          const int8_t* x = a.q.data() + (m0 + m) * a.K + 256 * b + 32 * j;
-          __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-          for (int k = 0; k < 8; k += 2) {
-            s0 = _mm512_dpbusd_epi32(s0, q[k], broadcast4(x + 4 * k));
-            s1 = _mm512_dpbusd_epi32(s1, q[k + 1], broadcast4(x + 4 * k + 4));
-          }
-          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_mul_ps(scale[j], _mm512_set1_ps(a.d[blk])), acc[m]);
-          acc[m] = _mm512_fmadd_ps(minv[j], _mm512_set1_ps(a.s[blk]), acc[m]);
-        }
-      }
-      continue;
+      scale = reinterpret_cast<const __m512*>(pre + decoded_scales_at(nblocks, b));
+    } else {
+      prefetch_ahead(gb, kPackRows * P::kBytes);
+      q4k_scales16(gb + 64, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb))),
+                   _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 32))), scale_own,
+                   scale_own + 8);
     }
-    prefetch_ahead(gb, kPackRows * P::kBytes);
-    q4k_scales16(gb + 64, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb))),
-                 _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 32))), scale_own, minv_own);
-    for (int c = 0; c < 4; ++c) {  // sub-blocks 2c (low nibbles) and 2c + 1 (high)
-      __m512i lo[8], hi[8];
-      for (int k = 0; k < 8; ++k) {
-        if constexpr (kFive) {
-          lo[k] = q5k_values16(gb, c, 0, k);
-          hi[k] = q5k_values16(gb, c, 1, k);
-        } else {
-          const __m512i v = _mm512_loadu_si512(gb + 256 + 512 * c + 64 * k);
-          lo[k] = _mm512_and_si512(v, low);
-          hi[k] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-        }
+    const __m512* minv = scale + 8;
+    __m512 sums[M];
+    for (int m = 0; m < M; ++m) sums[m] = _mm512_setzero_ps();
+    for (int j = 0; j < 8; ++j) {
+      __m512i q[8];
+      if constexpr (kPre) {
+        for (int k = 0; k < 8; ++k) q[k] = pre_values(pre, b, j, k);
+      } else {
+        q4k_sub_values16<P>(gb, j, q);
       }
       for (int m = 0; m < M; ++m) {
-        const int64_t blk = (m0 + m) * a.blocks + 8 * b + 2 * c;
-        const int8_t* x = a.q.data() + (m0 + m) * a.K + 256 * b + 64 * c;
-        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-        __m512i t0 = _mm512_setzero_si512(), t1 = _mm512_setzero_si512();
-        for (int k = 0; k < 8; k += 2) {
-          s0 = _mm512_dpbusd_epi32(s0, lo[k], broadcast4(x + 4 * k));
-          s1 = _mm512_dpbusd_epi32(s1, lo[k + 1], broadcast4(x + 4 * k + 4));
-          t0 = _mm512_dpbusd_epi32(t0, hi[k], broadcast4(x + 32 + 4 * k));
-          t1 = _mm512_dpbusd_epi32(t1, hi[k + 1], broadcast4(x + 32 + 4 * k + 4));
-        }
-        const __m512i sl = _mm512_add_epi32(s0, s1), sh = _mm512_add_epi32(t0, t1);
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sl), _mm512_mul_ps(scale[2 * c], _mm512_set1_ps(a.d[blk])), acc[m]);
-        acc[m] = _mm512_fmadd_ps(minv[2 * c], _mm512_set1_ps(a.s[blk]), acc[m]);
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sh), _mm512_mul_ps(scale[2 * c + 1], _mm512_set1_ps(a.d[blk + 1])), acc[m]);
-        acc[m] = _mm512_fmadd_ps(minv[2 * c + 1], _mm512_set1_ps(a.s[blk + 1]), acc[m]);
+        const int64_t blk = (m0 + m) * a.blocks + 8 * b + j;
+        const __m512i s = sub_dot16<M>(q, a.q.data() + (m0 + m) * a.K + 256 * b + 32 * j);
+        sums[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale[j], sums[m]);
+        acc[m] = _mm512_fmadd_ps(minv[j], _mm512_set1_ps(a.s[blk]), acc[m]);
       }
     }
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(sums[m], _mm512_set1_ps(a.d[(m0 + m) * a.blocks + 8 * b]), acc[m]);
   }
   store_group<M>(acc, bias, out, os, accumulate, n);
 }
@@ -329,15 +333,30 @@ inline __m512i sub_values16(PackQ3_K, const uint8_t* gb, int j, int k) {
                          _mm512_and_si512(third, _mm512_set1_epi8(0x04)));
 }
 
+// The 16 rows' float scales d * sc of a group-block's 16 halves of 16 values (Q2_K, Q3_K, Q6_K), from
+// its int8 scales (scale i of row r at sc + 16 i + r).
+inline void half_scales16(const int8_t* sc, __m512 d, __m512* scale) {
+  for (int i = 0; i < 16; ++i)
+    scale[i] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16 * i)))));
+}
+
+// The int32 a half's product chain starts from: the offset (2^P::kOffsetBits) times the half's
+// activation sum, negated, so that the chain ends at sum((q - offset) * x); zero for Q2_K.
+template <class P>
+inline __m512i half_chain_start(const QuantizedActivations& a, int64_t blk, int h) {
+  if constexpr (P::kOffsetBits == 0) return _mm512_setzero_si512();
+  const __m512i v = _mm512_set1_epi32(a.half_offsets[2 * blk + h]);  // -32 * sum
+  return P::kOffsetBits == 5 ? v : _mm512_srai_epi32(v, 5 - P::kOffsetBits);
+}
+
 // Output rows [n, n + 16) of M activation rows from m0 for a packed Q6_K, Q3_K or Q2_K group `wg`
-// (P), whose values carry an offset of 2^P::kOffsetBits (32, 4; Q2_K none, but mins). Per sub-block
-// of 32 values, sum(sc * (q - offset) * x) over its two halves of 16 (scales sc_a, sc_b), in int32
-// and exactly: vpdpbusd sums each half's unsigned q times x (at most 16 x 63 x 127, two chains), the
-// halves' sums are scaled by their scales, and offset * (sc_a * sum(x_a) + sc_b * sum(x_b)), from the
-// activation's half sums by one vpmaddwd, comes off. Q2_K's mins take the same vpmaddwd,
-// m_a * sum(x_a) + m_b * sum(x_b), scaled by dmin. The integers equal the 8-row products'
-// (quant_packed8.cpp), so both builds round them alike.
-// With kPre, the values come decoded from `pre` (decode_group's layout) rather than from the group's bits.
+// (P), whose values carry an offset of 2^P::kOffsetBits (32, 4; Q2_K none, but mins), activations
+// with one scale per 256 values. Per half of 16 values, sum((q - offset) * x) in int32 and exactly:
+// vpdpbusd sums the unsigned q times x (at most 16 x 63 x 127) onto -offset * sum(x); each half's
+// sum times its scale d * sc adds to the block's float sum, which the activation's scale multiplies
+// once a block. Q2_K's mins, m_a * sum(x_a) + m_b * sum(x_b) from the activation's half sums by one
+// vpmaddwd, are scaled by -dmin. With kPre, the values and the halves' float scales come decoded
+// from `pre` (decode_group's layout) rather than from the group's bits; the sums are the same.
 template <class P, int M, bool kPre = false>
 inline void packed_dot_group_scales16(const uint8_t* wg, int64_t nblocks, const QuantizedActivations& a, int64_t m0,
                                       const float* bias, float* out, int64_t os, bool accumulate, int64_t n,
@@ -347,41 +366,48 @@ inline void packed_dot_group_scales16(const uint8_t* wg, int64_t nblocks, const 
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nblocks; ++b) {
     const uint8_t* gb = wg + b * R * P::kBytes;
-    if constexpr (!kPre) prefetch_ahead(gb, R * P::kBytes);
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb)));
-    __m512 minus_dmin = _mm512_setzero_ps();
-    if constexpr (P::kHasMin)
-      minus_dmin = _mm512_sub_ps(minus_dmin, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 2 * R))));
+    __m512 scale_own[16];
+    const __m512* scale = scale_own;
     alignas(64) int8_t decoded[(P::kHasMin ? 32 : 16) * R];  // scales (and Q2_K's mins after them)
-    const int8_t* scales = block_scales16(P{}, gb, decoded);
+    const int8_t* scales = nullptr;
+    __m512 minus_dmin = _mm512_setzero_ps();
+    if constexpr (kPre) {
+      scale = reinterpret_cast<const __m512*>(pre + decoded_scales_at(nblocks, b));
+    } else {
+      prefetch_ahead(gb, R * P::kBytes);
+      scales = block_scales16(P{}, gb, decoded);
+      half_scales16(scales, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb))), scale_own);
+      if constexpr (P::kHasMin)
+        minus_dmin = _mm512_sub_ps(minus_dmin, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 2 * R))));
+    }
+    __m512 sums[M];
+    for (int m = 0; m < M; ++m) sums[m] = _mm512_setzero_ps();
     // Unrolled, so that each sub-block's shifts are immediates (gcc kept the loop: shifts by xmm
     // counts, 2 uops each, and a branch a chunk). One core, the weight in L2, batch 1: Q3_K 8.2 ->
     // 14.1 GB/s, Q6_K 20.5 -> 26.7.
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
-      const Scales16 sc = sub_scales16(scales, j);
       __m512i q[8];
       for (int k = 0; k < 8; ++k) q[k] = kPre ? pre_values(pre, b, j, k) : sub_values16(P{}, gb, j, k);
+      __m512i min_pair = _mm512_setzero_si512();
+      if constexpr (P::kHasMin) min_pair = sub_scales16(scales + 16 * R, j).pair;
       for (int m = 0; m < M; ++m) {
+        const int64_t blk = (m0 + m) * a.blocks + 8 * b + j;
         const int8_t* x = a.q.data() + (m0 + m) * a.K + 256 * b + 32 * j;
-        __m512i sa = _mm512_setzero_si512(), sb = _mm512_setzero_si512();
+        __m512i sa = half_chain_start<P>(a, blk, 0), sb = half_chain_start<P>(a, blk, 1);
         for (int k = 0; k < 4; ++k) {
           sa = _mm512_dpbusd_epi32(sa, q[k], broadcast4(x + 4 * k));
           sb = _mm512_dpbusd_epi32(sb, q[k + 4], broadcast4(x + 16 + 4 * k));
         }
-        const int64_t blk = (m0 + m) * a.blocks + 8 * b + j;
-        const __m512i halves = _mm512_set1_epi32(a.qhalves[blk]);
-        __m512i sum = _mm512_add_epi32(_mm512_mullo_epi32(sa, sc.a), _mm512_mullo_epi32(sb, sc.b));
-        if constexpr (P::kOffsetBits != 0)
-          sum = _mm512_sub_epi32(sum, _mm512_slli_epi32(_mm512_madd_epi16(sc.pair, halves), P::kOffsetBits));
-        const __m512 dx = _mm512_set1_ps(a.d[blk]);
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, dx), acc[m]);
+        sums[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sa), scale[2 * j], sums[m]);
+        sums[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sb), scale[2 * j + 1], sums[m]);
         if constexpr (P::kHasMin) {
-          const __m512i min_sum = _mm512_madd_epi16(sub_scales16(scales + 16 * R, j).pair, halves);
-          acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(min_sum), _mm512_mul_ps(minus_dmin, dx), acc[m]);
+          const __m512i min_sum = _mm512_madd_epi16(min_pair, _mm512_set1_epi32(a.qhalves[blk]));
+          sums[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(min_sum), minus_dmin, sums[m]);
         }
       }
     }
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(sums[m], _mm512_set1_ps(a.d[(m0 + m) * a.blocks + 8 * b]), acc[m]);
   }
   store_group<M>(acc, bias, out, os, accumulate, n);
 }
@@ -399,8 +425,9 @@ inline void iq4xs_scales16(const uint8_t* sh, const uint8_t* sl, __m512 d, __m51
   }
 }
 
-// Output rows [n, n + 16) of M activation rows from m0 for a packed IQ4_XS group `wg`: per
-// sub-block, the looked-up values (plus 128) times x by vpdpbusd, 128 * sum(x) off, then its scale.
+// Output rows [n, n + 16) of M activation rows from m0 for a packed IQ4_XS group `wg`, activations
+// with one scale per 256 values: per sub-block, the looked-up values (plus 128) times x by vpdpbusd
+// onto -128 * sum(x), then its scale; the activation's scale once a block.
 template <int M>
 inline void packed_dot_group_iq4xs(const uint8_t* wg, int64_t nblocks, const QuantizedActivations& a, int64_t m0,
                                    const float* bias, float* out, int64_t os, bool accumulate, int64_t n) {
@@ -413,6 +440,8 @@ inline void packed_dot_group_iq4xs(const uint8_t* wg, int64_t nblocks, const Qua
     prefetch_ahead(gb, R * PackIQ4_XS::kBytes);
     __m512 scale[8];
     iq4xs_scales16(gb + 2 * R, gb + 4 * R, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb))), scale);
+    __m512 sums[M];  // the block's, before the activation's scale (one per 256 values)
+    for (int m = 0; m < M; ++m) sums[m] = _mm512_setzero_ps();
     for (int j = 0; j < 8; ++j) {
       __m512i q[8];  // q[2k]: values 4k.., q[2k + 1]: values 16 + 4k..
       for (int k = 0; k < 4; ++k) {
@@ -423,15 +452,16 @@ inline void packed_dot_group_iq4xs(const uint8_t* wg, int64_t nblocks, const Qua
       for (int m = 0; m < M; ++m) {
         const int64_t blk = (m0 + m) * a.blocks + 8 * b + j;
         const int8_t* x = a.q.data() + (m0 + m) * a.K + 32 * (8 * b + j);
-        __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+        // The first chain starts from -128 * sum(x): it ends at sum(value * x).
+        __m512i s0 = _mm512_set1_epi32(-128 * a.qsum[blk]), s1 = _mm512_setzero_si512();
         for (int k = 0; k < 4; ++k) {
           s0 = _mm512_dpbusd_epi32(s0, q[2 * k], broadcast4(x + 4 * k));
           s1 = _mm512_dpbusd_epi32(s1, q[2 * k + 1], broadcast4(x + 16 + 4 * k));
         }
-        const __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), _mm512_set1_epi32(128 * a.qsum[blk]));
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale[j], _mm512_set1_ps(a.d[blk])), acc[m]);
+        sums[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), scale[j], sums[m]);
       }
     }
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(sums[m], _mm512_set1_ps(a.d[(m0 + m) * a.blocks + 8 * b]), acc[m]);
   }
   store_group<M>(acc, bias, out, os, accumulate, n);
 }
@@ -443,12 +473,16 @@ inline void packed_dot_group_iq4xs(const uint8_t* wg, int64_t nblocks, const Qua
 // against a decode a pass: Q5_K 1.15-1.25x, Q6_K 1.10-1.21x, Q3_K 1.02-1.07x, the sums bit for bit
 // the same. Q4_K (3 instructions a chunk, as the 32-value types) and Q2_K measured no gain.
 template <class P>
-constexpr bool kDecodesOnce = std::is_same_v<P, PackQ5_K> || std::is_same_v<P, PackQ6_K> || std::is_same_v<P, PackQ3_K>;
+constexpr bool kDecodesOnce = std::is_same_v<P, PackQ4_K> || std::is_same_v<P, PackQ5_K> || std::is_same_v<P, PackQ6_K> ||
+                               std::is_same_v<P, PackQ3_K>;
 
-// Bytes of a group's decoded values (one a value) and, for Q5_K, scales.
+template <class P>
+constexpr bool kQ4KLike = std::is_same_v<P, PackQ4_K> || std::is_same_v<P, PackQ5_K>;
+
+// Bytes of a group's decoded values (one a value) and float scales (16 vectors a block).
 template <class P>
 inline int64_t decoded_group_bytes(int64_t nblocks) {
-  return nblocks * (256 * kPackRows + (std::is_same_v<P, PackQ5_K> ? 16 * 64 : 0));
+  return nblocks * (256 * kPackRows + 16 * 64);
 }
 
 // The values of a packed group `wg` (a kDecodesOnce type) into `pre`, in the order its kernel reads
@@ -459,11 +493,13 @@ inline void decode_group(const uint8_t* wg, int64_t nblocks, uint8_t* pre) {
     const uint8_t* gb = wg + b * kPackRows * P::kBytes;
     prefetch_ahead(gb, kPackRows * P::kBytes);
     const auto store = [&](int j, int k, __m512i v) { _mm512_store_si512(pre + 64 * (8 * (8 * b + j) + k), v); };
-    if constexpr (std::is_same_v<P, PackQ5_K>) {
+    if constexpr (kQ4KLike<P>) {
       for (int j = 0; j < 8; ++j) {
-        for (int k = 0; k < 8; ++k) store(j, k, q5k_values16(gb, j / 2, j % 2, k));
+        __m512i q[8];
+        q4k_sub_values16<P>(gb, j, q);
+        for (int k = 0; k < 8; ++k) store(j, k, q[k]);
       }
-      __m512* scales = reinterpret_cast<__m512*>(pre + q4k_scales_at(nblocks, b));
+      __m512* scales = reinterpret_cast<__m512*>(pre + decoded_scales_at(nblocks, b));
       q4k_scales16(gb + 64, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb))),
                    _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 32))), scales, scales + 8);
     } else {
@@ -471,6 +507,9 @@ inline void decode_group(const uint8_t* wg, int64_t nblocks, uint8_t* pre) {
       for (int j = 0; j < 8; ++j) {
         for (int k = 0; k < 8; ++k) store(j, k, sub_values16(P{}, gb, j, k));
       }
+      alignas(64) int8_t decoded[16 * kPackRows];
+      half_scales16(block_scales16(P{}, gb, decoded), _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb))),
+                    reinterpret_cast<__m512*>(pre + decoded_scales_at(nblocks, b)));
     }
   }
 }
@@ -613,6 +652,9 @@ void packed_dequantize_group(const uint8_t* wg, int64_t row_bytes, int64_t qtype
 void packed_matmul(const QuantizedActivations& a, int64_t M, const Weight& w, Out out, bool accumulate) {
   with_packed_type(unpacked_type(w.qtype), [&](auto pack) {
     using P = decltype(pack);
+    if constexpr (kQ4KLike<P> || std::is_same_v<P, PackQ6_K> || std::is_same_v<P, PackQ3_K> || std::is_same_v<P, PackQ2_K> ||
+                  std::is_same_v<P, PackIQ4_XS>)
+      CADENZA_CHECK(a.group == 256, "K-quant products take activations with a scale per 256 values, not ", a.group);
     packed_matmul_of<P>(a, M, static_cast<const uint8_t*>(w.data), w.rows, w.cols, w.bias, out.data, out.stride, accumulate);
   });
 }

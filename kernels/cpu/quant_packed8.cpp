@@ -454,9 +454,10 @@ constexpr int kInt16Chunks = std::is_same_v<P, PackQ6_K> ? 2 : 4;
 // whose values carry an offset of 2^P::kOffsetBits (32, 4; Q2_K none, but mins): per 16 values
 // sum(sc * (q - offset) * x) = sum(sc * q * x) - offset * sc * sum(x), the first from vpmaddubsw's
 // int16 pairs, kInt16Chunks chunks summed, scaled by vpmaddwd, the second from the activation's half
-// sums, as Q2_K's m * sum(x), scaled by dmin. The VNNI builds
-// take the same path: vpdpbusd's int32 sums would need the scales of 16 values applied in int32 or
-// float, one step more than vpmaddwd's.
+// sums, as Q2_K's m * sum(x), scaled by dmin; the activations' scale is one per 256 values, so a
+// block sums in int32 and turns to float once. The AVX-VNNI build takes the same path: vpdpbusd's
+// int32 sums would need the scales of 16 values applied in int32 or float, one step more than
+// vpmaddwd's.
 // With kPre, the values come decoded from `pre` (decode_group's layout: 32 bytes a chunk, in order
 // of block, sub-block and chunk) rather than from the group's bits.
 template <class P, int M, bool kPre = false>
@@ -474,12 +475,14 @@ inline void packed_dot_group_scales16(const uint8_t* wg, int64_t nblocks, const 
     const __m256 minus_dmin = P::kHasMin ? _mm256_sub_ps(_mm256_setzero_ps(), load_halves8(gb + 2 * R)) : _mm256_setzero_ps();
     alignas(32) int8_t decoded[(P::kHasMin ? 32 : 16) * R];  // scales (and Q2_K's mins after them)
     const int8_t* scales = block_scales8(P{}, gb, decoded);
+    // The block's sums in int32 (the activation's scale is one per 256 values): at most 256 x 127 x
+    // 63 x 127 for the scaled values, as much again for the offset's.
+    __m256i isum[M], imin[M];
+    for (int m = 0; m < M; ++m) isum[m] = imin[m] = _mm256_setzero_si256();
     // Unrolled, so that each sub-block's shifts are immediates, as in quant_packed.cpp.
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
       const Scales8 sc = sub_scales8(scales, j);
-      __m256i isum[M];
-      for (int m = 0; m < M; ++m) isum[m] = _mm256_setzero_si256();
       const auto run = [&](int k) {  // chunks k .. k + kRun - 1
         __m256i q[kRun];
         for (int i = 0; i < kRun; ++i)
@@ -504,16 +507,16 @@ inline void packed_dot_group_scales16(const uint8_t* wg, int64_t nblocks, const 
       for (int m = 0; m < M; ++m) {
         const int64_t blk = (m0 + m) * a.blocks + 8 * b + j;
         const __m256i halves = _mm256_set1_epi32(a.qhalves[blk]);
-        __m256i sum = isum[m];
         if constexpr (P::kOffsetBits != 0)
-          sum = _mm256_sub_epi32(sum, _mm256_slli_epi32(_mm256_madd_epi16(sc.pair, halves), P::kOffsetBits));
-        const __m256 dx = _mm256_set1_ps(a.d[blk]);
-        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(d, dx), acc[m]);
-        if constexpr (P::kHasMin) {
-          const __m256i min_sum = _mm256_madd_epi16(sub_scales8(scales + 16 * R, j).pair, halves);
-          macc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(min_sum), _mm256_mul_ps(minus_dmin, dx), macc[m]);
-        }
+          isum[m] = _mm256_sub_epi32(isum[m], _mm256_slli_epi32(_mm256_madd_epi16(sc.pair, halves), P::kOffsetBits));
+        if constexpr (P::kHasMin)
+          imin[m] = _mm256_add_epi32(imin[m], _mm256_madd_epi16(sub_scales8(scales + 16 * R, j).pair, halves));
       }
+    }
+    for (int m = 0; m < M; ++m) {
+      const __m256 dx = _mm256_set1_ps(a.d[(m0 + m) * a.blocks + 8 * b]);
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_mul_ps(d, dx), acc[m]);
+      if constexpr (P::kHasMin) macc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(imin[m]), _mm256_mul_ps(minus_dmin, dx), macc[m]);
     }
   }
   store_group<M>(acc, macc, bias, out, os, accumulate, n);
@@ -678,8 +681,10 @@ void packed_dequantize_group(const uint8_t*, int64_t, int64_t qtype, void*, int6
 
 void packed_matmul(const QuantizedActivations& a, int64_t M, const Weight& w, Out out, bool accumulate) {
   with_packed_type(unpacked_type(w.qtype), [&](auto pack) {
-    packed_matmul_of<decltype(pack)>(a, M, static_cast<const uint8_t*>(w.data), w.rows, w.cols, w.bias, out.data,
-                                     out.stride, accumulate);
+    using P = decltype(pack);
+    if constexpr (std::is_same_v<P, PackQ6_K> || std::is_same_v<P, PackQ3_K> || std::is_same_v<P, PackQ2_K>)
+      CADENZA_CHECK(a.group == 256, "Q6_K, Q3_K and Q2_K products take activations with a scale per 256 values, not ", a.group);
+    packed_matmul_of<P>(a, M, static_cast<const uint8_t*>(w.data), w.rows, w.cols, w.bias, out.data, out.stride, accumulate);
   });
 }
 
