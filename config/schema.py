@@ -141,8 +141,8 @@ class ModelConfig(_Section):
     quantization: Literal["auto", "none", "int8"] = Field(
         "auto", description="How quantized weights run. auto keeps a GGUF's blocks of every type "
         "cadenza has CPU kernels for (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K, IQ4_NL, IQ4_XS, MXFP4) as "
-        "stored and multiplies them natively (activations rounded to int8 per 32 values, as llama.cpp "
-        "does; steps of 64 rows or more de-quantize one weight at a time into a scratch GEMM), where "
+        "stored and multiplies them natively (activations rounded to int8 per 32 values, per 256 for the "
+        "K-quants and IQ4_XS, as llama.cpp does; steps of 64 rows or more de-quantize one weight at a time into a scratch GEMM), where "
         "the CPU kernels run and model.dtype is 16-bit: about 4x the batch-1 decode speed and a third "
         "of the weight memory of none, at slightly different logits (perplexity within 0.2%). none "
         "de-quantizes every weight to model.dtype on load, as do float32 dtype, cpu_kernels off or no "

@@ -3,7 +3,7 @@
 The weights stay raw blocks (a uint8 tensor [rows, bytes per row] of one GGML type): resident
 weight memory is the file's tensor bytes, and a decode step reads those bytes, not a de-quantized
 copy. Products run through cadenza's CPU kernels (`kernels/cpu/quant.h`): activations are quantized
-per 32 values to int8 on the fly, so outputs differ from the float product of the de-quantized
+to int8 on the fly with a scale per 32 values (per 256 for the K-quants and IQ4_XS, as llama.cpp's Q8_K), so outputs differ from the float product of the de-quantized
 weights by that rounding (what llama.cpp does too). An embedding lookup de-quantizes only the rows
 looked up; a tied LM head multiplies the embedding's own blocks.
 

@@ -166,6 +166,33 @@ def test_the_experts_kernel_gives_what_the_experts_one_by_one_give(kernels, tiny
         assert not torch.equal(fused, residual)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_a_tokens_experts_give_the_same_bits_alone_in_a_step_and_on_one_thread(kernels, tiny_model_dir, arch):
+    """In decode-sized steps each token adds its experts' outputs in the order of its picks: a
+    token's sum is bit for bit the same alone, in a step of 8 whose tokens share experts (which
+    then run in another order), and with one thread or two."""
+    loaded = load_model(tiny_model_dir(arch), dtype=torch.bfloat16, quantization="int8", cpu_kernels="auto")
+    moe = mixtures(loaded)[0]
+    generator = torch.Generator().manual_seed(11)
+    rows, k, experts = 8, moe.top_k, len(moe.experts)
+    x = torch.randn(rows, loaded.arch.hidden_size, generator=generator)
+    residual = torch.randn(rows, loaded.arch.hidden_size, generator=generator)
+    ids = torch.stack([torch.randperm(experts, generator=generator)[:k] for _ in range(rows)])
+    weights = torch.rand(rows, k, generator=generator)
+    assert len(set(ids.flatten().tolist())) < rows * k  # some experts serve several tokens
+    together = moe.fused.add_(residual.clone(), x, ids, weights)
+    for t in range(rows):
+        alone = moe.fused.add_(residual[t : t + 1].clone(), x[t : t + 1].clone(), ids[t : t + 1].clone(),
+                               weights[t : t + 1].clone())
+        assert torch.equal(alone, together[t : t + 1])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(moe.fused.add_(residual.clone(), x, ids, weights), together)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_the_experts_kernel_refuses_a_bad_expert_id(kernels, tiny_model_dir):
     loaded = load_model(tiny_model_dir("mixtral"), dtype=torch.bfloat16, quantization="int8", cpu_kernels="auto")
     moe = mixtures(loaded)[0]

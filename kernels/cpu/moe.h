@@ -19,7 +19,9 @@ struct ExpertActivation {
 // is down[e] act(gate_up[e] x) + down_bias[e]: gate_up[e] [2I, H] (its bias, if any, in the
 // Weight) and down[e] [H, I] raw GGUF blocks (quant.h, packed or not), down_bias[e] [H] or
 // nullptr (down_bias itself nullptr: none has one). ids and weights are [T, top_k], row-major.
-// Experts run in order of their first token; each product is parallel over its rows.
+// Experts run in order of their first token, each product parallel over its rows. In a step of a
+// few tokens (decode) each token then adds its top_k outputs in the order of its picks, bit for bit
+// the same whatever else the step holds; a longer step adds each expert's outputs as it finishes.
 void moe_experts_add(In x, const int64_t* ids, const float* weights, int64_t top_k, const Weight* gate_up,
                      const Weight* down, const float* const* down_bias, int64_t num_experts, ExpertActivation act,
                      Out residual);

@@ -97,14 +97,13 @@ inline void store_group(const __m512* acc, const float* bias, float* out, int64_
   }
 }
 
-// Bytes of weights fetched ahead of the block being read. Groups lie one after another, so this
-// runs on into the next group. The hardware prefetcher alone leaves a batch-1 step waiting on
-// memory (3.5-3.9 ms a step with it against 4.5-4.9 without, SmolLM2 Q4_1), and a step with more
-// rows, whose compute then hides the fetches, pays 0.45 ms a row instead of 0.65-0.8.
-constexpr int64_t kPrefetchAheadBytes = 5120;
-
-inline void prefetch_ahead(const uint8_t* block, int64_t bytes) {
-  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchAheadBytes + o), _MM_HINT_T0);
+// Fetch the bytes of one group-block of P at prefetch_ahead_bytes<P>() past `block` (quant_packed.h);
+// a step with more rows, whose compute then hides the fetches, paid 0.45 ms a row with them
+// instead of 0.65-0.8 (SmolLM2 Q4_1).
+template <class P>
+inline void prefetch_ahead(const uint8_t* block) {
+  for (int64_t o = 0; o < kPackRows * P::kBytes; o += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(block + prefetch_ahead_bytes<P>() + o), _MM_HINT_T0);
 }
 
 // Output rows [n, n + 16) of M activation rows from m0: one packed group `wg`.
@@ -115,7 +114,7 @@ inline void packed_dot_group(const uint8_t* wg, int64_t nblocks, const Quantized
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nblocks; ++b) {
     const uint8_t* gb = wg + b * kPackRows * P::kBytes;
-    prefetch_ahead(gb, kPackRows * P::kBytes);
+    prefetch_ahead<P>(gb);
     const __m512 d = P::kE8M0 ? e8m0_half16(gb) : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb)));
     __m512 mins = _mm512_setzero_ps();
     if constexpr (P::kHasMin) mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 32)));
@@ -232,7 +231,7 @@ inline void packed_dot_group_q4k(const uint8_t* wg, int64_t nblocks, const Quant
     if constexpr (kPre) {
       scale = reinterpret_cast<const __m512*>(pre + decoded_scales_at(nblocks, b));
     } else {
-      prefetch_ahead(gb, kPackRows * P::kBytes);
+      prefetch_ahead<P>(gb);
       q4k_scales16(gb + 64, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb))),
                    _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 32))), scale_own,
                    scale_own + 8);
@@ -374,7 +373,7 @@ inline void packed_dot_group_scales16(const uint8_t* wg, int64_t nblocks, const 
     if constexpr (kPre) {
       scale = reinterpret_cast<const __m512*>(pre + decoded_scales_at(nblocks, b));
     } else {
-      prefetch_ahead(gb, R * P::kBytes);
+      prefetch_ahead<P>(gb);
       scales = block_scales16(P{}, gb, decoded);
       half_scales16(scales, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb))), scale_own);
       if constexpr (P::kHasMin)
@@ -437,7 +436,7 @@ inline void packed_dot_group_iq4xs(const uint8_t* wg, int64_t nblocks, const Qua
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < nblocks; ++b) {
     const uint8_t* gb = wg + b * R * PackIQ4_XS::kBytes;
-    prefetch_ahead(gb, R * PackIQ4_XS::kBytes);
+    prefetch_ahead<PackIQ4_XS>(gb);
     __m512 scale[8];
     iq4xs_scales16(gb + 2 * R, gb + 4 * R, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb))), scale);
     __m512 sums[M];  // the block's, before the activation's scale (one per 256 values)
@@ -491,7 +490,7 @@ template <class P>
 inline void decode_group(const uint8_t* wg, int64_t nblocks, uint8_t* pre) {
   for (int64_t b = 0; b < nblocks; ++b) {
     const uint8_t* gb = wg + b * kPackRows * P::kBytes;
-    prefetch_ahead(gb, kPackRows * P::kBytes);
+    prefetch_ahead<P>(gb);
     const auto store = [&](int j, int k, __m512i v) { _mm512_store_si512(pre + 64 * (8 * (8 * b + j) + k), v); };
     if constexpr (kQ4KLike<P>) {
       for (int j = 0; j < 8; ++j) {

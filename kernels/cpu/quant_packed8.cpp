@@ -201,12 +201,11 @@ inline void block_sums(const uint8_t* gb, const int8_t* const* x, __m256i* isum)
   }
 }
 
-// Bytes of weights fetched ahead of the block being read (groups lie one after another, so this
-// runs on into the next group), as quant_packed.cpp does for the same reason.
-constexpr int64_t kPrefetchAheadBytes = 5120;
-
-inline void prefetch_ahead(const uint8_t* block, int64_t bytes) {
-  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchAheadBytes + o), _MM_HINT_T0);
+// Fetch the bytes of one group-block of P at prefetch_ahead_bytes<P>() past `block` (quant_packed.h).
+template <class P>
+inline void prefetch_ahead(const uint8_t* block) {
+  for (int64_t o = 0; o < kPackRows * P::kBytes; o += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(block + prefetch_ahead_bytes<P>() + o), _MM_HINT_T0);
 }
 
 // out rows [0, M) (of stride os), columns [n, n + 8) (+)= acc + macc (+ bias).
@@ -244,7 +243,7 @@ inline void packed_dot_group(const uint8_t* wg, int64_t nblocks, const Quantized
   for (int m = 0; m < M; ++m) acc[m] = macc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nblocks; ++b) {
     const uint8_t* gb = wg + b * kPackRows * P::kBytes;
-    prefetch_ahead(gb, kPackRows * P::kBytes);
+    prefetch_ahead<P>(gb);
     const int8_t* x[M];
     for (int m = 0; m < M; ++m) x[m] = a.q.data() + (m0 + m) * a.K + 32 * b;
     __m256i isum[M];
@@ -319,7 +318,7 @@ inline void packed_dot_group_q4k(const uint8_t* wg, int64_t nblocks, const Quant
       scale = reinterpret_cast<const __m256*>(pre + q4k_scales_at(nblocks, b));
       minv = scale + 8;
     } else {
-      prefetch_ahead(gb, kPackRows * P::kBytes);
+      prefetch_ahead<P>(gb);
       q4k_scales8(gb + 4 * kPackRows, load_halves8(gb), load_halves8(gb + 2 * kPackRows), scale_own, minv_own);
     }
     for (int c = 0; c < 4; ++c) {  // sub-blocks 2c (low nibbles) and 2c + 1 (high)
@@ -470,7 +469,7 @@ inline void packed_dot_group_scales16(const uint8_t* wg, int64_t nblocks, const 
   for (int m = 0; m < M; ++m) acc[m] = macc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nblocks; ++b) {
     const uint8_t* gb = wg + b * R * P::kBytes;
-    prefetch_ahead(gb, R * P::kBytes);
+    prefetch_ahead<P>(gb);
     const __m256 d = load_halves8(gb);
     const __m256 minus_dmin = P::kHasMin ? _mm256_sub_ps(_mm256_setzero_ps(), load_halves8(gb + 2 * R)) : _mm256_setzero_ps();
     alignas(32) int8_t decoded[(P::kHasMin ? 32 : 16) * R];  // scales (and Q2_K's mins after them)
@@ -534,7 +533,7 @@ inline void packed_dot_group_iq4xs(const uint8_t* wg, int64_t nblocks, const Qua
   const __m256i m4 = _mm256_set1_epi32(15), m2 = _mm256_set1_epi32(3), bias32 = _mm256_set1_epi32(32);
   for (int64_t b = 0; b < nblocks; ++b) {
     const uint8_t* gb = wg + b * R * PackIQ4_XS::kBytes;
-    prefetch_ahead(gb, R * PackIQ4_XS::kBytes);
+    prefetch_ahead<PackIQ4_XS>(gb);
     const __m256 d = load_halves8(gb);
     const __m256i high = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + 2 * R)));
     for (int j = 0; j < 8; ++j) {
