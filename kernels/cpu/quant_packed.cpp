@@ -465,12 +465,14 @@ inline void packed_dot_group_iq4xs(const uint8_t* wg, int64_t nblocks, const Qua
   store_group<M>(acc, bias, out, os, accumulate, n);
 }
 
-// Types whose values take a share of a pass's instructions to decode from their bits (Q5_K's fifth
-// bits, the two planes of Q6_K and Q3_K): a step of several passes a chunk (a prefill, a batch-32
-// decode) decodes each of their groups once per chunk of activation rows (decode_group), and every
-// pass of the chunk loads them. One core, 64 and 256 rows of 8192 x 2048 and 2048 x 8192 weights,
-// against a decode a pass: Q5_K 1.15-1.25x, Q6_K 1.10-1.21x, Q3_K 1.02-1.07x, the sums bit for bit
-// the same. Q4_K (3 instructions a chunk, as the 32-value types) and Q2_K measured no gain.
+// Types whose values (and scales) take a share of a pass's instructions to decode from their bits
+// (Q4_K's and Q5_K's 6-bit scales and mins, Q5_K's fifth bits, the two planes of Q6_K and Q3_K): a
+// step of several passes a chunk (a prefill, a batch-32 decode) decodes each of their groups once per
+// chunk of activation rows (decode_group), and every pass of the chunk loads them. One core, 64 and
+// 256 rows of 8192 x 2048 and 2048 x 8192 weights, against a decode a pass: Q5_K 1.15-1.25x, Q6_K
+// 1.10-1.21x, Q3_K 1.02-1.07x, the sums bit for bit the same; with activations scaled per 256 values
+// (2 threads, 256 rows), Q4_K 1.04-1.23x and Q5_K 1.23-1.43x. Q2_K and IQ4_XS (its values looked up
+// once a chunk: 0.87-1.0x) measured no gain.
 template <class P>
 constexpr bool kDecodesOnce = std::is_same_v<P, PackQ4_K> || std::is_same_v<P, PackQ5_K> || std::is_same_v<P, PackQ6_K> ||
                                std::is_same_v<P, PackQ3_K>;
