@@ -19,11 +19,8 @@ leading run found in a tier (looked up in a worker thread: the disk tier may loo
 for files another replica wrote) is read into fresh blocks (a worker thread reads and scatters them),
 which enter the prefix cache; then `TierReadDone` opens the gate, and the request's admission finds
 the blocks as prefix hits. So its TTFT counts the read, never a recompute. A read takes at most half
-the blocks available at a time, so running requests keep room to grow; where that is less than the
-run, it reads what it may and waits for blocks to come free (as running requests finish) for the
-rest, up to `read_wait_seconds`, then computes what is left: a request that finds few blocks free could
-not have computed its prompt in them either. A block that is missing, unreadable or fails a check
-ends the run there: the rest is computed. Nothing here fails a request.
+the blocks available, so running requests keep room to grow. A block that is missing, unreadable or
+fails a check ends the run there: the rest is computed. Nothing here fails a request.
 
 The cache manager's core is called on the event loop's thread between its actor's messages (each
 call is synchronous), as cluster/kv_transfer.py does; only copies and file work run in threads.
@@ -59,10 +56,6 @@ log = structlog.get_logger(__name__)
 
 MAX_PENDING_WRITES = 4096  # blocks queued for write-behind; more are dropped
 WRITE_BATCH = 64  # blocks pinned and gathered at once
-# How long a read-back whose run did not fit in half the free blocks waits for more, and how often
-# it looks. Reading a block costs about a millisecond; computing its 16 tokens, 10-100 ms on a CPU.
-READ_WAIT_SECONDS = 2.0
-READ_POLL_SECONDS = 0.02
 
 
 class TierAgent(Actor[TierMessage]):
@@ -78,7 +71,6 @@ class TierAgent(Actor[TierMessage]):
         scheduler: MemoryObjectSendStream[SchedulerMessage],
         metrics: EngineMetrics,
         max_pending_writes: int = MAX_PENDING_WRITES,
-        read_wait_seconds: float = READ_WAIT_SECONDS,
     ) -> None:
         super().__init__(inbox)
         if not tiers:
@@ -90,7 +82,6 @@ class TierAgent(Actor[TierMessage]):
         self.scheduler = scheduler
         self.metrics = metrics
         self.max_pending_writes = max_pending_writes
-        self.read_wait_seconds = read_wait_seconds
         self._writes: deque[tuple[bytes, int]] = deque()  # (hash, position)
         self._queued: set[bytes] = set()
         self._write_ready: anyio.Event | None = None  # made on the event loop, in `run`
@@ -145,27 +136,17 @@ class TierAgent(Actor[TierMessage]):
         in_memory = len(self.core.hold_cached(holder, hashes))
         try:
             wanted = await anyio.to_thread.run_sync(self._leading_run, hashes[in_memory:])
+            wanted = wanted[: self.core.num_available // 2]
+            if not wanted:
+                return 0
+            blocks = self.core.hold_fresh(holder, len(wanted))
             started = time.perf_counter()
-            deadline = started + self.read_wait_seconds
-            read = 0
-            while read < len(wanted):
-                # The held blocks stay held between rounds: the run read so far is not evicted.
-                blocks = self.core.hold_fresh(holder, min(len(wanted) - read, self.core.num_available // 2))
-                if blocks:
-                    found = await anyio.to_thread.run_sync(self._read_blocks, wanted[read : read + len(blocks)],
-                                                           in_memory + read, blocks)  # fmt: skip
-                    self.core.cache_held(holder, wanted[read : read + found])
-                    self.metrics.kv_tier_blocks_read += found
-                    read += found
-                    if found < len(blocks):
-                        break  # a block missing or failing a check ends the run
-                if read == len(wanted) or time.perf_counter() >= deadline:
-                    break
-                await anyio.sleep(READ_POLL_SECONDS)
-            if wanted:
-                log.debug("Read back from KV tiers", request_id=request_id, in_memory=in_memory, blocks=read,
-                          wanted=len(wanted), seconds=round(time.perf_counter() - started, 4))  # fmt: skip
-            return read
+            found = await anyio.to_thread.run_sync(self._read_blocks, wanted[: len(blocks)], in_memory, blocks)
+            self.core.cache_held(holder, wanted[:found])
+            self.metrics.kv_tier_blocks_read += found
+            log.debug("Read back from KV tiers", request_id=request_id, in_memory=in_memory, blocks=found,
+                      wanted=len(wanted), seconds=round(time.perf_counter() - started, 4))  # fmt: skip
+            return found
         finally:
             self.core.free(holder)  # read blocks stay cached, unread ones go back to the free list
 

@@ -383,55 +383,6 @@ async def test_a_block_another_replica_wrote_meanwhile_is_not_copied(tmp_path):
     assert digest(5) in mine and digest(6) in mine and mine.stats.blocks_written == 1  # 6 alone written
 
 
-@pytest.mark.anyio
-@pytest.mark.parametrize("freed", [True, False])
-async def test_a_read_that_finds_few_blocks_free_waits_for_more(freed):
-    """A read takes at most half the free blocks at a time; when that is less than the run the
-    tiers have, it waits for blocks to come free and reads the rest (freed: a running request
-    finishes meanwhile), and stops at its deadline with what it could read (not freed)."""
-    import anyio
-    import torch
-
-    from cadenza.actors.cache_manager import KVCacheManager, reusable_hashes
-    from cadenza.actors.tier_agent import TierAgent
-    from cadenza.metrics import EngineMetrics
-
-    core = KVCacheManager(12, 4, LRUPolicy())
-    tensors = [torch.zeros(2, 12, 16)]  # 128 bytes a block
-    tier = HostTier(1 << 20, LRUPolicy())
-    tokens = tuple(range(100, 137))  # 9 full blocks of 4 and one token
-    hashes = reusable_hashes(tokens, 4)
-    assert len(hashes) == 9
-    for position, h in enumerate(hashes):
-        tier.put(h, payload(position, 128), position)
-    send, _receive = anyio.create_memory_object_stream(4)
-    metrics = EngineMetrics()
-    agent = TierAgent(None, core, tensors, [tier], scheduler=send, metrics=metrics, read_wait_seconds=0.5)
-    core.hold_cached("running", [])
-    core.hold_fresh("running", 8)  # 4 blocks free: a read may take 2 now
-    read = None
-
-    async def reader():
-        nonlocal read
-        read = await agent._read_prefix("r", tokens, None)
-
-    started = time.perf_counter()
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(reader)
-        await anyio.sleep(0.1)
-        assert metrics.kv_tier_blocks_read == 3  # half of the 4 free, half of the 2 left, then it waits
-        if freed:
-            core.free("running")
-    if freed:
-        assert read == 9 and time.perf_counter() - started < 0.5  # the whole run, read once room came
-        assert all(core.cached_block(h) is not None for h in hashes)
-        assert torch.equal(tensors[0][0, core.cached_block(hashes[8])].flatten().view(torch.uint8)[:64],
-                           torch.frombuffer(bytearray(payload(8, 128)[:64]), dtype=torch.uint8))
-    else:
-        assert read == 3 and time.perf_counter() - started >= 0.5  # at the deadline, what fitted
-    assert core.num_available == 12 - (0 if freed else 8)  # nothing held: read blocks are cached, evictable
-
-
 # --- the scheduler's gate ------------------------------------------------------------------------
 
 
