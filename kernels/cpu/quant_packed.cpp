@@ -258,17 +258,13 @@ inline void packed_dot_group_q4k(const uint8_t* wg, int64_t nblocks, const Quant
   store_group<M>(acc, bias, out, os, accumulate, n);
 }
 
-// The 16 rows' signed scales of sub-block j's two halves of 16 values (Q2_K, Q3_K, Q6_K), from int8 scales
-// (scale i of row r at sc + 16 i + r): each as 16 int32 lanes, and both in one lane (the first in its
-// low int16) for vpmaddwd against the activation's two half sums.
-struct Scales16 {
-  __m512i a, b, pair;
-};
-
-inline Scales16 sub_scales16(const int8_t* sc, int j) {
+// The 16 rows' int8 numbers of sub-block j's two halves of 16 values (Q2_K's mins), from int8s at sc
+// (number i of row r at sc + 16 i + r), both in one int32 lane (the first in its low int16) for
+// vpmaddwd against the activation's two half sums (QuantizedActivations::qhalves).
+inline __m512i half_pairs16(const int8_t* sc, int j) {
   const __m512i a = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16 * (2 * j))));
   const __m512i b = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16 * (2 * j + 1))));
-  return {a, b, _mm512_or_si512(_mm512_and_si512(a, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(b, 16))};
+  return _mm512_or_si512(_mm512_and_si512(a, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(b, 16));
 }
 
 // A group-block's int8 scales in that layout: Q6_K's are stored so (at 2R).
@@ -389,7 +385,7 @@ inline void packed_dot_group_scales16(const uint8_t* wg, int64_t nblocks, const 
       __m512i q[8];
       for (int k = 0; k < 8; ++k) q[k] = kPre ? pre_values(pre, b, j, k) : sub_values16(P{}, gb, j, k);
       __m512i min_pair = _mm512_setzero_si512();
-      if constexpr (P::kHasMin) min_pair = sub_scales16(scales + 16 * R, j).pair;
+      if constexpr (P::kHasMin) min_pair = half_pairs16(scales + 16 * R, j);
       for (int m = 0; m < M; ++m) {
         const int64_t blk = (m0 + m) * a.blocks + 8 * b + j;
         const int8_t* x = a.q.data() + (m0 + m) * a.K + 256 * b + 32 * j;
