@@ -564,23 +564,11 @@ int64_t quant_in_features(int64_t rows, int64_t row_bytes, int64_t qtype) {
   });
 }
 
-// Values an activation scale spans for a weight of type qtype: 256 for the types of 256-value
-// blocks with integer sub-block scales (the K-quants and IQ4_XS), as llama.cpp quantizes their
-// activations (Q8_K), so that the 16-row products apply those scales once a block; 32 for the rest,
-// whose every block has a float scale of its own anyway. The same in every build and layout, so
-// the packed and file layouts, and the 8- and 16-row builds, sum the same integers.
-static int64_t activation_group(int64_t qtype) {
-  switch (unpacked_type(qtype)) {
-    case kQ2_K: case kQ3_K: case kQ4_K: case kQ5_K: case kQ6_K: case kIQ4_XS: return 256;
-    default: return 32;
-  }
-}
-
 void quant_matmul(In x, const Weight& w, Out out, bool accumulate) {
   const int64_t M = x.rows, N = w.rows;
   if (M == 0 || N == 0) return;
   thread_local QuantizedActivations act;
-  quantize_activations(x, act, activation_group(w.qtype));
+  quantize_activations(x, act, activation_group(unpacked_type(w.qtype)));
   if (is_packed(w.qtype)) {
     packed_matmul(act, M, w, out, accumulate);
     return;

@@ -84,6 +84,18 @@ struct QuantizedActivations {
   int64_t group = 32;         // values a scale: 32 or 256 (K % 256 == 0)
 };
 
+// Values an activation scale spans for a weight of GGML type `type`: 256 for the types of 256-value
+// blocks with integer sub-block scales (the K-quants and IQ4_XS), as llama.cpp quantizes their
+// activations (Q8_K), so that the 16-row products apply those scales once a block; 32 for the rest,
+// whose every block has a float scale of its own anyway. The same in every build and layout, so
+// the packed and file layouts, and the 8- and 16-row builds, sum the same integers.
+inline int64_t activation_group(int64_t type) {
+  switch (type) {
+    case kQ2_K: case kQ3_K: case kQ4_K: case kQ5_K: case kQ6_K: case kIQ4_XS: return 256;
+    default: return 32;
+  }
+}
+
 // max|x| of n floats (n a multiple of 32).
 inline float absmax(const float* x, int64_t n) {
   const __m256 sign = _mm256_set1_ps(-0.0f);

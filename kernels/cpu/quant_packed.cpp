@@ -335,6 +335,15 @@ inline void half_scales16(const int8_t* sc, __m512 d, __m512* scale) {
     scale[i] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16 * i)))));
 }
 
+// A group-block's halves' float scales (half_scales16) into `scale`; returns its int8 scales (and
+// Q2_K's mins after them), decoded into `decoded` where the layout needs it (block_scales16).
+template <class P>
+inline const int8_t* block_half_scales16(const uint8_t* gb, int8_t* decoded, __m512* scale) {
+  const int8_t* scales = block_scales16(P{}, gb, decoded);
+  half_scales16(scales, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb))), scale);
+  return scales;
+}
+
 // The int32 a half's product chain starts from: the offset (2^P::kOffsetBits) times the half's
 // activation sum, negated, so that the chain ends at sum((q - offset) * x); zero for Q2_K.
 template <class P>
@@ -370,8 +379,7 @@ inline void packed_dot_group_scales16(const uint8_t* wg, int64_t nblocks, const 
       scale = reinterpret_cast<const __m512*>(pre + decoded_scales_at(nblocks, b));
     } else {
       prefetch_ahead<P>(gb);
-      scales = block_scales16(P{}, gb, decoded);
-      half_scales16(scales, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb))), scale_own);
+      scales = block_half_scales16<P>(gb, decoded, scale_own);
       if constexpr (P::kHasMin)
         minus_dmin = _mm512_sub_ps(minus_dmin, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 2 * R))));
     }
@@ -505,8 +513,7 @@ inline void decode_group(const uint8_t* wg, int64_t nblocks, uint8_t* pre) {
         for (int k = 0; k < 8; ++k) store(j, k, sub_values16(P{}, gb, j, k));
       }
       alignas(64) int8_t decoded[16 * kPackRows];
-      half_scales16(block_scales16(P{}, gb, decoded), _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb))),
-                    reinterpret_cast<__m512*>(pre + decoded_scales_at(nblocks, b)));
+      block_half_scales16<P>(gb, decoded, reinterpret_cast<__m512*>(pre + decoded_scales_at(nblocks, b)));
     }
   }
 }
@@ -647,11 +654,11 @@ void packed_dequantize_group(const uint8_t* wg, int64_t row_bytes, int64_t qtype
 }
 
 void packed_matmul(const QuantizedActivations& a, int64_t M, const Weight& w, Out out, bool accumulate) {
-  with_packed_type(unpacked_type(w.qtype), [&](auto pack) {
+  const int64_t type = unpacked_type(w.qtype);
+  CADENZA_CHECK(a.group == activation_group(type), "products of type ", type, " take activations with a scale per ",
+                activation_group(type), " values, not ", a.group);
+  with_packed_type(type, [&](auto pack) {
     using P = decltype(pack);
-    if constexpr (kQ4KLike<P> || std::is_same_v<P, PackQ6_K> || std::is_same_v<P, PackQ3_K> || std::is_same_v<P, PackQ2_K> ||
-                  std::is_same_v<P, PackIQ4_XS>)
-      CADENZA_CHECK(a.group == 256, "K-quant products take activations with a scale per 256 values, not ", a.group);
     packed_matmul_of<P>(a, M, static_cast<const uint8_t*>(w.data), w.rows, w.cols, w.bias, out.data, out.stride, accumulate);
   });
 }

@@ -679,10 +679,11 @@ void packed_dequantize_group(const uint8_t*, int64_t, int64_t qtype, void*, int6
 }
 
 void packed_matmul(const QuantizedActivations& a, int64_t M, const Weight& w, Out out, bool accumulate) {
-  with_packed_type(unpacked_type(w.qtype), [&](auto pack) {
+  const int64_t type = unpacked_type(w.qtype);
+  CADENZA_CHECK(a.group == activation_group(type), "products of type ", type, " take activations with a scale per ",
+                activation_group(type), " values, not ", a.group);
+  with_packed_type(type, [&](auto pack) {
     using P = decltype(pack);
-    if constexpr (std::is_same_v<P, PackQ6_K> || std::is_same_v<P, PackQ3_K> || std::is_same_v<P, PackQ2_K>)
-      CADENZA_CHECK(a.group == 256, "Q6_K, Q3_K and Q2_K products take activations with a scale per 256 values, not ", a.group);
     packed_matmul_of<P>(a, M, static_cast<const uint8_t*>(w.data), w.rows, w.cols, w.bias, out.data, out.stride, accumulate);
   });
 }
